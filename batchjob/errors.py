@@ -1,0 +1,39 @@
+"""Error types and the exit codes the CLI maps them to.
+
+An Airflow task or a cron wrapper tells a bad job file or bad input data (do not retry:
+fix the data) apart from a runtime failure (may retry) by the exit code alone.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1  # unexpected failure while running: retrying may help
+EXIT_USAGE = 2  # bad command line (click's own code)
+EXIT_CONFIG = 3  # the job file or a flag is invalid
+EXIT_INPUT = 4  # the input dataset is invalid (missing/mistyped column, corrupt file, empty)
+EXIT_MODEL = 5  # the model folder is missing, incomplete or unsupported
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM: written results are intact, rerun resumes
+
+
+class BatchJobError(Exception):
+    """Base class: a user-facing error with a clear message and an exit code."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class ConfigError(BatchJobError):
+    """The job file or a CLI override is invalid; the message names the key and the file."""
+
+    exit_code = EXIT_CONFIG
+
+
+class InputDataError(BatchJobError):
+    """The input dataset is unusable; the message names the file, row and column."""
+
+    exit_code = EXIT_INPUT
+
+
+class ModelError(BatchJobError):
+    """The model folder is missing, incomplete, or of an unsupported architecture."""
+
+    exit_code = EXIT_MODEL

@@ -1,0 +1,66 @@
+"""Tokenized prompts: the boundary between reading/tokenizing and planning/executing.
+
+Columnar on purpose: one flat int32 token array plus offsets scales to millions of rows
+without a Python object per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TokenizedPrompts:
+    """N prompts as one flat token array.
+
+    Row i's tokens are ``tokens[offsets[i]:offsets[i + 1]]``. Only rows that are valid
+    (status ok) appear here; rows rejected per-row are reported by the reader separately.
+    """
+
+    row_ids: np.ndarray  # int64 [N]: stable row id of each prompt in the input dataset
+    tokens: np.ndarray  # int32 [offsets[-1]]: all prompt tokens, row after row
+    offsets: np.ndarray  # int64 [N + 1]: row i is tokens[offsets[i]:offsets[i+1]]
+    max_tokens: np.ndarray  # int32 [N]: decode limit per row (the job default where unset)
+
+    def __post_init__(self) -> None:
+        n = len(self.row_ids)
+        if self.offsets.shape != (n + 1,):
+            raise ValueError(f"offsets must have shape ({n + 1},), got {self.offsets.shape}")
+        if self.max_tokens.shape != (n,):
+            raise ValueError(f"max_tokens must have shape ({n},), got {self.max_tokens.shape}")
+        if n and (self.offsets[0] != 0 or self.offsets[-1] != len(self.tokens)):
+            raise ValueError("offsets must start at 0 and end at len(tokens)")
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 [N]: prompt length of each row."""
+        return np.diff(self.offsets)
+
+    def row(self, i: int) -> np.ndarray:
+        """Tokens of the i-th prompt (a view, not a copy)."""
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    @classmethod
+    def from_lists(
+        cls,
+        seqs: list[list[int]] | list[np.ndarray],
+        row_ids: np.ndarray | None = None,
+        max_tokens: int | np.ndarray = 16,
+    ) -> TokenizedPrompts:
+        """Build from a list of token sequences (tests, small inputs)."""
+        lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = (
+            np.concatenate([np.asarray(s, dtype=np.int32) for s in seqs])
+            if len(seqs)
+            else np.zeros(0, dtype=np.int32)
+        )
+        ids = np.arange(len(seqs), dtype=np.int64) if row_ids is None else np.asarray(row_ids)
+        mt = np.broadcast_to(np.asarray(max_tokens, dtype=np.int32), (len(seqs),)).copy()
+        return cls(row_ids=ids, tokens=tokens.astype(np.int32), offsets=offsets, max_tokens=mt)

@@ -1,0 +1,1 @@
+"""Triton kernels for prefix-shared paged attention (imported as batchjob.kernels)."""
