@@ -1,3 +1,22 @@
 """batchjob: offline batch LLM inference for prefix-shared Parquet datasets."""
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchjob.config import JobConfig
+    from batchjob.pipeline import JobResult
+
 __version__ = "0.1.0"
+
+
+def run(job: JobConfig | str | Path, progress: bool = False) -> JobResult:
+    """Run a job (a ``JobConfig`` or a path to its TOML file); see ``batchjob.pipeline``."""
+    from batchjob.config import load_job
+    from batchjob.pipeline import run as run_job
+
+    if not hasattr(job, "input"):
+        job = load_job(job)
+    return run_job(job, progress=progress)

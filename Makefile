@@ -1,0 +1,50 @@
+# Every target installs what it needs into .venv on a fresh machine.
+# torch is pinned to 2.13.0 (a local CPU wheel here); nothing else pulls CUDA wheels.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Without a GPU, Triton kernels run (and are tested) in the interpreter on the CPU.
+export TRITON_INTERPRET ?= $(shell nvidia-smi >/dev/null 2>&1 && echo 0 || echo 1)
+
+.PHONY: install demo test lint bench bench-plan bench-engine bench-peers bench-kernels clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# Builds a tiny random-weight model and a demo dataset locally, then runs the demo job.
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) lint
+	$(VENV)/bin/pytest -n 2 -q
+
+bench: bench-plan bench-engine
+
+bench-plan: $(STAMP)
+	$(PY) benchmarks/bench_plan.py
+
+bench-engine: $(STAMP)
+	$(PY) benchmarks/bench_engine.py
+
+# The real peers: vLLM (own venv) and HF transformers, side by side with batchjob.
+bench-peers: $(STAMP)
+	bash benchmarks/setup_vllm_venv.sh
+	$(PY) benchmarks/bench_peers.py
+
+# Needs a CUDA GPU.
+bench-kernels: $(STAMP)
+	$(PY) benchmarks/bench_kernels.py
+
+clean:
+	rm -rf $(VENV) .venv-vllm out runs data models .pytest_cache .ruff_cache .hypothesis

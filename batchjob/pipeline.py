@@ -1,0 +1,191 @@
+"""One job end to end: read -> tokenize -> plan -> execute -> write results and report.
+
+``run(job)`` is the Python API under ``batchjob run``. Results stream to atomic part files
+as requests finish; a rerun of an interrupted job skips the rows already written.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from batchjob.config import JobConfig
+from batchjob.engine.engine import Engine, EngineOptions, RequestOutput
+from batchjob.engine.models.loader import load_model
+from batchjob.engine.sampling import SamplingParams
+from batchjob.io import STATUS_OK
+from batchjob.plan.build import build_plan
+from batchjob.prompts import TokenizedPrompts
+from batchjob.report import RunSummary, summarize, write_report
+from batchjob.results import ResultRow, ResultSink, output_file
+from batchjob.tokenize import detokenize, load_prompts, load_tokenizer
+
+
+@dataclass(frozen=True)
+class JobResult:
+    results_path: Path
+    report_paths: dict[str, Path]
+    summary: RunSummary | None  # None when the job was already complete
+
+
+def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts:
+    """The prompts whose ``keep`` flag is set (bool [N]), tokens compacted."""
+    lengths = prompts.lengths[keep]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    token_mask = np.repeat(keep, prompts.lengths)
+    return TokenizedPrompts(
+        row_ids=prompts.row_ids[keep],
+        tokens=prompts.tokens[token_mask],
+        offsets=offsets,
+        max_tokens=prompts.max_tokens[keep],
+    )
+
+
+def sampling_params(job: JobConfig) -> SamplingParams:
+    s = job.sampling
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def engine_options(job: JobConfig) -> EngineOptions:
+    return EngineOptions(
+        policy=job.scheduler.policy,
+        chunk_size=job.scheduler.chunk_size,
+        kv_threshold=job.scheduler.kv_threshold,
+        max_num_seqs=job.scheduler.max_num_seqs,
+        block_size=job.engine.block_size,
+        kv_cache_bytes=job.engine.kv_cache_bytes,
+        gpu_memory_fraction=job.engine.gpu_memory_fraction,
+    )
+
+
+def run(job: JobConfig, progress: bool = True) -> JobResult:
+    """Run ``job``; returns where results and report went and the summary."""
+    t_job = time.perf_counter()
+    if job.engine.backend != "native":
+        raise NotImplementedError(f"engine.backend={job.engine.backend!r} is not available yet")
+    if job.engine.threads:
+        torch.set_num_threads(job.engine.threads)
+    final = output_file(job.output.path)
+    if job.output.overwrite:
+        final.unlink(missing_ok=True)
+        shutil.rmtree(final.with_name(final.name + ".parts"), ignore_errors=True)
+    elif final.exists():
+        return JobResult(final, {}, None)  # complete already: idempotent for schedulers
+    stage: dict[str, float] = {}
+
+    loaded, _ = load_prompts(job)
+    stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
+    sink = ResultSink(job.output.path)
+    done = sink.done_row_ids()
+    prompts = select_rows(loaded.prompts, ~np.isin(loaded.prompts.row_ids, done))
+    rejected = loaded.rejected
+    for i in np.flatnonzero(~np.isin(rejected.row_ids, done)):
+        sink.add(
+            ResultRow(
+                int(rejected.row_ids[i]),
+                None,
+                None,
+                0,
+                0,
+                None,
+                rejected.status[i],
+                rejected.message[i],
+            )
+        )
+
+    t0 = time.perf_counter()
+    plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
+    plan.to_parquet(job.output.plan_file)
+    stage["plan_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    model, info = load_model(
+        job.model.path,
+        dtype=job.model.dtype,
+        device=job.model.device,
+        attention=job.engine.attention,
+    )
+    tokenizer = load_tokenizer(job.model.path)
+    engine = Engine(model, info, engine_options(job))
+    stage["load_s"] = time.perf_counter() - t0
+
+    lengths = prompts.lengths
+    generated = 0
+    bar = tqdm(total=len(prompts), unit="row", disable=not progress, desc="batchjob")
+
+    def on_finish(o: RequestOutput) -> None:
+        nonlocal generated
+        generated += len(o.token_ids)
+        text = o.text if o.text is not None else detokenize(tokenizer, [o.token_ids])[0]
+        sink.add(
+            ResultRow(
+                o.row_id,
+                text,
+                o.token_ids,
+                int(lengths[o.position]),
+                len(o.token_ids),
+                o.finish_reason,
+                STATUS_OK,
+                None,
+            )
+        )
+        bar.update(1)
+
+    t_run = time.perf_counter()
+
+    def on_iteration(_rec) -> None:
+        if progress and _rec.iteration % 8 == 0:
+            bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t_run, 1e-9):.0f}")
+
+    try:
+        run_info = engine.run(
+            prompts,
+            plan,
+            sampling_params(job),
+            on_finish,
+            detokenize=lambda ids: detokenize(tokenizer, [ids])[0],
+            on_iteration=on_iteration,
+        )
+    finally:
+        bar.close()
+        sink.flush()  # whatever finished is on disk, even on Ctrl-C or a crash
+    stage["run_s"] = run_info.wall_s
+
+    t0 = time.perf_counter()
+    results_path = sink.finalize(loaded.passthrough, expected_rows=loaded.num_rows)
+    stage["write_s"] = time.perf_counter() - t0
+    summary = summarize(
+        run_info,
+        prompt_tokens=int(lengths.sum()),
+        generated_tokens=generated,
+        requests_run=len(prompts),
+        rows={
+            "total": loaded.num_rows,
+            "ok": len(loaded.prompts),
+            "rejected": len(loaded.rejected),
+            "skipped": len(done),
+        },
+        plan_ratios=(plan.stats.saving_ratio_single_level, plan.stats.saving_ratio_multi_level),
+        total_s=time.perf_counter() - t_job,
+        stage_s=stage,
+        policy=job.scheduler.policy,
+        device=str(info.device),
+    )
+    paths = write_report(summary, run_info, job.output.report_file)
+    return JobResult(results_path, paths, summary)
