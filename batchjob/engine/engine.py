@@ -155,7 +155,7 @@ class Engine:
                 steps = [len(generated.get(s, ())) for s in ids]
                 rows = [int(prompts.row_ids[s]) for s in ids]
                 tokens = sample(logits, params, rows, steps).tolist()
-                for seq, tok, p in zip(ids, tokens, params):
+                for seq, tok, p in zip(ids, tokens, params, strict=True):
                     toks = generated.setdefault(seq, [])
                     reason = check_stop(toks, tok, p, eos)
                     toks.append(tok)
