@@ -1,0 +1,140 @@
+"""Build tiny random-weight Llama-family checkpoints (+ a trained BPE tokenizer) locally.
+
+For tests, demos and benchmarks: nothing is downloaded. The folder looks like a Hugging
+Face checkpoint (config.json, model.safetensors, generation_config.json, tokenizer.json,
+tokenizer_config.json) and loads both with ``batchjob`` and with ``transformers``.
+Needs ``transformers`` (a dev dependency), imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+_SYLLABLES = [c + v for c in "bdklmnrstv" for v in "aeiou"] + [v + c for v in "aeiou" for c in "nr"]
+
+
+def default_corpus(num_sentences: int = 400, seed: int = 0) -> list[str]:
+    """English-like sentences of made-up words (Zipf-ish word frequencies)."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choices(_SYLLABLES, k=rng.randint(1, 3))) for _ in range(300)]
+    weights = [1.0 / (i + 1) for i in range(len(words))]
+    sentences = []
+    for _ in range(num_sentences):
+        n = rng.randint(4, 14)
+        text = " ".join(rng.choices(words, weights=weights, k=n))
+        sentences.append(text.capitalize() + rng.choice([".", ".", "?", "!"]))
+    return sentences
+
+
+def train_tokenizer(corpus: list[str], vocab_size: int):
+    """Byte-level BPE (every byte encodable) with BOS/EOS/PAD specials; BOS is prepended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tok
+
+
+def _config(family: str, **kw):
+    import transformers
+
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    if family == "qwen3":
+        kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    return cls(**kw)
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    family: str = "llama",
+    vocab_size: int = 320,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    seed: int = 0,
+    corpus: list[str] | None = None,
+    dtype: str = "float32",
+    init_std: float = 0.1,
+    tie_word_embeddings: bool = False,
+    max_position: int = 4096,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Write a random-weight ``family`` model with a BPE tokenizer to ``out_dir``.
+
+    ``init_std`` is larger than the usual 0.02 so that greedy decoding of a tiny random model
+    does not collapse into one repeated token. ``max_shard_size`` (e.g. "20KB") writes a
+    sharded checkpoint with an index. The model's vocab is the tokenizer's actual size.
+    """
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (use {', '.join(FAMILIES)})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(corpus or default_corpus(seed=seed), vocab_size)
+    tok.save(str(out / "tokenizer.json"))
+    bos_id, eos_id, pad_id = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
+    config = _config(
+        family,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position,
+        initializer_range=init_std,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms init to 1: perturb them so a missed norm changes outputs
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, init_std)
+    model = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, safe_serialization=True, **kwargs)
+    transformers.GenerationConfig(
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id
+    ).save_pretrained(out)
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": max_position,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return out
