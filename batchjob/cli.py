@@ -1,0 +1,193 @@
+"""The `batchjob` command line: one click group, thin commands.
+
+Every command that takes a job gets the same options through ``@job_options``: a job file
+(optional), repeatable ``--set section.key=value`` and the shortcuts ``--input``,
+``--output`` and ``--model``; the command receives a validated ``JobConfig`` as ``job``.
+
+Errors: a ``BatchJobError`` prints one line ``error: ...`` on stderr and exits with its
+exit code (batchjob.errors); Ctrl-C or SIGTERM exits with 130. Anything else is a bug and
+keeps its traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from batchjob import __version__
+from batchjob.config import JobConfig, load_job, parse_assignments
+from batchjob.errors import EXIT_INTERRUPTED, BatchJobError
+from batchjob.tokenize import parallelism_disabled
+
+log = logging.getLogger("batchjob")
+
+
+class _Group(click.Group):
+    """Maps BatchJobError and interrupts to exit codes, without a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BatchJobError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="batchjob")
+@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv: debug).")
+def main(verbose: int) -> None:
+    """Offline batch LLM inference for prefix-shared Parquet datasets."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm)  # Airflow/cron stop: same path as Ctrl-C
+    if parallelism_disabled():
+        log.warning(
+            "TOKENIZERS_PARALLELISM=%s: tokenization runs on one core",
+            os.environ["TOKENIZERS_PARALLELISM"],
+        )
+
+
+def job_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Add JOB + --set/--input/--output/--model; call ``f(job=JobConfig, **other_options)``."""
+
+    @click.argument("job_file", metavar="[JOB.toml]", required=False, type=click.Path())
+    @click.option(
+        "--set",
+        "sets",
+        multiple=True,
+        metavar="SECTION.KEY=VALUE",
+        help="Override any job key (value: TOML literal or text). Repeatable.",
+    )
+    @click.option("--input", "input_path", metavar="PATH", help="= --set input.path=PATH")
+    @click.option("--output", "output_path", metavar="PATH", help="= --set output.path=PATH")
+    @click.option("--model", "model_path", metavar="PATH", help="= --set model.path=PATH")
+    @functools.wraps(f)
+    def wrapper(
+        job_file: str | None,
+        sets: tuple[str, ...],
+        input_path: str | None,
+        output_path: str | None,
+        model_path: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        job = build_job(job_file, sets, input_path, output_path, model_path)
+        return f(job=job, **kwargs)
+
+    return wrapper
+
+
+def build_job(
+    job_file: str | None,
+    sets: tuple[str, ...] | list[str] = (),
+    input_path: str | None = None,
+    output_path: str | None = None,
+    model_path: str | None = None,
+) -> JobConfig:
+    """JobConfig from a job file and command-line overrides (shortcuts win over --set)."""
+    overrides = parse_assignments(list(sets))
+    for key, value in (
+        ("input.path", input_path),
+        ("output.path", output_path),
+        ("model.path", model_path),
+    ):
+        if value is not None:
+            overrides[key] = value
+    return load_job(job_file, overrides)
+
+
+@main.command("plan")
+@job_options
+@click.option("--plan-out", type=click.Path(path_type=Path), help="Default: output.plan_path.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
+    """Read, tokenize and plan a job; print a summary and write the plan (no model run)."""
+    from batchjob.plan.build import build_plan
+    from batchjob.summary import summarize
+    from batchjob.tokenize import StageTiming, load_prompts
+
+    data, info = load_prompts(job)
+    log.info("read %d rows, %d tokens", data.num_rows, len(data.prompts.tokens))
+    t0 = time.perf_counter()
+    plan = build_plan(data.prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
+    plan_s = time.perf_counter() - t0
+    logical = len(data.prompts.tokens)
+    path = (plan_out or job.output.plan_file).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plan.to_parquet(path)
+    stages = (data.read, data.tokenize, StageTiming("plan", plan_s, len(data.prompts), logical))
+    kv_dtype = job.model.dtype if job.model.dtype != "auto" else (info.dtype if info else None)
+    summary = summarize(
+        plan,
+        data.prompts,
+        data.rejected,
+        stages,
+        kv_bytes_per_token=info.kv_bytes_per_token(job.model.dtype) if info else None,
+        kv_dtype=kv_dtype or "bfloat16 (assumed)",
+        plan_path=str(path),
+    )
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(), indent=2))
+    else:
+        click.echo(summary.format())
+
+
+@main.command("run")
+@job_options
+@click.option("--no-progress", is_flag=True, help="No progress bar (logs, cron).")
+@click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON on stdout.")
+def run_cmd(job: JobConfig, no_progress: bool, as_json: bool) -> None:
+    """Run a job: read, tokenize, plan, generate; write results and a throughput report.
+
+    Results stream to atomic part files; rerun an interrupted job with the same arguments
+    and it skips the rows already written. A job whose results file exists is not rerun
+    unless output.overwrite is set.
+    """
+    import dataclasses
+
+    from batchjob.pipeline import run
+
+    result = run(job, progress=not no_progress and sys.stderr.isatty())
+    if result.summary is None:
+        click.echo(f"{result.results_path}: already complete (set output.overwrite to rerun)")
+        return
+    s = result.summary
+    if as_json:
+        out = dataclasses.asdict(s) | {"results": str(result.results_path)}
+        click.echo(json.dumps(out, indent=2))
+        return
+    click.echo(
+        f"{s.rows_total} rows: {s.rows_ok} ok, {s.rows_rejected} rejected, "
+        f"{s.rows_skipped_done} done earlier -> {result.results_path}\n"
+        f"{s.requests_run} requests in {s.engine_s:.2f} s ({s.requests_per_s:.2f} req/s, "
+        f"{s.prompt_tokens_per_s:.0f} prompt tok/s, {s.generated_tokens_per_s:.0f} generated "
+        f"tok/s); TECD {s.tecd_s:.2f} s; total {s.total_s:.2f} s\n"
+        f"saving ratio: planned {s.saving_ratio_planned:.1%} (multi-level optimum "
+        f"{s.saving_ratio_multi_level:.1%}), achieved {s.saving_ratio_achieved:.1%}; "
+        f"{s.iterations} iterations, {s.mean_tokens_per_iteration:.0f} tokens/iteration, "
+        f"{s.preemptions} preemptions\n"
+        f"report: {result.report_paths.get('json')}"
+    )
+
+
+if __name__ == "__main__":
+    main()

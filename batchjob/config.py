@@ -1,0 +1,399 @@
+"""Job configuration: a TOML file of six sections, overridable from the command line.
+
+Rules:
+- Unknown sections or keys, wrong types and bad values raise ``ConfigError`` naming the
+  dotted key and the file (``scheduler.chunk_size``, ``jobs/demo.toml``).
+- Relative paths written in the TOML file resolve against the TOML file's directory; paths
+  given on the command line (``--set input.path=...``, ``--input``) resolve against the
+  current directory, as a shell user expects.
+- ``--set section.key=value`` parses ``value`` as a TOML literal (``4096``, ``true``,
+  ``[1, 2]``, ``"text"``) and falls back to the raw string (``2GiB``, ``data/x.parquet``).
+  For text-valued keys the raw string is always used; ``none`` resets an optional key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from batchjob.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str) -> int:
+    """``2GiB`` -> 2147483648; ``1.5GB`` -> 1500000000; ints pass through."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        unit = _SIZE_UNITS.get(m.group(2).lower())
+        if unit is not None:
+            num = m.group(1)
+            return int(num) * unit if num.isdigit() else int(float(num) * unit)
+    raise ValueError(f"expected a byte count like 2147483648 or '2GiB', got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# checks used by __post_init__: each raises ConfigError("section.key: ...")
+
+
+def _fail(key: str, msg: str, value: Any) -> None:
+    raise ConfigError(f"{key}: {msg}, got {value!r}")
+
+
+def _int(key: str, v: Any, lo: int | None = None, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if not isinstance(v, int) or isinstance(v, bool):
+        _fail(key, "must be an integer", v)
+    if lo is not None and v < lo:
+        _fail(key, f"must be >= {lo}", v)
+
+
+def _float(obj: Any, name: str, key: str, lo: float, hi: float, lo_open: bool = False) -> None:
+    v = getattr(obj, name)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        _fail(key, "must be a number", v)
+    if not (lo < v <= hi if lo_open else lo <= v <= hi):
+        _fail(key, f"must be in {'(' if lo_open else '['}{lo}, {hi}]", v)
+    object.__setattr__(obj, name, float(v))  # TOML `1` -> 1.0
+
+
+def _bool(key: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        _fail(key, "must be true or false", v)
+
+
+def _str(key: str, v: Any, choices: tuple[str, ...] = (), optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if not isinstance(v, str) or not v:
+        _fail(key, "must be a non-empty string", v)
+    if choices and v not in choices:
+        _fail(key, f"must be one of {', '.join(choices)}", v)
+
+
+def _path(obj: Any, name: str, key: str, optional: bool) -> None:
+    v = getattr(obj, name)
+    if v is None:
+        if not optional:
+            raise ConfigError(f"{key}: required")
+        return
+    if not isinstance(v, str | Path) or not str(v):
+        _fail(key, "must be a path", v)
+    object.__setattr__(obj, name, Path(v))
+
+
+def _list(obj: Any, name: str, key: str, item: type) -> None:
+    v = getattr(obj, name)
+    if not isinstance(v, list | tuple) or not all(
+        isinstance(x, item) and not isinstance(x, bool) for x in v
+    ):
+        _fail(key, f"must be a list of {item.__name__}", v)
+    object.__setattr__(obj, name, tuple(v))
+
+
+# ---------------------------------------------------------------------------------------
+# sections
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    path: str  # a Parquet file, a directory of them, or a glob (absolute after loading)
+    prompt_column: str = "prompt"  # text column, or list<int> token ids (auto-detected)
+    id_column: str | None = None  # a pass-through id column checked to exist
+    max_tokens_column: str = "max_tokens"  # per-row decode limit, used when present
+    batch_rows: int = 65536  # rows per streamed Arrow batch
+    limit: int | None = None  # read only the first N rows
+
+    def __post_init__(self) -> None:
+        _str("input.path", self.path if self.path is None else str(self.path))
+        object.__setattr__(self, "path", str(self.path))
+        _str("input.prompt_column", self.prompt_column)
+        _str("input.id_column", self.id_column, optional=True)
+        _str("input.max_tokens_column", self.max_tokens_column)
+        _int("input.batch_rows", self.batch_rows, lo=1)
+        _int("input.limit", self.limit, lo=1, optional=True)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path | None = None  # local Hugging Face folder (config.json, safetensors, tokenizer)
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # default: config.json max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _path(self, "path", "model.path", optional=True)
+        _str("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        _str("model.device", self.device)
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            _fail("model.device", "must be auto, cpu, cuda or cuda:N", self.device)
+        _int("model.max_model_len", self.max_model_len, lo=2, optional=True)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int = 128  # decode limit where the row has none
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int = 0  # per-request seeds derive from this and the row_id
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _int("sampling.max_tokens", self.max_tokens, lo=1)
+        _float(self, "temperature", "sampling.temperature", 0.0, 100.0)
+        _int("sampling.top_k", self.top_k, lo=0)
+        _float(self, "top_p", "sampling.top_p", 0.0, 1.0, lo_open=True)
+        _int("sampling.seed", self.seed, lo=0)
+        _list(self, "stop_token_ids", "sampling.stop_token_ids", int)
+        if any(t < 0 for t in self.stop_token_ids):
+            _fail("sampling.stop_token_ids", "must be >= 0", list(self.stop_token_ids))
+        _list(self, "stop", "sampling.stop", str)
+        _bool("sampling.ignore_eos", self.ignore_eos)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "batchllm"  # batchllm | baseline (FCFS, request-count capped)
+    chunk_size: int = 2048  # token budget S_chunk per iteration
+    kv_threshold: float = 0.95  # M_threshold: KV fraction above which no new prefill starts
+    max_num_seqs: int = 256  # baseline policy only
+    enlarge: bool = True  # Algo 1 first-level enlargement
+    reorder: bool = True  # Eq. 4 group order
+
+    def __post_init__(self) -> None:
+        _str("scheduler.policy", self.policy, ("batchllm", "baseline"))
+        _int("scheduler.chunk_size", self.chunk_size, lo=1)
+        _float(self, "kv_threshold", "scheduler.kv_threshold", 0.0, 1.0, lo_open=True)
+        _int("scheduler.max_num_seqs", self.max_num_seqs, lo=1)
+        _bool("scheduler.enlarge", self.enlarge)
+        _bool("scheduler.reorder", self.reorder)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str = "native"  # native | vllm
+    kv_cache_bytes: int | None = None  # KV cache size; None: from gpu_memory_fraction / RAM
+    gpu_memory_fraction: float = 0.9
+    block_size: int = 16  # tokens per KV block
+    attention: str = "auto"  # auto | torch | triton
+    threads: int | None = None  # torch CPU threads
+
+    def __post_init__(self) -> None:
+        _str("engine.backend", self.backend, ("native", "vllm"))
+        if self.kv_cache_bytes is not None:
+            try:
+                object.__setattr__(self, "kv_cache_bytes", parse_bytes(self.kv_cache_bytes))
+            except ValueError as e:
+                raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
+            _int("engine.kv_cache_bytes", self.kv_cache_bytes, lo=1)
+        _float(self, "gpu_memory_fraction", "engine.gpu_memory_fraction", 0.0, 1.0, lo_open=True)
+        _int("engine.block_size", self.block_size, lo=1)
+        _str("engine.attention", self.attention, ("auto", "torch", "triton"))
+        _int("engine.threads", self.threads, lo=1, optional=True)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    path: Path  # results: a .parquet file, or a directory (any other name)
+    report_path: Path | None = None  # default: see `report_file`
+    plan_path: Path | None = None  # default: see `plan_file`
+    overwrite: bool = False
+    rows_per_file: int = 100000
+
+    def __post_init__(self) -> None:
+        _path(self, "path", "output.path", optional=False)
+        _path(self, "report_path", "output.report_path", optional=True)
+        _path(self, "plan_path", "output.plan_path", optional=True)
+        _bool("output.overwrite", self.overwrite)
+        _int("output.rows_per_file", self.rows_per_file, lo=1)
+
+    @property
+    def is_file(self) -> bool:
+        """Results go to one file when ``path`` ends in .parquet, else into a directory."""
+        return self.path.suffix == ".parquet"
+
+    def _sibling(self, suffix: str) -> Path:
+        if self.is_file:
+            return self.path.with_name(self.path.stem + "." + suffix)
+        return self.path / suffix
+
+    @property
+    def report_file(self) -> Path:
+        """``out/results.parquet`` -> ``out/results.report.json``; dir -> ``dir/report.json``."""
+        return self.report_path or self._sibling("report.json")
+
+    @property
+    def plan_file(self) -> Path:
+        """``out/results.parquet`` -> ``out/results.plan.parquet``; dir -> ``dir/plan.parquet``."""
+        return self.plan_path or self._sibling("plan.parquet")
+
+
+_SECTIONS: dict[str, type] = {
+    "input": InputConfig,
+    "model": ModelConfig,
+    "sampling": SamplingConfig,
+    "scheduler": SchedulerConfig,
+    "engine": EngineConfig,
+    "output": OutputConfig,
+}
+_PATH_KEYS = {
+    "input.path",
+    "model.path",
+    "output.path",
+    "output.report_path",
+    "output.plan_path",
+}
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    input: InputConfig
+    output: OutputConfig
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    source: Path | None = None  # the TOML file it came from
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain JSON-able dict (paths as strings, tuples as lists), for reports and logs."""
+
+        def plain(v: Any) -> Any:
+            if isinstance(v, Path):
+                return str(v)
+            return list(v) if isinstance(v, tuple) else v
+
+        return {
+            name: {k: plain(v) for k, v in dataclasses.asdict(getattr(self, name)).items()}
+            for name in _SECTIONS
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+
+
+def parse_assignments(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """``["a.b=1", "c.d=x=y"]`` -> ``{"a.b": "1", "c.d": "x=y"}`` (for repeated --set)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key.strip():
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        out[key.strip()] = value
+    return out
+
+
+def _field_type(section: str, key: str) -> str:
+    for f in dataclasses.fields(_SECTIONS[section]):
+        if f.name == key:
+            return str(f.type)
+    return ""
+
+
+def _parse_value(dotted: str, raw: str) -> Any:
+    section, _, key = dotted.partition(".")
+    ftype = _field_type(section, key)
+    if raw.strip().lower() in ("none", "null") and "None" in ftype:
+        return None
+    if ftype.startswith(("str", "Path")) and not raw.strip().startswith(('"', "'")):
+        return raw  # text keys take the raw string: --set input.id_column=2024
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _resolve(value: Any, base: Path) -> Any:
+    if value is None or not isinstance(value, str | Path):
+        return value
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else base / p)
+
+
+def _check_keys(raw: dict[str, Any], where: str) -> None:
+    for section, table in raw.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{where}: unknown section [{section}] (expected one of {', '.join(_SECTIONS)})"
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: [{section}] must be a table")
+        names = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+        for key in table:
+            if section == "model" and key == "trust_remote_code":
+                raise ConfigError(f"model.trust_remote_code: not supported ({where})")
+            if key not in names:
+                raise ConfigError(
+                    f"{section}.{key}: unknown key in {where} (known: {', '.join(sorted(names))})"
+                )
+
+
+def load_job(
+    path: str | Path | None,
+    overrides: dict[str, str] | None = None,
+    *,
+    cwd: Path | None = None,
+) -> JobConfig:
+    """Load a job file and apply ``{"section.key": "value"}`` overrides (strings, as typed).
+
+    ``path`` may be None to build a job from overrides alone.
+    """
+    cwd = cwd or Path.cwd()
+    raw: dict[str, dict[str, Any]] = {}
+    where = "command line"
+    source = None
+    if path is not None:
+        source = Path(path).expanduser().resolve()
+        where = str(path)
+        try:
+            raw = tomllib.loads(source.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{where}: job file not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{where}: cannot read job file: {e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{where}: invalid TOML: {e}") from None
+        _check_keys(raw, where)
+        for dotted in _PATH_KEYS:
+            section, _, key = dotted.partition(".")
+            if key in raw.get(section, {}):
+                raw[section][key] = _resolve(raw[section][key], source.parent)
+
+    for dotted, value in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        _check_keys({section: {key: None}}, f"--set {dotted}")
+        parsed = _parse_value(dotted, value)
+        raw.setdefault(section, {})[key] = _resolve(parsed, cwd) if dotted in _PATH_KEYS else parsed
+
+    suffix = f" ({where})"
+    try:
+        for section in ("input", "output"):
+            if "path" not in raw.get(section, {}):
+                raise ConfigError(f"{section}.path: required")
+        sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
+    except ConfigError as e:
+        raise ConfigError(f"{e}{suffix}") from None
+    return JobConfig(**sections, source=source)

@@ -1,0 +1,313 @@
+"""Parquet input (streamed with pyarrow.dataset) and atomic Parquet output.
+
+Row ids: every row's ``row_id`` is its global index in the dataset, files taken in sorted
+path order, so the same input gives the same ids on every run (resume relies on it).
+
+Dataset-level problems (nothing matches, missing or mistyped column, corrupt file, no rows)
+raise ``InputDataError``. Per-row problems do not abort the job: the row is rejected with a
+status code (``empty_prompt``, ``prompt_too_long``, ``invalid_tokens``, ``invalid_max_tokens``)
+and reported in ``RejectedRows`` so that the writer still emits one result row for it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from batchjob.config import InputConfig
+from batchjob.errors import InputDataError
+
+STATUS_OK = "ok"
+STATUS_EMPTY_PROMPT = "empty_prompt"
+STATUS_PROMPT_TOO_LONG = "prompt_too_long"
+STATUS_INVALID_TOKENS = "invalid_tokens"
+STATUS_INVALID_MAX_TOKENS = "invalid_max_tokens"
+
+ROW_ID = "row_id"
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_token_list(t: pa.DataType) -> bool:
+    is_list = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    return is_list and pa.types.is_integer(t.value_type)
+
+
+# ---------------------------------------------------------------------------------------
+# typed results
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """One streamed batch of rows, all from one file."""
+
+    row_ids: np.ndarray  # int64 [B]: global row ids (consecutive)
+    prompts: pa.Array  # [B] string/large_string, or list<int> token ids
+    max_tokens: np.ndarray | None  # int64 [B] per-row limit; None: no such column
+    max_tokens_null: np.ndarray | None  # bool [B]: the row's limit is null (use the default)
+    passthrough: pa.Table  # [B] row_id + every input column except the prompt column
+    source: str  # file path the rows come from
+    file_row_start: int  # index of the first row within that file
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    def where(self, i: int) -> str:
+        """Human location of batch row ``i``: 'row 17 (file a.parquet, row 5)'."""
+        return (
+            f"row {int(self.row_ids[i])} "
+            f"(file {os.path.basename(self.source)}, row {self.file_row_start + i})"
+        )
+
+
+@dataclass(frozen=True)
+class RejectedRows:
+    """Rows excluded from planning, with why. The writer emits one result row for each."""
+
+    row_ids: np.ndarray  # int64 [R]
+    status: tuple[str, ...]  # [R] status code per row (STATUS_*)
+    message: tuple[str, ...]  # [R] human message naming row, file and column
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @classmethod
+    def empty(cls) -> RejectedRows:
+        return cls(np.zeros(0, dtype=np.int64), (), ())
+
+    @classmethod
+    def concat(cls, parts: list[RejectedRows]) -> RejectedRows:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return cls.empty()
+        ids = np.concatenate([p.row_ids for p in parts]).astype(np.int64)
+        status = tuple(s for p in parts for s in p.status)
+        message = tuple(m for p in parts for m in p.message)
+        order = np.argsort(ids, kind="stable")
+        return cls(ids[order], tuple(status[i] for i in order), tuple(message[i] for i in order))
+
+    def counts(self) -> dict[str, int]:
+        """{status: number of rows}."""
+        out: dict[str, int] = {}
+        for s in self.status:
+            out[s] = out.get(s, 0) + 1
+        return out
+
+    def to_arrow(self) -> pa.Table:
+        return pa.table(
+            {
+                ROW_ID: pa.array(self.row_ids, pa.int64()),
+                "status": pa.array(self.status, pa.string()),
+                "message": pa.array(self.message, pa.string()),
+            }
+        )
+
+
+class PassthroughCollector:
+    """Accumulates the pass-through columns of every batch, as Arrow, for the writer."""
+
+    def __init__(self) -> None:
+        self._tables: list[pa.Table] = []
+
+    def add(self, batch: PromptBatch) -> None:
+        self._tables.append(batch.passthrough)
+
+    def table(self) -> pa.Table:
+        """All pass-through rows in row_id order (schemas unified across files)."""
+        if not self._tables:
+            return pa.table({ROW_ID: pa.array([], pa.int64())})
+        return pa.concat_tables(self._tables, promote_options="permissive").combine_chunks()
+
+
+# ---------------------------------------------------------------------------------------
+# the dataset
+
+
+def resolve_files(path: str) -> list[str]:
+    """A file, a directory (every *.parquet below it) or a glob -> sorted file paths."""
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        found = glob.glob(os.path.join(glob.escape(path), "**", "*.parquet"), recursive=True)
+    else:
+        found = []
+        for m in glob.glob(path, recursive=True):
+            if os.path.isdir(m):
+                found += glob.glob(os.path.join(glob.escape(m), "**", "*.parquet"), recursive=True)
+            else:
+                found.append(m)
+    files = sorted({f for f in found if os.path.isfile(f) and not _hidden(f, path)})
+    if not files:
+        raise InputDataError(f"input.path: {path!r} matches no Parquet file")
+    return files
+
+
+def _hidden(f: str, root: str) -> bool:
+    # Spark/Hive markers (_SUCCESS, _metadata, .crc) below the given root are not data
+    rel = os.path.relpath(f, root) if os.path.isdir(root) else os.path.basename(f)
+    return any(part.startswith(("_", ".")) for part in Path(rel).parts)
+
+
+@dataclass(frozen=True)
+class InputDataset:
+    """A validated Parquet dataset: files in row-id order and how to read its columns."""
+
+    files: tuple[str, ...]
+    file_rows: tuple[int, ...]  # rows per file (from Parquet metadata)
+    prompt_column: str
+    prompt_is_text: bool  # True: string column to tokenize; False: list<int> token ids
+    max_tokens_column: str | None  # None when the dataset has no such column
+    batch_rows: int
+    limit: int | None
+
+    @property
+    def num_rows(self) -> int:
+        n = sum(self.file_rows)
+        return n if self.limit is None else min(n, self.limit)
+
+    def batches(self) -> Iterator[PromptBatch]:
+        """Stream the dataset as PromptBatches of at most ``batch_rows`` rows."""
+        left = self.num_rows
+        base = 0
+        for path, nrows in zip(self.files, self.file_rows, strict=True):
+            if left <= 0:
+                return
+            file_row = 0
+            try:
+                for rb in ds.dataset(path, format="parquet").to_batches(batch_size=self.batch_rows):
+                    if left <= 0:
+                        break
+                    if rb.num_rows == 0:
+                        continue
+                    if rb.num_rows > left:
+                        rb = rb.slice(0, left)
+                    yield self._to_prompt_batch(rb, path, base + file_row, file_row)
+                    file_row += rb.num_rows
+                    left -= rb.num_rows
+            except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
+                raise InputDataError(
+                    f"{path}: cannot read Parquet data near row {file_row}: {e}"
+                ) from None
+            base += nrows
+
+    def _to_prompt_batch(self, rb: pa.RecordBatch, path: str, start: int, file_row: int):
+        n = rb.num_rows
+        row_ids = np.arange(start, start + n, dtype=np.int64)
+        table = pa.Table.from_batches([rb])
+        prompts = table.column(self.prompt_column).combine_chunks()
+        max_tokens = max_tokens_null = None
+        if self.max_tokens_column is not None:
+            col = table.column(self.max_tokens_column).combine_chunks()
+            max_tokens_null = col.is_null().to_numpy(zero_copy_only=False)
+            max_tokens = (
+                col.cast(pa.int64(), safe=False).fill_null(0).to_numpy(zero_copy_only=False)
+            )
+        rest = table.drop_columns([self.prompt_column])
+        if ROW_ID in rest.column_names:  # keep an input column named row_id under another name
+            rest = rest.rename_columns(
+                ["input_" + c if c == ROW_ID else c for c in rest.column_names]
+            )
+        passthrough = rest.add_column(0, ROW_ID, pa.array(row_ids, pa.int64()))
+        return PromptBatch(
+            row_ids, prompts, max_tokens, max_tokens_null, passthrough, path, file_row
+        )
+
+
+def open_dataset(cfg: InputConfig) -> InputDataset:
+    """Resolve and validate the input (schema of every file); reads no row data."""
+    files = resolve_files(cfg.path)
+    rows: list[int] = []
+    kinds: set[bool] = set()
+    has_max_tokens: set[bool] = set()
+    for f in files:
+        try:
+            meta = pq.read_metadata(f)
+            schema = meta.schema.to_arrow_schema()
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
+            raise InputDataError(f"{f}: not a readable Parquet file ({e})") from None
+        rows.append(meta.num_rows)
+        names = schema.names
+        if cfg.prompt_column not in names:
+            raise InputDataError(
+                f"{f}: column {cfg.prompt_column!r} (input.prompt_column) not found; "
+                f"available columns: {', '.join(names)}"
+            )
+        ptype = schema.field(cfg.prompt_column).type
+        if not (_is_text(ptype) or _is_token_list(ptype)):
+            raise InputDataError(
+                f"{f}: column {cfg.prompt_column!r} has type {ptype}; expected string "
+                "(text to tokenize) or list<int> (token ids)"
+            )
+        kinds.add(_is_text(ptype))
+        if cfg.id_column is not None and cfg.id_column not in names:
+            raise InputDataError(
+                f"{f}: column {cfg.id_column!r} (input.id_column) not found; "
+                f"available columns: {', '.join(names)}"
+            )
+        has_mt = cfg.max_tokens_column in names
+        has_max_tokens.add(has_mt)
+        if has_mt and not pa.types.is_integer(schema.field(cfg.max_tokens_column).type):
+            raise InputDataError(
+                f"{f}: column {cfg.max_tokens_column!r} (input.max_tokens_column) has type "
+                f"{schema.field(cfg.max_tokens_column).type}; expected an integer type"
+            )
+    if len(kinds) > 1:
+        raise InputDataError(
+            f"column {cfg.prompt_column!r} is text in some files and token ids in others"
+        )
+    if len(has_max_tokens) > 1:
+        raise InputDataError(
+            f"column {cfg.max_tokens_column!r} exists in some input files but not in others"
+        )
+    if sum(rows) == 0:
+        raise InputDataError(f"input.path: {cfg.path!r} has 0 rows ({len(files)} file(s))")
+    return InputDataset(
+        files=tuple(files),
+        file_rows=tuple(rows),
+        prompt_column=cfg.prompt_column,
+        prompt_is_text=kinds.pop(),
+        max_tokens_column=cfg.max_tokens_column if has_max_tokens.pop() else None,
+        batch_rows=cfg.batch_rows,
+        limit=cfg.limit,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# writing
+
+
+def write_parquet_atomic(table: pa.Table, path: str | Path, **kwargs) -> None:
+    """Write ``table`` to ``path`` so that readers see the old file or the whole new one.
+
+    Temp file in the same directory, fsync, ``os.replace``, then fsync of the directory.
+    ``kwargs`` go to ``pyarrow.parquet.write_table`` (compression, row_group_size, ...).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f, **kwargs)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,395 @@
+"""Batched tokenization: Parquet prompt batches -> ``TokenizedPrompts`` (+ rejected rows).
+
+Text columns go through Hugging Face ``tokenizers`` (``encode_batch_fast``, parallel over
+cores in Rust); token-id columns are taken straight from the Arrow list offsets and values.
+Python work is per row at most, never per token.
+
+Special tokens follow ``transformers`` (5.x) ``tokenizer(text)``: add_special_tokens=True,
+and the post-processor saved in tokenizer.json alone decides BOS/EOS (transformers ignores
+``add_bos_token`` / ``add_eos_token`` of tokenizer_config.json when tokenizer.json exists;
+``save_pretrained`` bakes them into the post-processor). tokenizer_config.json only names
+the BOS/EOS tokens. No chat template is applied: the prompt column is the exact model input.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from tokenizers import Tokenizer
+
+from batchjob.config import JobConfig
+from batchjob.errors import ModelError
+from batchjob.io import (
+    STATUS_EMPTY_PROMPT,
+    STATUS_INVALID_MAX_TOKENS,
+    STATUS_INVALID_TOKENS,
+    STATUS_PROMPT_TOO_LONG,
+    InputDataset,
+    PassthroughCollector,
+    PromptBatch,
+    RejectedRows,
+    open_dataset,
+)
+from batchjob.prompts import TokenizedPrompts
+
+log = logging.getLogger(__name__)
+_INT32_MAX = 2**31 - 1
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+# ---------------------------------------------------------------------------------------
+# the model folder
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What planning needs from a model's config.json (no weights are read)."""
+
+    path: Path
+    vocab_size: int | None
+    max_position_embeddings: int | None
+    num_layers: int | None
+    num_kv_heads: int | None
+    head_dim: int | None
+    dtype: str | None  # checkpoint dtype (config.json torch_dtype / dtype)
+
+    def kv_bytes_per_token(self, dtype: str = "auto") -> int | None:
+        """2 (K and V) * layers * kv_heads * head_dim * bytes per element; None if unknown."""
+        name = self.dtype if dtype == "auto" else dtype
+        nbytes = _DTYPE_BYTES.get(name or "", 2)
+        if None in (self.num_layers, self.num_kv_heads, self.head_dim):
+            return None
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * nbytes
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """Read ``config.json`` of a local HF model folder (ModelError if missing or invalid)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelError(f"model.path: {path} is not a directory")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{cfg_file}: missing (model.path must be a HF model folder)") from None
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{cfg_file}: unreadable: {e}") from None
+    cfg = {**cfg.get("text_config", {}), **cfg}  # multimodal configs nest the LM's numbers
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and heads and cfg.get("hidden_size"):
+        head_dim = cfg["hidden_size"] // heads
+    return ModelInfo(
+        path=path,
+        vocab_size=cfg.get("vocab_size"),
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        num_layers=cfg.get("num_hidden_layers"),
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the tokenizer
+
+
+@dataclass(frozen=True)
+class PromptTokenizer:
+    """A ``tokenizers.Tokenizer`` set up to encode prompts as the model expects."""
+
+    tokenizer: Tokenizer
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """-> (tokens int32 [sum L], lengths int64 [len(texts)]); one Rust call, parallel."""
+        encs = self.tokenizer.encode_batch_fast(texts, add_special_tokens=True)
+        ids = [e.ids for e in encs]
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        tokens = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+        return tokens, lengths
+
+
+def _token_str(v: object) -> str | None:
+    if isinstance(v, dict):  # AddedToken serialised as {"content": ...}
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def load_tokenizer(model_path: str | Path) -> PromptTokenizer:
+    """Load ``tokenizer.json`` (+ ``tokenizer_config.json``) from a local model folder."""
+    folder = Path(model_path)
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ModelError(
+            f"{tok_file}: missing; a text prompt column needs the model's tokenizer.json "
+            "(or give token ids in a list<int> column)"
+        )
+    try:
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # tokenizers raises a bare Exception on parse errors
+        raise ModelError(f"{tok_file}: cannot load: {e}") from None
+    cfg_file = folder / "tokenizer_config.json"
+    cfg: dict = {}
+    if cfg_file.is_file():
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except ValueError as e:
+            raise ModelError(f"{cfg_file}: invalid JSON: {e}") from None
+    bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
+    bos_id = tok.token_to_id(bos) if bos else None
+    eos_id = tok.token_to_id(eos) if eos else None
+    return PromptTokenizer(tok, bos_id, eos_id)
+
+
+def detokenize(
+    tokenizer: PromptTokenizer | Tokenizer,
+    seqs: Sequence[np.ndarray | list[int]],
+    skip_special_tokens: bool = True,
+) -> list[str]:
+    """Decode many token sequences in one batched (parallel) call."""
+    tok = tokenizer.tokenizer if isinstance(tokenizer, PromptTokenizer) else tokenizer
+    lists = [s.tolist() if isinstance(s, np.ndarray) else list(s) for s in seqs]
+    return tok.decode_batch(lists, skip_special_tokens=skip_special_tokens)
+
+
+def parallelism_disabled() -> bool:
+    """True when TOKENIZERS_PARALLELISM turns the Rust thread pool off."""
+    v = os.environ.get("TOKENIZERS_PARALLELISM")
+    return v is not None and v.strip().lower() in ("", "0", "f", "false", "n", "no", "off")
+
+
+# ---------------------------------------------------------------------------------------
+# batches -> TokenizedPrompts
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """Wall time of one pipeline stage and how much it processed."""
+
+    name: str
+    seconds: float
+    rows: int
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class TokenizedInput:
+    """Everything read from the input: valid prompts, rejected rows, pass-through columns."""
+
+    prompts: TokenizedPrompts  # rows with status ok, in row_id order
+    rejected: RejectedRows  # rows rejected per-row, in row_id order
+    passthrough: pa.Table  # row_id + input columns except the prompt, every row
+    read: StageTiming
+    tokenize: StageTiming
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompts) + len(self.rejected)
+
+
+@dataclass(frozen=True)
+class _Part:
+    row_ids: np.ndarray  # int64 [n]
+    tokens: np.ndarray  # int32 [sum lengths]
+    lengths: np.ndarray  # int64 [n]
+    max_tokens: np.ndarray  # int32 [n]
+
+
+def _ids_column(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """list<int> -> (values int64 [V], lengths int64 [B], row has a null id bool [B])."""
+    lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+    values = arr.flatten()  # respects slicing; skips null rows
+    vals = values.cast(pa.int64(), safe=False).fill_null(-1).to_numpy(zero_copy_only=False)
+    nulls = values.is_null().to_numpy(zero_copy_only=False)
+    return vals.astype(np.int64), lengths.astype(np.int64), _per_row_any(nulls, lengths)
+
+
+def _per_row_any(flags: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """bool [V] flags over a flat array -> bool [B]: any flag within each row."""
+    if not flags.any():  # the usual case: skip the cumulative sums
+        return np.zeros(len(lengths), dtype=bool)
+    c = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
+    ends = np.cumsum(lengths)
+    return (c[ends] - c[ends - lengths]) > 0
+
+
+def tokenize_batch(
+    batch: PromptBatch,
+    tokenizer: PromptTokenizer | None,
+    *,
+    default_max_tokens: int,
+    max_model_len: int | None,
+    vocab_size: int | None,
+    prompt_column: str = "prompt",
+) -> tuple[_Part, RejectedRows]:
+    """Tokenize/validate one batch; reject rows per row instead of failing the batch."""
+    n = len(batch)
+    arr = batch.prompts
+    is_text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+    empty = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    bad_ids = np.zeros(n, dtype=bool)
+    if is_text:
+        if tokenizer is None:
+            raise ModelError("a text prompt column needs model.path (for its tokenizer.json)")
+        empty |= pc.fill_null(pc.equal(pc.binary_length(arr), 0), True).to_numpy(
+            zero_copy_only=False
+        )
+        keep_text = np.flatnonzero(~empty)
+        vals, sub_len = tokenizer.encode(arr.take(pa.array(keep_text)).to_pylist())
+        lengths = np.zeros(n, dtype=np.int64)
+        lengths[keep_text] = sub_len
+    else:
+        vals, lengths, bad_ids = _ids_column(arr)  # bad_ids: a null inside the list
+    hi = vocab_size if vocab_size is not None else _INT32_MAX + 1
+    bad_ids |= _per_row_any((vals < 0) | (vals >= hi), lengths)
+    empty |= lengths == 0
+    too_long = lengths > max_model_len - 1 if max_model_len is not None else np.zeros(n, dtype=bool)
+    if batch.max_tokens is None:
+        mt = np.full(n, default_max_tokens, dtype=np.int64)
+    else:
+        mt = np.where(batch.max_tokens_null, default_max_tokens, batch.max_tokens)
+    bad_mt = (mt <= 0) | (mt > _INT32_MAX)
+
+    # one status per row, first match wins
+    checks = [
+        (empty, STATUS_EMPTY_PROMPT, "column {c!r} is null or empty"),
+        (bad_ids, STATUS_INVALID_TOKENS, "column {c!r} has token ids outside [0, {v})"),
+        (too_long, STATUS_PROMPT_TOO_LONG, "prompt of {n} tokens exceeds max_model_len - 1 = {m}"),
+        (bad_mt, STATUS_INVALID_MAX_TOKENS, "max_tokens {t} must be >= 1"),
+    ]
+    status: list[str | None] = [None] * n
+    messages: list[str] = [""] * n
+    for mask, code, fmt in checks:
+        for i in np.flatnonzero(mask):
+            if status[i] is None:
+                status[i] = code
+                msg = fmt.format(
+                    c=prompt_column,
+                    v=vocab_size if vocab_size is not None else _INT32_MAX + 1,
+                    n=int(lengths[i]),
+                    m=(max_model_len or 0) - 1,
+                    t=int(mt[i]),
+                )
+                messages[i] = f"{batch.where(i)}: {msg}"
+    reject = empty | bad_ids | too_long | bad_mt
+    rej_idx = np.flatnonzero(reject)
+    rejected = RejectedRows(
+        batch.row_ids[rej_idx],
+        tuple(status[i] for i in rej_idx),  # type: ignore[misc]
+        tuple(messages[i] for i in rej_idx),
+    )
+    keep = ~reject
+    token_keep = np.repeat(keep, lengths)
+    part = _Part(
+        row_ids=batch.row_ids[keep],
+        tokens=vals[token_keep].astype(np.int32),
+        lengths=lengths[keep],
+        max_tokens=mt[keep].astype(np.int32),
+    )
+    return part, rejected
+
+
+def tokenize_dataset(
+    dataset: InputDataset,
+    tokenizer: PromptTokenizer | None,
+    *,
+    default_max_tokens: int,
+    max_model_len: int | None,
+    vocab_size: int | None,
+) -> TokenizedInput:
+    """Stream every batch: read, tokenize, validate; collect pass-through columns."""
+    if dataset.prompt_is_text and tokenizer is None:
+        raise ModelError("a text prompt column needs model.path (for its tokenizer.json)")
+    if dataset.prompt_is_text and parallelism_disabled():
+        log.warning("TOKENIZERS_PARALLELISM disables parallel tokenization (one core)")
+    parts: list[_Part] = []
+    rejected: list[RejectedRows] = []
+    passthrough = PassthroughCollector()
+    t_read = t_tok = 0.0
+    batches = dataset.batches()
+    while True:
+        t0 = time.perf_counter()
+        batch = next(batches, None)
+        t1 = time.perf_counter()
+        t_read += t1 - t0
+        if batch is None:
+            break
+        part, rej = tokenize_batch(
+            batch,
+            tokenizer,
+            default_max_tokens=default_max_tokens,
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+            prompt_column=dataset.prompt_column,
+        )
+        passthrough.add(batch)
+        parts.append(part)
+        rejected.append(rej)
+        t_tok += time.perf_counter() - t1
+
+    def cat(name: str, dtype: type) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts]) if parts else np.zeros(0, dtype)
+
+    lengths = cat("lengths", np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    prompts = TokenizedPrompts(
+        row_ids=cat("row_ids", np.int64),
+        tokens=cat("tokens", np.int32),
+        offsets=offsets,
+        max_tokens=cat("max_tokens", np.int32),
+    )
+    num_rows = len(prompts) + sum(len(r) for r in rejected)
+    total = int(offsets[-1])
+    return TokenizedInput(
+        prompts=prompts,
+        rejected=RejectedRows.concat(rejected),
+        passthrough=passthrough.table(),
+        read=StageTiming("read", t_read, num_rows, 0),
+        tokenize=StageTiming("tokenize", t_tok, num_rows, total),
+    )
+
+
+def load_prompts(job: JobConfig) -> tuple[TokenizedInput, ModelInfo | None]:
+    """Open the job's input and model folder and tokenize everything (plan and run use it)."""
+    dataset = open_dataset(job.input)
+    info = read_model_info(job.model.path) if job.model.path is not None else None
+    tokenizer = None
+    if dataset.prompt_is_text:
+        if job.model.path is None:
+            raise ModelError(
+                f"model.path: required because column {dataset.prompt_column!r} is text"
+            )
+        tokenizer = load_tokenizer(job.model.path)
+    max_len = job.model.max_model_len or (info.max_position_embeddings if info else None)
+    vocab = info.vocab_size if info and info.vocab_size else None
+    if vocab is None and tokenizer is not None:
+        vocab = tokenizer.vocab_size
+    result = tokenize_dataset(
+        dataset,
+        tokenizer,
+        default_max_tokens=job.sampling.max_tokens,
+        max_model_len=max_len,
+        vocab_size=vocab,
+    )
+    return result, info
