@@ -1,0 +1,102 @@
+"""build_plan: TokenizedPrompts -> Plan (sort, prefix tree, first-level reuse, order).
+
+Stages (names passed to ``on_stage`` when each one ends, for benchmarks):
+- ``sort``: lexicographic order of the prompts and the LCP of sorted neighbours (one pass);
+- ``tree``: compact prefix tree of the prompts without their last token (so every group
+  prefix leaves each member >= 1 distinct token; same order, LCPs capped);
+- ``reuse``: groups (exact DP by default; Algorithm 1 as written with ``algorithm="paper"``;
+  the plain first level of the tree with ``enlarge=False``);
+- ``groups``: members grouped, ascending by prompt position within a group;
+- ``order``: Eq. 4 order (``order=False``: input order of each group's first member);
+- ``stats``: Plan and PlanStats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+
+from batchjob.plan.order import group_order
+from batchjob.plan.plan import Plan
+from batchjob.plan.prefix_tree import PrefixTree, build_prefix_tree
+from batchjob.plan.reuse import Grouping, first_level_groups, optimal_groups, paper_groups
+from batchjob.plan.seqsort import SortedSequences, sort_sequences
+from batchjob.plan.stats import plan_stats
+from batchjob.prompts import TokenizedPrompts
+
+Algorithm = Literal["optimal", "paper"]
+
+
+def _noop(stage: str) -> None:
+    pass
+
+
+def planning_tree(lengths: np.ndarray, srt: SortedSequences) -> PrefixTree:
+    """Prefix tree of the prompts without their last token, from the full prompts' sort.
+
+    A lexicographic order of the prompts is one of the truncated prompts too, and their
+    neighbour LCPs are min(LCP, len_a - 1, len_b - 1).
+    """
+    capped = np.maximum(lengths - 1, 0)
+    cap_sorted = capped[srt.order]
+    lcp = srt.lcp.copy()
+    lcp[1:] = np.minimum(lcp[1:], np.minimum(cap_sorted[1:], cap_sorted[:-1]))
+    return build_prefix_tree(srt.order, capped, lcp)
+
+
+def build_plan(
+    prompts: TokenizedPrompts,
+    *,
+    enlarge: bool = True,
+    order: bool = True,
+    algorithm: Algorithm = "optimal",
+    on_stage: Callable[[str], None] | None = None,
+) -> Plan:
+    """Plan the prompts: prefix-sharing groups in execution order."""
+    if algorithm not in ("optimal", "paper"):
+        raise ValueError(f"algorithm must be 'optimal' or 'paper', got {algorithm!r}")
+    stage = on_stage or _noop
+    lengths = prompts.lengths
+    srt = sort_sequences(prompts.tokens, prompts.offsets)
+    multi_level = int(lengths.sum() - srt.lcp.sum())  # distinct prefixes of the full prompts
+    stage("sort")
+
+    tree = planning_tree(lengths, srt)
+    stage("tree")
+
+    grouping: Grouping
+    if not enlarge:
+        grouping = first_level_groups(tree)
+    elif algorithm == "paper":
+        grouping = paper_groups(tree)
+    else:
+        grouping = optimal_groups(tree)
+    stage("reuse")
+
+    members = np.argsort(grouping.group_of, kind="stable")  # by group, then by position
+    offsets = np.zeros(grouping.num_groups + 1, dtype=np.int64)
+    np.cumsum(grouping.sizes, out=offsets[1:])
+    stage("groups")
+
+    decode = prompts.max_tokens.astype(np.int64)
+    perm = group_order(grouping.prefix_len, offsets, members, lengths, decode, by_ratio=order)
+    sizes = np.diff(offsets)
+    new_offsets = np.zeros_like(offsets)
+    np.cumsum(sizes[perm], out=new_offsets[1:])
+    starts = np.repeat(offsets[:-1][perm] - new_offsets[:-1], sizes[perm])
+    members = members[starts + np.arange(len(members))]
+    prefix = grouping.prefix_len[perm]
+    stage("order")
+
+    plan = Plan(
+        group_prefix_len=prefix,
+        group_offsets=new_offsets,
+        members=members,
+        row_ids=np.asarray(prompts.row_ids, dtype=np.int64)[members],
+        decode_estimate=prompts.max_tokens.astype(np.int32)[members],
+        stats=plan_stats(lengths, prefix, new_offsets, multi_level),
+    )
+    stage("stats")
+    return plan

@@ -1,0 +1,94 @@
+"""Plan <-> Parquet: one row per member, in execution order; PlanStats in the schema metadata.
+
+Columns: group (int64, index in execution order), row_id (int64), position (int64: prompt
+position in the TokenizedPrompts the plan was built from), prefix_len (int64, the group's),
+decode_estimate (int32). Written atomically (temp file in the same folder + os.replace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchjob.errors import InputDataError
+from batchjob.plan.plan import Plan, PlanStats
+
+_META_KEY = b"batchjob.plan_stats"
+_VERSION_KEY = b"batchjob.plan_version"
+_VERSION = b"1"
+_COLUMNS = ("group", "row_id", "position", "prefix_len", "decode_estimate")
+
+
+def plan_to_table(plan: Plan) -> pa.Table:
+    sizes = np.diff(plan.group_offsets)
+    table = pa.table(
+        {
+            "group": pa.array(np.repeat(np.arange(plan.num_groups, dtype=np.int64), sizes)),
+            "row_id": pa.array(plan.row_ids.astype(np.int64)),
+            "position": pa.array(plan.members.astype(np.int64)),
+            "prefix_len": pa.array(np.repeat(plan.group_prefix_len.astype(np.int64), sizes)),
+            "decode_estimate": pa.array(plan.decode_estimate.astype(np.int32)),
+        }
+    )
+    meta = {_META_KEY: json.dumps(asdict(plan.stats)).encode(), _VERSION_KEY: _VERSION}
+    return table.replace_schema_metadata(meta)
+
+
+def write_plan(plan: Plan, path: str | os.PathLike) -> None:
+    """Write atomically: readers see the old file or the complete new one, never a part."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(plan_to_table(plan), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _bad(path: Path, why: str) -> InputDataError:
+    return InputDataError(f"{path}: not a valid batchjob plan file: {why}")
+
+
+def read_plan(path: str | os.PathLike) -> Plan:
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:
+        raise _bad(path, str(e)) from e
+    meta = table.schema.metadata or {}
+    missing = [c for c in _COLUMNS if c not in table.column_names]
+    if _META_KEY not in meta or missing:
+        raise _bad(path, f"missing columns {missing} or stats metadata")
+    try:
+        raw = json.loads(meta[_META_KEY])
+        stats = PlanStats(**{f.name: raw[f.name] for f in fields(PlanStats)})
+    except (ValueError, KeyError, TypeError) as e:
+        raise _bad(path, f"unreadable stats metadata ({e!r})") from e
+    col = {c: table.column(c).to_numpy() for c in _COLUMNS}
+    group = col["group"].astype(np.int64)
+    num_groups = int(group[-1]) + 1 if len(group) else 0
+    steps = np.diff(group)
+    if len(group) and (group[0] != 0 or np.any((steps != 0) & (steps != 1))):
+        raise _bad(path, "column 'group' must count up from 0 in steps of 0 or 1")
+    offsets = np.zeros(num_groups + 1, dtype=np.int64)
+    np.cumsum(np.bincount(group, minlength=num_groups), out=offsets[1:])
+    prefix = col["prefix_len"].astype(np.int64)
+    if np.any(prefix != np.repeat(prefix[offsets[:-1]], np.diff(offsets))):
+        raise _bad(path, "column 'prefix_len' differs within a group")
+    return Plan(
+        group_prefix_len=prefix[offsets[:-1]],
+        group_offsets=offsets,
+        members=col["position"].astype(np.int64),
+        row_ids=col["row_id"].astype(np.int64),
+        decode_estimate=col["decode_estimate"].astype(np.int32),
+        stats=stats,
+    )
