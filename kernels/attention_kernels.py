@@ -1,0 +1,195 @@
+"""Entry @triton.jit kernels (fused, and the cascade pieces) plus their autotune configs.
+
+Grid of every attention kernel: ``(tiles, Hkv)``. The fused kernel's axis-0 ids are split:
+ids below ``n_prefix`` run the prefix part (tile shape BLOCK_M_P x BLOCK_N_P), the rest
+run the own part (BLOCK_M_O x BLOCK_N_O): horizontal fusion of two differently tiled
+problems in one launch. Prefix tiles come first so the long matrix-matrix programs start
+early and the short own programs fill in behind them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .prefix_attention import (
+    MODE_FUSED,
+    MODE_PARTIAL,
+    _find_unit,
+    _merge_slots,
+    _own_program,
+    _prefix_program,
+    _splits,
+)
+
+INTERPRETED = triton.knobs.runtime.interpret
+
+
+@triton.jit
+def fused_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_lse_ptr, cnt_ptr,
+    cu_q_ptr, kv_len_ptr, bt_ptr, seq_group_ptr,
+    prefix_len_ptr, prefix_bt_ptr, gq_start_ptr, gq_end_ptr, group_order_ptr,
+    S, G, T, Hq, N_SPLIT, SPLIT_LEN, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+    stride_ot, stride_oh, stride_bt, stride_pbt, TUNE_KEY,
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M_P: tl.constexpr, BLOCK_N_P: tl.constexpr,
+    BLOCK_M_O: tl.constexpr, BLOCK_N_O: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Prefix part and own part of a ragged batch in one launch; merge in the epilogue."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # prefix programs: (group tile, prefix piece); 0 when G == 0
+    n_prefix = tl.minimum(G, 1) * (T // (BLOCK_M_P // GQA_PAD) + G) * N_SPLIT
+    if pid < n_prefix:
+        _prefix_program(
+            pid, kvh, q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_lse_ptr, cnt_ptr,
+            prefix_len_ptr, prefix_bt_ptr, gq_start_ptr, gq_end_ptr, group_order_ptr,
+            G, Hq, N_SPLIT, SPLIT_LEN, qk_scale,
+            stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+            stride_vh, stride_ot, stride_oh, stride_pbt,
+            GQA, GQA_PAD, D, D_PAD, PAGE, BLOCK_M_P, BLOCK_N_P, MODE_FUSED, DOT_F32, DOT_PREC,
+        )  # fmt: skip
+    else:
+        _own_program(
+            pid - n_prefix, kvh, q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_lse_ptr, cnt_ptr,
+            cu_q_ptr, kv_len_ptr, bt_ptr, seq_group_ptr, prefix_len_ptr,
+            S, Hq, N_SPLIT, SPLIT_LEN, qk_scale,
+            stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
+            stride_vh, stride_ot, stride_oh, stride_bt,
+            GQA, GQA_PAD, D, D_PAD, PAGE, BLOCK_M_O, BLOCK_N_O, MODE_FUSED, True,
+            DOT_F32, DOT_PREC,
+        )  # fmt: skip
+
+
+@triton.jit
+def prefix_kernel(
+    q_ptr, k_ptr, v_ptr, ws_o_ptr, ws_lse_ptr,
+    prefix_len_ptr, prefix_bt_ptr, gq_start_ptr, gq_end_ptr, group_order_ptr,
+    G, Hq, N_SPLIT, SPLIT_LEN, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+    stride_pbt, TUNE_KEY,
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Cascade step 1: the prefix part alone, partials to workspace slots 1..splits."""
+    _prefix_program(
+        tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, ws_o_ptr, ws_o_ptr, ws_lse_ptr,
+        ws_lse_ptr, prefix_len_ptr, prefix_bt_ptr, gq_start_ptr, gq_end_ptr, group_order_ptr,
+        G, Hq, N_SPLIT, SPLIT_LEN, qk_scale, stride_qt, stride_qh, stride_kb, stride_kp,
+        stride_kh, stride_vb, stride_vp, stride_vh, 0, 0, stride_pbt,
+        GQA, GQA_PAD, D, D_PAD, PAGE, BLOCK_M, BLOCK_N, MODE_PARTIAL, DOT_F32, DOT_PREC,
+    )  # fmt: skip
+
+
+@triton.jit
+def own_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
+    cu_q_ptr, kv_len_ptr, bt_ptr, seq_group_ptr, prefix_len_ptr,
+    S, Hq, N_SPLIT, SPLIT_LEN, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+    stride_ot, stride_oh, stride_bt, TUNE_KEY,
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, DOT_F32: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Cascade step 2 (grouped rows: partial to slot 0), or plain paged attention."""
+    _own_program(
+        tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
+        ws_lse_ptr, cu_q_ptr, kv_len_ptr, bt_ptr, seq_group_ptr, prefix_len_ptr,
+        S, Hq, N_SPLIT, SPLIT_LEN, qk_scale,
+        stride_qt, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+        stride_ot, stride_oh, stride_bt,
+        GQA, GQA_PAD, D, D_PAD, PAGE, BLOCK_M, BLOCK_N, MODE_PARTIAL, HAS_GROUPS,
+        DOT_F32, DOT_PREC,
+    )  # fmt: skip
+
+
+@triton.jit
+def merge_kernel(
+    out_ptr, ws_o_ptr, ws_lse_ptr, prefix_len_ptr, gq_start_ptr, gq_end_ptr, group_order_ptr,
+    G, Hq, N_SPLIT, SPLIT_LEN, stride_ot, stride_oh,
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Cascade step 3: merge the own partial and the prefix pieces of every grouped row."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    TOK: tl.constexpr = BLOCK_M // GQA_PAD
+    i = _find_unit(tile, gq_start_ptr, group_order_ptr, G, TOK, True)
+    g = tl.load(group_order_ptr + i)
+    q_lo = tl.load(gq_start_ptr + g)
+    q_hi = tl.load(gq_end_ptr + g)
+    t0 = q_lo + (tile - (q_lo // TOK + i)) * TOK
+    if (t0 >= q_lo) & (t0 < q_hi):
+        rows = tl.arange(0, BLOCK_M)
+        tok = (t0 + rows // GQA_PAD).to(tl.int64)
+        head = kvh * GQA + rows % GQA_PAD
+        row_ok = (tok < q_hi) & (rows % GQA_PAD < GQA)
+        offs_d = tl.arange(0, D_PAD)
+        o = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        n_parts = 1 + _splits(tl.load(prefix_len_ptr + g), SPLIT_LEN)
+        th = tok * Hq + head
+        o, lse = _merge_slots(
+            o, lse, ws_o_ptr, ws_lse_ptr, th, row_ok, -1, n_parts, N_SPLIT + 1, offs_d, D
+        )
+        out_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh
+        mask = row_ok[:, None] & (offs_d[None, :] < D)
+        tl.store(out_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- autotuning (GPU only; the interpreter runs INTERPRET_CONFIG) --------------------------
+
+_KEY = ["GQA", "D", "PAGE", "TUNE_KEY"]
+
+
+def _fused_configs() -> list[triton.Config]:
+    shapes = [  # (BLOCK_M_P, BLOCK_N_P, BLOCK_M_O, BLOCK_N_O, warps, stages)
+        (128, 64, 16, 64, 8, 3),
+        (128, 32, 16, 64, 8, 2),
+        (128, 64, 32, 64, 8, 2),
+        (128, 128, 16, 32, 8, 2),
+        (64, 64, 16, 64, 4, 3),
+        (64, 32, 16, 128, 4, 2),
+        (64, 64, 32, 32, 4, 3),
+        (64, 64, 16, 64, 4, 2),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M_P": mp, "BLOCK_N_P": np_, "BLOCK_M_O": mo, "BLOCK_N_O": no},
+            num_warps=w,
+            num_stages=st,
+        )
+        for mp, np_, mo, no, w, st in shapes
+    ]
+
+
+def _part_configs(pairs: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+        for m, n, w, st in pairs
+    ]
+
+
+fused_kernel_tuned = triton.autotune(configs=_fused_configs(), key=_KEY)(fused_kernel)
+prefix_kernel_tuned = triton.autotune(
+    configs=_part_configs(
+        [(128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)]
+    ),
+    key=_KEY,
+)(prefix_kernel)
+own_kernel_tuned = triton.autotune(
+    configs=_part_configs(
+        [(16, 64, 4, 3), (16, 128, 4, 2), (16, 32, 2, 3), (32, 64, 4, 3), (64, 64, 4, 2)]
+    ),
+    key=_KEY,
+)(own_kernel)
+
+# Small tiles under the interpreter: fast, and they exercise multi-tile and masking paths.
+INTERPRET_FUSED = {"BLOCK_M_P": 16, "BLOCK_N_P": 16, "BLOCK_M_O": 16, "BLOCK_N_O": 16}
+INTERPRET_PART = {"BLOCK_M": 16, "BLOCK_N": 16}
+MERGE_BLOCK_M = 32
