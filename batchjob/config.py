@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from batchjob.errors import ConfigError
 
@@ -221,6 +220,7 @@ class OutputConfig:
     plan_path: Path | None = None  # default: see `plan_file`
     overwrite: bool = False
     rows_per_file: int = 100000
+    flush_rows: int = 4096  # finished rows per atomic part file (what a crash can lose)
 
     def __post_init__(self) -> None:
         _path(self, "path", "output.path", optional=False)
@@ -228,6 +228,7 @@ class OutputConfig:
         _path(self, "plan_path", "output.plan_path", optional=True)
         _bool("output.overwrite", self.overwrite)
         _int("output.rows_per_file", self.rows_per_file, lo=1)
+        _int("output.flush_rows", self.flush_rows, lo=1)
 
     @property
     def is_file(self) -> bool:

@@ -34,6 +34,18 @@ class JobResult:
     summary: RunSummary | None  # None when the job was already complete
 
 
+def _remove_results(path: Path) -> None:
+    """Delete earlier results of this job (output.overwrite): the file or our files in the dir."""
+    if path.suffix == ".parquet":
+        path.unlink(missing_ok=True)
+        shutil.rmtree(path.with_name(path.name + ".parts"), ignore_errors=True)
+        return
+    for f in path.glob("results-*.parquet"):
+        f.unlink()
+    (path / "_SUCCESS").unlink(missing_ok=True)
+    shutil.rmtree(path / "_parts", ignore_errors=True)
+
+
 def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts:
     """The prompts whose ``keep`` flag is set (bool [N]), tokens compacted."""
     lengths = prompts.lengths[keep]
@@ -81,17 +93,18 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
         raise NotImplementedError(f"engine.backend={job.engine.backend!r} is not available yet")
     if job.engine.threads:
         torch.set_num_threads(job.engine.threads)
-    final = output_file(job.output.path)
+    done_marker = output_file(job.output.path)
     if job.output.overwrite:
-        final.unlink(missing_ok=True)
-        shutil.rmtree(final.with_name(final.name + ".parts"), ignore_errors=True)
-    elif final.exists():
-        return JobResult(final, {}, None)  # complete already: idempotent for schedulers
+        _remove_results(Path(job.output.path))
+    elif done_marker.exists():
+        return JobResult(done_marker, {}, None)  # complete already: idempotent for schedulers
     stage: dict[str, float] = {}
 
     loaded, _ = load_prompts(job)
     stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
-    sink = ResultSink(job.output.path)
+    sink = ResultSink(
+        job.output.path, flush_rows=job.output.flush_rows, rows_per_file=job.output.rows_per_file
+    )
     done = sink.done_row_ids()
     prompts = select_rows(loaded.prompts, ~np.isin(loaded.prompts.row_ids, done))
     rejected = loaded.rejected

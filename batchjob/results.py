@@ -52,19 +52,32 @@ class ResultRow:
 
 
 def output_file(path: str | Path) -> Path:
-    """The final results file: ``path`` itself if it ends in .parquet, else path/results.parquet."""
+    """What marks a finished job: the results file, or ``_SUCCESS`` in a results directory."""
     p = Path(path)
-    return p if p.suffix == ".parquet" else p / "results.parquet"
+    return p if p.suffix == ".parquet" else p / "_SUCCESS"
 
 
 class ResultSink:
-    """Buffers finished rows and flushes them as atomic part files."""
+    """Buffers finished rows and flushes them as atomic part files.
 
-    def __init__(self, path: str | Path, flush_rows: int = 4096, flush_seconds: float = 30.0):
-        self.final = output_file(path)
-        self.parts_dir = self.final.with_name(self.final.name + ".parts")
+    ``path`` ending in .parquet: one final file. Otherwise a directory of
+    ``results-NNNNN.parquet`` files of ``rows_per_file`` rows each, then ``_SUCCESS``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        flush_rows: int = 4096,
+        flush_seconds: float = 30.0,
+        rows_per_file: int = 100_000,
+    ):
+        p = Path(path)
+        self.single_file = p.suffix == ".parquet"
+        self.final = output_file(p)
+        self.parts_dir = p.with_name(p.name + ".parts") if self.single_file else p / "_parts"
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
+        self.rows_per_file = rows_per_file
         self._buffer: list[ResultRow] = []
         self._last_flush = time.monotonic()
         self.parts_dir.mkdir(parents=True, exist_ok=True)
@@ -131,9 +144,22 @@ class ResultSink:
             passthrough = passthrough.rename_columns(
                 [f"input_{c}" if c in clash else c for c in passthrough.column_names]
             )
-        if extra:
-            results = results.join(passthrough, keys=ROW_ID, join_type="left outer")
         results = results.sort_by(ROW_ID)
-        write_parquet_atomic(results, self.final)
+        if extra:
+            # align pass-through rows to results by row_id (Arrow's join can't carry lists)
+            pt_ids = passthrough[ROW_ID].to_numpy()
+            order = np.argsort(pt_ids, kind="stable")
+            pos = order[np.searchsorted(pt_ids, results[ROW_ID].to_numpy(), sorter=order)]
+            taken = passthrough.take(pa.array(pos))
+            for name in taken.column_names:
+                if name != ROW_ID:
+                    results = results.append_column(taken.schema.field(name), taken[name])
+        if self.single_file:
+            write_parquet_atomic(results, self.final)
+        else:
+            for i, start in enumerate(range(0, max(results.num_rows, 1), self.rows_per_file)):
+                piece = results.slice(start, self.rows_per_file)
+                write_parquet_atomic(piece, self.final.parent / f"results-{i:05d}.parquet")
+            self.final.write_text(f"{results.num_rows} rows\n")
         shutil.rmtree(self.parts_dir, ignore_errors=True)
-        return self.final
+        return self.final if self.single_file else self.final.parent

@@ -13,9 +13,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from examples.workloads import WORDS
+
+# Two xdist workers on two cores: one torch thread each, or tiny matmuls oversubscribe.
+torch.set_num_threads(1)
 
 TINY_VOCAB = 3000
 TINY_MAX_LEN = 4096
