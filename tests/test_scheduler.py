@@ -336,6 +336,7 @@ def test_scheduler_modules_do_not_import_torch() -> None:
 
     code = (
         "import sys; import batchjob.engine.scheduler, batchjob.engine.sched_batchllm, "
-        "batchjob.engine.sched_baseline, batchjob.engine.kv_cache; assert 'torch' not in sys.modules"
+        "batchjob.engine.sched_baseline, batchjob.engine.kv_cache; "
+        "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
