@@ -31,7 +31,7 @@ test: $(STAMP) lint
 bench: bench-plan bench-engine
 
 bench-plan: $(STAMP)
-	$(PY) benchmarks/bench_plan.py
+	$(PY) benchmarks/bench_plan.py --sizes 3000,100000,1000000
 
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

@@ -14,6 +14,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -331,7 +332,7 @@ def _resolve(value: Any, base: Path) -> Any:
     if value is None or not isinstance(value, str | Path):
         return value
     p = Path(value).expanduser()
-    return str(p if p.is_absolute() else base / p)
+    return os.path.normpath(p if p.is_absolute() else base / p)  # globs survive normpath
 
 
 def _check_keys(raw: dict[str, Any], where: str) -> None:

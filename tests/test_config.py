@@ -79,7 +79,7 @@ def test_full_file_values_and_relative_paths(tmp_path: Path) -> None:
     assert job.input.prompt_column == "text" and job.input.id_column == "doc"
     assert job.input.max_tokens_column == "limit"
     assert (job.input.batch_rows, job.input.limit) == (1000, 50)
-    assert job.model.path == d / "../models/tiny"
+    assert job.model.path == d.parent / "models/tiny"  # normalised, no ".."
     assert (job.model.dtype, job.model.device, job.model.max_model_len) == (
         "bfloat16",
         "cuda:1",

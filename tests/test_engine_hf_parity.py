@@ -128,3 +128,18 @@ def test_same_seed_same_output_whatever_schedule(family_model):
         )
         results.append(outs)
     assert results[0] == results[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_cuda_greedy_equals_cpu_path(tmp_path, attention):
+    """The same engine on CUDA (torch path, then the Triton kernels) gives the CPU's tokens."""
+    folder = make_tiny_model(tmp_path / "m", family="llama")
+    cpu_model, cpu_info = load_model(folder, dtype="float32", device="cpu", attention="torch")
+    prompts = shared_prompts(cpu_info.vocab_size, seed=2)
+    opts = EngineOptions(chunk_size=13, block_size=16, kv_cache_bytes=1 << 24)
+    expected, _, _ = run_engine(cpu_model, cpu_info, prompts, opts, use_plan=True)
+    gpu_model, gpu_info = load_model(folder, dtype="float32", device="cuda", attention=attention)
+    got, _, _ = run_engine(gpu_model, gpu_info, prompts, opts, use_plan=True)
+    assert got == expected
