@@ -62,7 +62,7 @@ def _config(family: str, **kw):
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
     }[family]
-    if family == "qwen3":
+    if kw.get("head_dim") is None:
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
     return cls(**kw)
 
@@ -83,6 +83,7 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     max_position: int = 4096,
     max_shard_size: str | None = None,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random-weight ``family`` model with a BPE tokenizer to ``out_dir``.
 
@@ -107,6 +108,7 @@ def make_tiny_model(
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=max_position,
         initializer_range=init_std,
         tie_word_embeddings=tie_word_embeddings,
