@@ -19,6 +19,7 @@ from batchjob.config import JobConfig
 from batchjob.engine.engine import Engine, EngineOptions, RequestOutput
 from batchjob.engine.models.loader import load_model
 from batchjob.engine.sampling import SamplingParams
+from batchjob.errors import ConfigError
 from batchjob.io import STATUS_OK
 from batchjob.plan.build import build_plan
 from batchjob.prompts import TokenizedPrompts
@@ -90,7 +91,9 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
     """Run ``job``; returns where results and report went and the summary."""
     t_job = time.perf_counter()
     if job.engine.backend != "native":
-        raise NotImplementedError(f"engine.backend={job.engine.backend!r} is not available yet")
+        raise ConfigError(
+            f"engine.backend: {job.engine.backend!r} is not implemented yet; use 'native'"
+        )
     if job.engine.threads:
         torch.set_num_threads(job.engine.threads)
     done_marker = output_file(job.output.path)
@@ -135,7 +138,11 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
         attention=job.engine.attention,
     )
     tokenizer = load_tokenizer(job.model.path)
-    engine = Engine(model, info, engine_options(job))
+    try:
+        engine = Engine(model, info, engine_options(job))
+        engine.check_fits(prompts, plan)
+    except ValueError as e:
+        raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
     stage["load_s"] = time.perf_counter() - t0
 
     lengths = prompts.lengths

@@ -140,3 +140,12 @@ def test_interrupted_job_resumes_without_loss_or_duplicates(tmp_path, model_dir,
     assert resumed["row_id"].to_pylist() == list(range(n))
     cols = ["row_id", "output_token_ids", "status", "finish_reason", "request_id"]
     assert resumed.select(cols).to_pylist() == expected.select(cols).to_pylist()
+
+
+def test_kv_budget_too_small_is_a_config_error_naming_the_row(tmp_path, model_dir, dataset):
+    job = write_job(tmp_path, model_dir, dataset, "small/results.parquet")
+    for budget, words in (("4096", "too small"), ("20000", "row_id")):
+        args = ["run", str(job), "--set", f"engine.kv_cache_bytes={budget}"]
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 3, res.output
+        assert "engine.kv_cache_bytes" in res.output and words in res.output

@@ -116,6 +116,10 @@ class Engine:
             max_num_seqs=o.max_num_seqs,
         )
 
+    def check_fits(self, prompts: TokenizedPrompts, plan: Plan | None) -> None:
+        """Raise ValueError naming the row if a request cannot fit in the KV budget."""
+        make_scheduler(self.scheduler_settings(), prompts, plan)
+
     @torch.inference_mode()
     def run(
         self,
