@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchjob.engine.attention import TorchAttention, get_attention_backend
+from batchjob.engine.attention import TorchAttention, _attention, get_attention_backend
 from batchjob.engine.attention_meta import AttentionMetadata
 from batchjob.errors import ConfigError
 
@@ -82,7 +83,18 @@ def _slots(blocks: list[int], n: int, bs: int) -> list[int]:
     return [blocks[p // bs] * bs + p % bs for p in range(n)]
 
 
-def run_case(seqs, groups, bs, hkv, ratio, d=8, seed=0, max_scores=1 << 24, dtype=torch.float32):
+def run_case(
+    seqs,
+    groups,
+    bs,
+    hkv,
+    ratio,
+    d=8,
+    seed=0,
+    max_scores=1 << 24,
+    dtype=torch.float32,
+    max_gather=1 << 21,
+):
     """Fill a NaN cache with history, run write_kv + attend, compare with a dense reference."""
     gen = torch.Generator().manual_seed(seed)
     n_blocks = max(
@@ -112,7 +124,7 @@ def run_case(seqs, groups, bs, hkv, ratio, d=8, seed=0, max_scores=1 << 24, dtyp
     new_v = torch.cat(
         [kv[1, s.kv_len - s.q_len :] for kv, s in zip(own_kv, seqs, strict=True)] or [q[:0, :hkv]]
     )
-    backend = TorchAttention(max_scores=max_scores)
+    backend = TorchAttention(max_scores=max_scores, max_gather=max_gather)
     backend.write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
     scale = d**-0.5
     out = backend.attend(q, k_cache, v_cache, meta, scale)
@@ -197,7 +209,8 @@ def test_random_batches_match_dense(
     seqs, groups = random_batch(
         random.Random(seed), bs, n_groups, max(n_loose, int(n_groups == 0)), decode_only
     )
-    run_case(seqs, groups, bs, hkv, ratio, seed=seed, max_scores=64 if tiny_tiles else 1 << 24)
+    tiny = dict(max_scores=64, max_gather=64) if tiny_tiles else {}  # many calls and segments
+    run_case(seqs, groups, bs, hkv, ratio, seed=seed, **tiny)
 
 
 def test_empty_group_list_chunked_prefill_and_decodes():
@@ -269,3 +282,21 @@ def test_matches_shared_naive_reference(seed):
     out = TorchAttention().attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     expected = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_cpu_kernel_matches_dense_path(causal):
+    """The dense path (non-CPU devices) and the CPU flash kernel agree, masks and LSE too."""
+    gen = torch.Generator().manual_seed(1)
+    b, h, nq, nk, d = 3, 2, 5, 9 if not causal else 5, 16
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for n in (nq, nk, nk))
+    mask = None
+    if not causal:  # per-batch key padding, as for decodes
+        kl = torch.tensor([9, 4, 1])
+        mask = torch.zeros(b, 1, 1, nk).masked_fill(
+            torch.arange(nk) >= kl[:, None, None, None], -math.inf
+        )
+    got = _attention(q, k, v, mask, causal, 0.3, fused=True)
+    want = _attention(q, k, v, mask, causal, 0.3, fused=False)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)

@@ -6,10 +6,9 @@ softmax attention over its group's shared prefix KV (all members of a group in o
 matrix-matrix product) and over its own KV (causal), the two partial results merged by
 log-sum-exp. Softmax statistics and accumulation are float32.
 
-The torch path never loops per sequence: sequences are bucketed by (query length, KV length)
-size classes, each bucket padded into one batched matmul; the prefix part loops over groups.
-The index tensors (slots, masks) depend only on the metadata, so they are built once per
-batch and reused by every layer.
+The torch path runs torch's fused CPU flash attention per group prefix, per prefill sequence
+and per batch of decodes (see ``TorchAttention``). The index tensors (blocks, masks) depend
+only on the metadata, so they are built once per batch and reused by every layer.
 """
 
 from __future__ import annotations
@@ -49,29 +48,48 @@ class AttentionBackend(Protocol):
 
 
 @dataclass(frozen=True)
-class _OwnTile:
-    """One padded batched matmul of the own-KV part: B sequences x Q query rows x K keys."""
+class _Decodes:
+    """Own part of B sequences with q_len == 1: keys [off, off + B*K) of the segment."""
 
-    q_index: torch.Tensor  # int64 [B, Q]: token of each query row (padding repeats a real one)
-    kv_rows: torch.Tensor  # int64 [B*Hkv*K]: row of cache.view(-1, D) per (seq, head, position)
-    mask: torch.Tensor  # bool [B, Q, K]: key k visible to query row q (causal, < kv_len)
-    rows: torch.Tensor | None  # int64 [N]: real rows in the flat [B*Q]; None when all are real
-    dest: torch.Tensor  # int64 [N]: token index of each real row
+    tokens: torch.Tensor  # int64 [B]: query token of each sequence
+    off: int
+    keys: int  # K: keys per sequence (its blocks, padded to the tile's widest)
+    mask: torch.Tensor | None  # float32 [B, 1, 1, K]: 0, or -inf past kv_len
 
 
 @dataclass(frozen=True)
-class _PrefixTile:
-    """Queries [q_start, q_end) of one group against its prefix KV (no mask)."""
+class _Prefill:
+    """Own part of one sequence with q_len > 1: keys [off, off + kv_len) of the segment."""
+
+    tok: int  # first query token
+    q_len: int
+    off: int
+    kv_len: int
+    mask: torch.Tensor | None  # float32 [1, 1, q_len, kv_len] causal; None: top-left is_causal
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """Query tokens [q_start, q_end) of one group against its prefix: keys [off, off + p)."""
 
     q_start: int
     q_end: int
-    kv_rows: torch.Tensor  # int64 [Hkv*P]: row of cache.view(-1, D) per (head, prefix token)
+    off: int
+    p: int
 
 
-@dataclass(frozen=True)
-class _Plan:
-    own: list[_OwnTile]
-    prefix: list[list[_PrefixTile]]  # per group: row tiles sharing one prefix gather
+@dataclass
+class _Segment:
+    """Work whose KV is gathered by one index_select of whole blocks per layer."""
+
+    blocks: list[np.ndarray]  # int64 block ids, in gather order
+    pad: list[np.ndarray]  # int64 key rows (past a decode's kv_len) to zero: may hold NaN
+    decodes: list[_Decodes]
+    prefills: list[_Prefill]
+    prefix: list[_Prefix]
+    n_blocks: int = 0
+    blocks_t: torch.Tensor | None = None  # int64 [n_blocks], set once built
+    pad_t: torch.Tensor | None = None  # int64 [N]
 
 
 def _size_class(x: np.ndarray, floor: int, per_octave: int) -> np.ndarray:
@@ -82,15 +100,26 @@ def _size_class(x: np.ndarray, floor: int, per_octave: int) -> np.ndarray:
 class TorchAttention:
     """Prefix-shared paged attention in plain torch (any device; the CPU engine's path).
 
-    ``max_scores`` bounds the float32 score elements of one batched matmul (memory cap):
-    larger buckets are split over sequences, then over query rows.
+    On CPU each part is one call of torch's fused flash attention, which also returns the
+    log-sum-exp (no score matrix is materialised, causal tiles above the diagonal are
+    skipped); elsewhere a dense matmul softmax with the same shapes. Per batch: one call per
+    group for its prefix (all members' queries x the prefix KV), one per prefill sequence,
+    decodes batched by KV size class; the prefix partials are merged once. The KV of all of
+    them is gathered by whole blocks in a few segments (one index_select each), so a layer
+    runs few, large ops: this matters on a loaded machine, where every parallel op waits.
+    Query heads sharing a KV head go on the batch dim with K/V broadcast (stride 0), no copy.
+
+    ``max_gather`` bounds the elements of one segment's gathered K (keys * Hkv * D), so it
+    stays in cache. ``max_scores`` bounds the score elements (B*H*Q*K) of one decode or
+    prefix call (a memory cap for the dense path): larger ones are split.
     """
 
     name = "torch"
 
-    def __init__(self, max_scores: int = 1 << 24) -> None:
+    def __init__(self, max_scores: int = 1 << 24, max_gather: int = 1 << 23) -> None:
         self.max_scores = max_scores
-        self._cache: tuple[AttentionMetadata, tuple[int, int, int], _Plan] | None = None
+        self.max_gather = max_gather
+        self._cache: tuple[AttentionMetadata, tuple[int, int, int], list[_Segment]] | None = None
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         nb, bs, hkv, d = k_cache.shape
@@ -99,149 +128,186 @@ class TorchAttention:
 
     def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         t, h, d = q.shape
-        nb, bs, hkv, _ = k_cache.shape
-        g = h // hkv
-        plan = self._get_plan(meta, bs, h, hkv)
-        qf = (q.float() * scale).view(t, hkv, g, d)  # [T, Hkv, G, D], pre-scaled
-        # gathering (slot, head) rows lays K/V out as [.., Hkv, K, D] with no further copy
-        k_rows = k_cache.view(nb * bs * hkv, d)
-        v_rows = v_cache.view(nb * bs * hkv, d)
-        out = torch.empty(t, hkv, g, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(t, hkv, g, dtype=torch.float32, device=q.device)
-        for tile in plan.own:
-            b, nq = tile.q_index.shape
-            nk = tile.mask.shape[-1]
-            qt = qf[tile.q_index].permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
-            kt = k_rows.index_select(0, tile.kv_rows).view(b, hkv, nk, d).float()  # [B,Hkv,K,D]
-            vt = v_rows.index_select(0, tile.kv_rows).view(b, hkv, nk, d).float()  # [B,Hkv,K,D]
-            o, l = _partial_attention(qt, kt, vt, tile.mask[:, None, None])
-            o = o.permute(0, 3, 1, 2, 4).reshape(b * nq, hkv, g, d)  # [B*Q, Hkv, G, D]
-            l = l.permute(0, 3, 1, 2).reshape(b * nq, hkv, g)  # [B*Q, Hkv, G]
-            if tile.rows is not None:
-                o, l = o[tile.rows], l[tile.rows]
-            out.index_copy_(0, tile.dest, o)
-            lse.index_copy_(0, tile.dest, l)
-        for tiles in plan.prefix:
-            rows = tiles[0].kv_rows
-            kp = k_rows.index_select(0, rows).view(1, hkv, -1, d).float()  # [1, Hkv, P, D]
-            vp = v_rows.index_select(0, rows).view(1, hkv, -1, d).float()  # [1, Hkv, P, D]
-            for tile in tiles:
-                s, e = tile.q_start, tile.q_end
-                qg = qf[s:e].permute(1, 2, 0, 3)[None]  # [1, Hkv, G, Tg, D]
-                o, l = _partial_attention(qg, kp, vp, None)
-                o = o[0].permute(2, 0, 1, 3)  # [Tg, Hkv, G, D]
-                l = l[0].permute(2, 0, 1)  # [Tg, Hkv, G]
-                _merge_into(out[s:e], lse[s:e], o, l)
+        _, bs, hkv, _ = k_cache.shape  # [num_blocks, bs, Hkv, D]
+        r = h // hkv
+        plan = self._get_plan(meta, bs, h, hkv * d)
+        qf = q.float().view(t, hkv, r, d)  # [T, Hkv, R, D]: head = kv_head * R + i
+        out = torch.empty(t, hkv, r, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(t, hkv, r, dtype=torch.float32, device=q.device)
+        p_out = p_lse = None
+        if any(seg.prefix for seg in plan):
+            p_out = torch.zeros_like(out)  # prefix partials, merged once at the end
+            p_lse = torch.full_like(lse, -math.inf)  # tokens of no group weigh nothing
+        for seg in plan:
+            kg = k_cache.index_select(0, seg.blocks_t).flatten(0, 1)  # [N, Hkv, D]
+            vg = v_cache.index_select(0, seg.blocks_t).flatten(0, 1)
+            if seg.pad_t is not None:  # masked keys, but stale slots may hold NaN
+                kg.index_fill_(0, seg.pad_t, 0.0)
+                vg.index_fill_(0, seg.pad_t, 0.0)
+            kg, vg = kg.float(), vg.float()
+            for dc in seg.decodes:
+                b, n = dc.tokens.shape[0], dc.off + dc.tokens.shape[0] * dc.keys
+                qd = qf.index_select(0, dc.tokens)  # [B, Hkv, R, D]: the R heads as rows
+                kd = kg[dc.off : n].view(b, dc.keys, hkv, d).transpose(1, 2)  # [B, Hkv, K, D]
+                vd = vg[dc.off : n].view(b, dc.keys, hkv, d).transpose(1, 2)
+                o, l = _attention(qd, kd, vd, dc.mask, False, scale)
+                out.index_copy_(0, dc.tokens, o)  # o: [B, Hkv, R, D]
+                lse.index_copy_(0, dc.tokens, l)  # l: [B, Hkv, R]
+            for pf in seg.prefills:
+                s, e, n = pf.tok, pf.tok + pf.q_len, pf.off + pf.kv_len
+                ks, vs = kg[pf.off : n], vg[pf.off : n]  # [kv_len, Hkv, D]
+                out[s:e], lse[s:e] = _heads_attention(
+                    qf[s:e], ks, vs, pf.mask, pf.mask is None, scale
+                )
+            for px in seg.prefix:
+                s, e, n = px.q_start, px.q_end, px.off + px.p
+                kp, vp = kg[px.off : n], vg[px.off : n]  # [P, Hkv, D]
+                p_out[s:e], p_lse[s:e] = _heads_attention(qf[s:e], kp, vp, None, False, scale)
+        if p_out is not None:
+            _merge_into(out, lse, p_out, p_lse)
         return out.view(t, h, d).to(q.dtype)
 
     # ---- plan: index tensors that depend only on the metadata -----------------------------
 
-    def _get_plan(self, meta: AttentionMetadata, bs: int, h: int, hkv: int) -> _Plan:
+    def _get_plan(self, meta: AttentionMetadata, bs: int, h: int, row: int) -> list[_Segment]:
         c = self._cache
-        if c is not None and c[0] is meta and c[1] == (bs, h, hkv):
+        if c is not None and c[0] is meta and c[1] == (bs, h, row):
             return c[2]
-        plan = self._build_plan(meta, bs, h, hkv)
-        self._cache = (meta, (bs, h, hkv), plan)
+        plan = self._build_plan(meta, bs, h, row)
+        self._cache = (meta, (bs, h, row), plan)
         return plan
 
-    def _build_plan(self, meta: AttentionMetadata, bs: int, h: int, hkv: int) -> _Plan:
+    def _build_plan(self, meta: AttentionMetadata, bs: int, h: int, row: int) -> list[_Segment]:
+        """``row``: elements of one token's K (Hkv * D)."""
         dev = meta.kv_len.device
         cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
         q_len = np.diff(cu_q)
         kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
-        real = np.nonzero(q_len > 0)[0]
-        # bucket key: (query-length class, KV-length class); decodes (q_len 1) form their own
-        q_cls = np.where(q_len <= 1, 0, 1 + _size_class(q_len, 1, 1))
-        key = q_cls * 1024 + _size_class(kv_len, 16, 2)
-        own: list[_OwnTile] = []
-        for k in np.unique(key[real]):
-            seqs = real[key[real] == k]
-            nq, nk = int(q_len[seqs].max()), int(kv_len[seqs].max())
-            per_seq = max(1, h * nq * nk)
-            step = max(1, self.max_scores // per_seq)
+        table = meta.block_table.cpu().numpy().astype(np.int64)  # [S, max_blocks]
+        seg_blocks = max(1, self.max_gather // (row * bs))
+        segs: list[_Segment] = []
+
+        def place(n_blocks: int) -> tuple[_Segment, int]:  # segment and key offset for n_blocks
+            if not segs or (segs[-1].n_blocks and segs[-1].n_blocks + n_blocks > seg_blocks):
+                segs.append(_Segment([], [], [], [], []))
+            seg = segs[-1]
+            off = seg.n_blocks * bs
+            seg.n_blocks += n_blocks
+            return seg, off
+
+        dec = np.nonzero(q_len == 1)[0]
+        cls = _size_class(kv_len[dec], 16, 2)
+        for c in np.unique(cls):
+            seqs = dec[cls == c]
+            nk = -(-int(kv_len[seqs].max()) // bs) * bs  # keys per seq: whole blocks
+            step = max(1, min(self.max_scores // (h * nk), self.max_gather // (row * nk)))
             for i in range(0, len(seqs), step):
-                chunk = seqs[i : i + step]
-                q_step = nq if len(chunk) > 1 else max(1, self.max_scores // max(1, h * nk))
-                for j0 in range(0, nq, q_step):
-                    j1 = min(nq, j0 + q_step)
-                    tile = self._own_tile(meta, chunk, j0, j1, cu_q, q_len, kv_len, bs, hkv)
-                    own.append(tile)
-        prefix: list[list[_PrefixTile]] = []
+                self._decodes(seqs[i : i + step], cu_q, kv_len, table, bs, dev, place)
+        for i in np.nonzero(q_len > 1)[0]:
+            ql, kl = int(q_len[i]), int(kv_len[i])
+            nblk = -(-kl // bs)
+            seg, off = place(nblk)
+            seg.blocks.append(table[i, :nblk])
+            mask = None
+            if kl > ql:  # bottom-right causal: query j sees own positions <= kl - ql + j
+                vis = np.arange(kl)[None, :] <= (kl - ql + np.arange(ql))[:, None]
+                m = np.where(vis, 0.0, -np.inf).astype(np.float32)[None, None]
+                mask = torch.from_numpy(m).to(dev)  # [1, 1, q_len, kv_len]
+            seg.prefills.append(_Prefill(int(cu_q[i]), ql, off, kl, mask))
         p_len = meta.prefix_len.cpu().numpy().astype(np.int64)
+        p_table = meta.prefix_block_table.cpu().numpy().astype(np.int64)
         g_start = meta.group_q_start.cpu().numpy().astype(np.int64)
         g_end = meta.group_q_end.cpu().numpy().astype(np.int64)
         for gi in range(len(p_len)):
             p, s, e = int(p_len[gi]), int(g_start[gi]), int(g_end[gi])
             if p == 0 or e <= s:
                 continue
-            pos = torch.arange(p, device=dev)
-            slots = meta.prefix_block_table[gi].long()[pos // bs] * bs + pos % bs  # [P]
-            heads = torch.arange(hkv, device=dev)[:, None]  # [Hkv, 1]
-            kv_rows = (slots[None, :] * hkv + heads).reshape(-1)  # [Hkv*P]
+            nblk = -(-p // bs)
+            seg, off = place(nblk)
+            seg.blocks.append(p_table[gi, :nblk])
             step = max(1, self.max_scores // (h * p))
-            prefix.append([_PrefixTile(r, min(e, r + step), kv_rows) for r in range(s, e, step)])
-        return _Plan(own=own, prefix=prefix)
+            seg.prefix += [_Prefix(r0, min(e, r0 + step), off, p) for r0 in range(s, e, step)]
+        for seg in segs:
+            seg.blocks_t = torch.from_numpy(np.concatenate(seg.blocks)).to(dev)
+            if seg.pad:
+                seg.pad_t = torch.from_numpy(np.concatenate(seg.pad)).to(dev)
+        return segs
 
     @staticmethod
-    def _own_tile(meta, seqs, j0, j1, cu_q, q_len, kv_len, bs, hkv) -> _OwnTile:
-        dev = meta.kv_len.device
-        ql, kl = q_len[seqs], kv_len[seqs]  # [B]
-        n_keys = int((kl - ql + np.minimum(j1, ql)).max())  # keys the last row may see
-        s_t = torch.from_numpy(seqs).to(dev)
-        ql_t = torch.from_numpy(ql).to(dev)[:, None]  # [B, 1]
-        kl_t = torch.from_numpy(kl).to(dev)[:, None]  # [B, 1]
-        j = torch.arange(j0, j1, device=dev)[None, :]  # [1, Q]
-        jc = torch.minimum(j, ql_t - 1)  # [B, Q]: padding rows repeat the last real row
-        q_index = torch.from_numpy(cu_q[seqs]).to(dev)[:, None] + jc  # [B, Q]
-        q_pos = kl_t - ql_t + jc  # [B, Q]: own-KV position of each query
-        kpos = torch.arange(n_keys, device=dev)  # [K]
-        mask = kpos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K]
-        kpos_c = torch.minimum(kpos[None, :], kl_t - 1)  # [B, K]: padding reads a real slot
-        blocks = torch.gather(meta.block_table[s_t].long(), 1, kpos_c // bs)  # [B, K]
-        slots = blocks * bs + kpos_c % bs  # [B, K]
-        heads = torch.arange(hkv, device=dev)[None, :, None]  # [1, Hkv, 1]
-        kv_rows = (slots[:, None, :] * hkv + heads).reshape(-1)  # [B*Hkv*K]
-        real = (j < ql_t).reshape(-1)  # [B*Q]
-        if bool(real.all()):
-            return _OwnTile(q_index, kv_rows, mask, None, q_index.reshape(-1))
-        rows = torch.nonzero(real).squeeze(1)
-        return _OwnTile(q_index, kv_rows, mask, rows, q_index.reshape(-1)[rows])
+    def _decodes(seqs, cu_q, kv_len, table, bs, dev, place) -> None:
+        kl = kv_len[seqs][:, None]  # [B, 1]
+        used = -(-kl // bs)  # [B, 1]: blocks holding each seq's KV
+        nblk = int(used.max())
+        j = np.arange(nblk)[None, :]  # [1, nblk]
+        blocks = np.where(j < used, table[seqs, :nblk], table[seqs, :1])  # [B, nblk]
+        seg, off = place(blocks.size)
+        seg.blocks.append(blocks.reshape(-1))
+        past = np.arange(nblk * bs)[None, :] >= kl  # [B, K]: keys past kv_len
+        mask = None
+        if bool(past.any()):
+            seg.pad.append(off + np.flatnonzero(past))
+            m = np.where(past, -np.inf, 0.0).astype(np.float32)[:, None, None, :]  # [B,1,1,K]
+            mask = torch.from_numpy(m).to(dev)
+        tokens = torch.from_numpy(cu_q[seqs]).to(dev)
+        seg.decodes.append(_Decodes(tokens, off, nblk * bs, mask))
 
 
-_NO_KEYS = -1e30  # stand-in max for rows that see no key: exp(-inf - _NO_KEYS) = 0
-
-
-def _partial_attention(
-    q: torch.Tensor,  # [B, Hkv, G, Q, D] float32, pre-scaled
-    k: torch.Tensor,  # [B, Hkv, K, D] float32
-    v: torch.Tensor,  # [B, Hkv, K, D] float32
-    mask: torch.Tensor | None,  # bool, broadcastable to [B, Hkv, G, Q, K]
+def _heads_attention(
+    q: torch.Tensor,  # [N, Hkv, R, D] float32
+    k: torch.Tensor,  # [K, Hkv, D] float32
+    v: torch.Tensor,  # [K, Hkv, D] float32
+    mask: torch.Tensor | None,  # float32 additive, broadcastable to [1, 1, N, K]
+    causal: bool,  # top-left aligned
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q over k/v: out [B, Hkv, G, Q, D], lse [B, Hkv, G, Q].
+    """All N queries over one KV sequence: out [N, Hkv, R, D], lse [N, Hkv, R] (views).
 
-    Rows with no visible key get out 0 and lse -inf (they weigh nothing when merged).
+    The R query heads of a KV head ride the batch dim; K/V are broadcast over it.
     """
-    b, hkv, g, nq, d = q.shape
-    nk = k.shape[2]
-    s = torch.matmul(q.reshape(b, hkv, g * nq, d), k.transpose(-1, -2))  # [B, Hkv, G*Q, K]
-    s = s.view(b, hkv, g, nq, nk)
+    r = q.shape[2]
+    qb = q.permute(2, 1, 0, 3)  # [R, Hkv, N, D]
+    kb = k.transpose(0, 1)[None].expand(r, -1, -1, -1)  # [R, Hkv, K, D], stride 0
+    vb = v.transpose(0, 1)[None].expand(r, -1, -1, -1)
+    o, l = _attention(qb, kb, vb, mask, causal, scale)
+    return o.permute(2, 1, 0, 3), l.permute(2, 1, 0)
+
+
+def _attention(
+    q: torch.Tensor,  # [B, H, Q, D] float32
+    k: torch.Tensor,  # [B, H, K, D] float32
+    v: torch.Tensor,  # [B, H, K, D] float32
+    mask: torch.Tensor | None,  # float32 additive, broadcastable to [B, H, Q, K]
+    causal: bool,  # key j visible to query i iff j <= i (top-left aligned)
+    scale: float,
+    fused: bool | None = None,  # torch's CPU flash kernel; default: on CPU tensors
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with its log-sum-exp: out [B, H, Q, D], lse [B, H, Q].
+
+    Every query row must see at least one key.
+    """
+    if fused is None:
+        fused = q.device.type == "cpu"
+    if fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p=0.0, is_causal=causal, attn_mask=mask, scale=scale
+        )
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Q, K]
     if mask is not None:
-        s.masked_fill_(~mask, -math.inf)
-    m = s.amax(dim=-1, keepdim=True).clamp_min(_NO_KEYS)  # [B, Hkv, G, Q, 1], finite
-    s.sub_(m).exp_()
-    denom = s.sum(dim=-1, keepdim=True)  # [B, Hkv, G, Q, 1]
-    o = torch.matmul(s.view(b, hkv, g * nq, nk), v).view(b, hkv, g, nq, d)
-    o.div_(denom.clamp_min(torch.finfo(torch.float32).tiny))
-    return o, (m + denom.log()).squeeze(-1)
+        s = s + mask
+    if causal:
+        nq, nk = s.shape[-2:]
+        s.masked_fill_(torch.ones(nq, nk, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [B, H, Q]
+    return torch.matmul(torch.exp(s - lse[..., None]), v), lse
 
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
-    """Merge partial (o, l) into (out, lse) in place: out [N, ..., D], lse [N, ...]."""
-    m = torch.maximum(lse, l).clamp_min(_NO_KEYS)  # finite
-    w_a, w_b = torch.exp(lse - m), torch.exp(l - m)
-    total = w_a + w_b
-    out.mul_((w_a / total)[..., None]).add_(o * (w_b / total)[..., None])
-    lse.copy_(m + total.log())
+    """Merge partial (o, l) into (out, lse) in place: out [N, ..., D], lse [N, ...].
+
+    ``lse`` must be finite (the own part always sees a key); ``l`` may be -inf."""
+    new = torch.logaddexp(lse, l)
+    out.mul_((lse - new).exp_()[..., None]).add_(o * (l - new).exp_()[..., None])
+    lse.copy_(new)
 
 
 def _triton_backend() -> AttentionBackend:
