@@ -7,7 +7,8 @@ Runs INSIDE ``.venv-vllm`` (see benchmarks/setup_vllm_venv.sh), never in the pro
 
 Input: a ``prompt`` column (list<int>, token ids), a ``max_tokens`` column, and optionally a
 ``row_id`` column (else the file row index). Every row decodes exactly ``max_tokens`` tokens
-greedily (ignore_eos, min_tokens = max_tokens) with prefix caching on, so the only freedom
+greedily (ignore_eos, min_tokens = max_tokens; ``--no-min-tokens``: ignore_eos alone, so
+EOS can be sampled, as batchjob's ignore_eos does) with prefix caching on, so the only freedom
 left to vLLM is scheduling. The JSON holds start-up and generate times apart (start-up
 includes torch inductor compilation), throughput, the prefix-cache saving ratio
 (sum num_cached_tokens / sum prompt tokens), peak RSS, and the generated ids per row in
@@ -166,6 +167,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core in this process",
     )
     p.add_argument("--warmup", action="store_true", help="one short request before timing")
+    p.add_argument(
+        "--no-min-tokens",
+        action="store_true",
+        help="ignore_eos only: EOS may be sampled but does not stop a row (batchjob's "
+        "ignore_eos); default also masks EOS with min_tokens = max_tokens",
+    )
     return p.parse_args(argv)
 
 
@@ -236,7 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         params = [
             SamplingParams(
                 max_tokens=work.max_tokens[i],
-                min_tokens=work.max_tokens[i],
+                min_tokens=0 if args.no_min_tokens else work.max_tokens[i],
                 ignore_eos=True,
                 temperature=0.0,
                 detokenize=False,

@@ -1,0 +1,556 @@
+"""batchjob against its real peers: one comparison table (markdown + Parquet) and a plot.
+
+    .venv/bin/python benchmarks/bench_peers.py --workloads case1 --repeats 1 --with-vllm
+    .venv/bin/python benchmarks/bench_peers.py --smoke            # tiny, < 1 min, no vLLM
+
+Systems, all on the same model folder, token ids, fixed output lengths, fp32 and KV budget:
+``batchjob`` (native engine, batchllm policy, `batchjob run` in a subprocess), ``baseline``
+(the same engine with the FCFS baseline policy: the ablation), ``vllm-file`` and
+``vllm-sorted`` (benchmarks/vllm_peer.py in .venv-vllm, rows in file order / lexicographic
+order; "vLLM best" is the faster of the two) and optionally ``hf`` (benchmarks/hf_peer.py).
+EOS: every system decodes exactly max_tokens tokens and EOS may be sampled (batchjob
+``ignore_eos``; vllm_peer ``--no-min-tokens``), so outputs compare token by token.
+Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF generate_s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import click
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from batchjob.io import write_parquet_atomic  # noqa: E402
+from batchjob.tiny_model import default_corpus, make_tiny_model  # noqa: E402
+from examples.workloads import make_workload  # noqa: E402
+
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+PY = sys.executable
+# name -> (scale, len_scale, max_tokens): each a few minutes of vLLM on 2 cores
+WORKLOADS: dict[str, tuple[float, float, int]] = {
+    "case1": (0.1, 0.5, 50),  # 300 requests, 227k prompt tokens
+    "micro-2000-200-s16": (0.1, 0.5, 50),
+    "micro-2000-200-s4": (0.1, 0.5, 50),
+    "micro-1000-1000-s16": (0.1, 0.5, 50),
+    "micro-1000-1000-s4": (0.1, 0.5, 50),
+    "micro-200-2000-s16": (0.1, 0.5, 50),
+    "micro-200-2000-s4": (0.1, 0.5, 50),
+    "case2": (0.2, 0.5, 25),
+    "nosharing": (0.2, 0.5, 64),
+}
+SMOKE_WORKLOAD = ("micro-2000-200-s4", 0.02, 0.05, 8)  # 20 requests of 110 tokens
+# minimum batchjob / vLLM-best requests/s
+TARGETS = {
+    "micro-2000-200-s16": 1.5,
+    "case1": 1.3,
+    "micro-200-2000-s4": 1.0,
+    "micro-200-2000-s16": 1.0,
+    "nosharing": 1.0,
+}
+SYSTEMS = ("batchjob", "baseline", "vllm-file", "vllm-sorted", "hf")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One system on one workload, one repeat."""
+
+    workload: str
+    system: str
+    repeat: int
+    requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    run_s: float  # timed part: batchjob engine + plan; peers generate
+    end_to_end_s: float  # the whole subprocess: start-up, load, write
+    saving_ratio: float
+    saving_ratio_planned: float  # batchjob only (nan for peers)
+    peak_mem_mib: float  # batchjob: max RSS of its one process; vLLM: summed PSS of 3
+    cpu_s: float  # vLLM: CPU seconds during generate; batchjob: user+sys of the process
+    loadavg_1m: float
+    match_frac: float  # rows whose output ids equal batchjob's (nan if not compared)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.run_s
+
+
+def build_model(path: Path, smoke: bool) -> Path:
+    """models/bench-peer: Llama 256 / 8 layers / 8 heads x 128, vocab 1000 (64 KiB KV/token)."""
+    if (path / "config.json").exists():
+        return path
+    if smoke:
+        return make_tiny_model(path, vocab_size=320, hidden=64, layers=2, heads=2, kv_heads=2)
+    corpus = [s for k in range(4) for s in default_corpus(400, seed=k)]  # enough for 1000 ids
+    return make_tiny_model(
+        path,
+        vocab_size=1000,
+        hidden=256,
+        layers=8,
+        heads=8,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=512,
+        corpus=corpus,
+    )
+
+
+def write_workload(
+    name: str, scale: float, len_scale: float, max_tokens: int, vocab: int, path: Path
+) -> pa.Table:
+    t = make_workload(
+        name, scale, len_scale, seed=0, form="ids", vocab_size=vocab, max_tokens=max_tokens
+    )
+    t = pa.table(
+        {
+            "row_id": np.arange(t.num_rows, dtype=np.int64),
+            "prompt": t["prompt"],
+            "max_tokens": t["max_tokens"],
+        }
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_parquet_atomic(t, path)
+    return t
+
+
+def run_child(cmd: list[str], log: Path) -> tuple[float, float, float]:
+    """Run ``cmd``; stdout to ``log``, stderr to ``log``.err. Returns the child's (wall s,
+    max RSS MiB, CPU s)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f, open(log.with_suffix(".err"), "w") as e:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=e, cwd=ROOT)
+        _, status, ru = os.wait4(proc.pid, 0)  # this child's own rusage, not all children's
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = log.with_suffix(".err").read_text()[-3000:]
+        raise RuntimeError(f"{cmd[:4]} exited {proc.returncode}; log {log}:\n{tail}")
+    return wall, ru.ru_maxrss / 1024, ru.ru_utime + ru.ru_stime
+
+
+def job_toml(
+    data: Path, model: Path, out: Path, policy: str, max_tokens: int, kv_bytes: int, chunk_size: int
+) -> str:
+    return f"""[input]
+path = "{data}"
+prompt_column = "prompt"
+[model]
+path = "{model}"
+dtype = "float32"
+device = "cpu"
+[sampling]
+max_tokens = {max_tokens}
+temperature = 0.0
+ignore_eos = true
+[scheduler]
+policy = "{policy}"
+chunk_size = {chunk_size}
+[engine]
+kv_cache_bytes = {kv_bytes}
+threads = 2
+[output]
+path = "{out}"
+overwrite = true
+"""
+
+
+def outputs_by_row(path: Path) -> dict[int, list[int]]:
+    t = pq.read_table(path, columns=["row_id", "output_token_ids"])
+    return dict(zip(t["row_id"].to_pylist(), t["output_token_ids"].to_pylist(), strict=True))
+
+
+def match_frac(ours: dict[int, list[int]] | None, theirs: dict[int, list[int]]) -> float:
+    if ours is None:
+        return float("nan")
+    return sum(ours.get(r) == ids for r, ids in theirs.items()) / len(theirs)
+
+
+def run_batchjob(
+    name: str,
+    policy: str,
+    rep: int,
+    data: Path,
+    model: Path,
+    work: Path,
+    max_tokens: int,
+    kv_bytes: int,
+    chunk_size: int,
+    ours: dict[int, list[int]] | None,
+) -> tuple[RunResult, dict[int, list[int]]]:
+    d = work / f"{name}-{policy}-{rep}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "job.toml").write_text(
+        job_toml(data, model, d / "results.parquet", policy, max_tokens, kv_bytes, chunk_size)
+    )
+    load = os.getloadavg()[0]
+    cmd = [PY, "-m", "batchjob.cli", "run", str(d / "job.toml"), "--json", "--no-progress"]
+    wall, rss, cpu = run_child(cmd, d / "log.txt")
+    s = json.loads((d / "log.txt").read_text())
+    timed = s["engine_s"] + s["stage_s"]["plan_s"]
+    outs = outputs_by_row(d / "results.parquet")
+    return RunResult(
+        name,
+        "batchjob" if policy == "batchllm" else "baseline",
+        rep,
+        s["requests_run"],
+        s["prompt_tokens"],
+        s["generated_tokens"],
+        timed,
+        wall,
+        s["saving_ratio_achieved"],
+        s["saving_ratio_planned"],
+        rss,
+        cpu,
+        load,
+        match_frac(ours, outs),
+    ), outs
+
+
+def recheck(r: RunResult, runs_dir: Path, ours: dict[int, list[int]] | None) -> RunResult:
+    """A reused run with its match fraction recomputed against this call's batchjob outputs."""
+    if ours is None or r.system == "batchjob":
+        return r
+    d = runs_dir / f"{r.workload}-{'baseline' if r.system == 'baseline' else r.system}-{r.repeat}"
+    if r.system == "baseline":
+        theirs = outputs_by_row(d / "results.parquet")
+    else:
+        rows = json.loads((d / "peer.json").read_text())["rows"]
+        theirs = {x["row_id"]: x["output_ids"] for x in rows}
+    return replace(r, match_frac=match_frac(ours, theirs))
+
+
+def run_peer(
+    name: str,
+    system: str,
+    rep: int,
+    data: Path,
+    model: Path,
+    work: Path,
+    kv_gib: float,
+    ours: dict[int, list[int]] | None,
+) -> RunResult:
+    d = work / f"{name}-{system}-{rep}"
+    d.mkdir(parents=True, exist_ok=True)
+    out = d / "peer.json"
+    if system == "hf":
+        cmd = [PY, str(ROOT / "benchmarks/hf_peer.py"), "--batch-size", "8", "--threads", "2"]
+    else:
+        cmd = [
+            str(VLLM_PY),
+            str(ROOT / "benchmarks/vllm_peer.py"),
+            "--omp-bind",
+            "0-1",
+            "--block-size",
+            "32",
+            "--kv-gib",
+            str(kv_gib),
+            "--dtype",
+            "float32",
+            "--no-min-tokens",
+        ]
+        cmd += ["--sort-prompts"] if system == "vllm-sorted" else []
+    cmd += ["--model", str(model), "--input", str(data), "--output-json", str(out)]
+    wall, rss, cpu = run_child(cmd, d / "log.txt")
+    j = json.loads(out.read_text())
+    theirs = {r["row_id"]: r["output_ids"] for r in j["rows"]}
+    mem = j.get("peak_pss_tree_mib") or rss
+    return RunResult(
+        name,
+        system,
+        rep,
+        j["num_requests"],
+        j["prompt_tokens"],
+        j["generated_tokens"],
+        j["generate_s"],
+        wall,
+        j.get("saving_ratio", 0.0),
+        float("nan"),
+        mem,
+        j.get("generate_cpu_s") or cpu,
+        float(np.mean(j["loadavg_1m"])) if "loadavg_1m" in j else os.getloadavg()[0],
+        match_frac(ours, theirs),
+    )
+
+
+def median(runs: list[RunResult], field: str) -> float:
+    vals = [getattr(r, field) for r in runs]
+    return statistics.median(vals)
+
+
+def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
+    """One row per (workload, system): medians over repeats, ratio of batchjob to it, target."""
+    rows = []
+    for name in dict.fromkeys(r.workload for r in runs):
+        by_sys: dict[str, list[RunResult]] = {}
+        for r in runs:
+            if r.workload == name:
+                by_sys.setdefault(r.system, []).append(r)
+        rps = {s: median(rs, "requests_per_s") for s, rs in by_sys.items()}
+        ours = rps.get("batchjob")
+        vllm = {s: v for s, v in rps.items() if s.startswith("vllm")}
+        best = max(vllm, key=vllm.get) if vllm else None
+        sc, ls, mt = scales[name]
+        for system, rs in by_sys.items():
+            r0 = rs[0]
+            ratio = ours / rps[system] if ours else float("nan")
+            target, status = "", ""
+            if system == best:
+                want = TARGETS.get(name)
+                sav_ok = (
+                    (
+                        by_sys["batchjob"][0].saving_ratio >= r0.saving_ratio - 1e-9
+                        and abs(
+                            by_sys["batchjob"][0].saving_ratio
+                            - by_sys["batchjob"][0].saving_ratio_planned
+                        )
+                        < 5e-3
+                    )
+                    if "batchjob" in by_sys
+                    else False
+                )
+                target = f">= {want}x" if want else "-"
+                met = "-" if not want else ("met" if ratio >= want else "missed")
+                status = f"speed {met}; saving {'met' if sav_ok else 'missed'}"
+            rows.append(
+                {
+                    "workload": name,
+                    "scale/len_scale/max_tokens": f"{sc}/{ls}/{mt}",
+                    "system": system + (" (vLLM best)" if system == best else ""),
+                    "repeats": len(rs),
+                    "requests": r0.requests,
+                    "prompt_tokens": r0.prompt_tokens,
+                    "run_s": median(rs, "run_s"),
+                    "end_to_end_s": median(rs, "end_to_end_s"),
+                    "req_per_s": rps[system],
+                    "prompt_tok_per_s": r0.prompt_tokens / median(rs, "run_s"),
+                    "gen_tok_per_s": r0.generated_tokens / median(rs, "run_s"),
+                    "saving_achieved": r0.saving_ratio,
+                    "saving_planned": r0.saving_ratio_planned,
+                    "peak_mem_mib": median(rs, "peak_mem_mib"),
+                    "batchjob_x": ratio,
+                    "match_vs_batchjob": r0.match_frac,
+                    "target": target,
+                    "status": status,
+                    "load_1m": median(rs, "loadavg_1m"),
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = list(rows[0])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    systems = list(dict.fromkeys(r["system"].split(" ")[0] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(5, 2 * len(names)), 3.5))
+    w = 0.8 / len(systems)
+    for k, s in enumerate(systems):
+        ys = [
+            next(
+                (
+                    r["req_per_s"]
+                    for r in rows
+                    if r["workload"] == n and r["system"].split(" ")[0] == s
+                ),
+                0.0,
+            )
+            for n in names
+        ]
+        ax.bar(np.arange(len(names)) + k * w, ys, width=w, label=s)
+    ax.set_xticks(np.arange(len(names)) + 0.4 - w / 2, names)
+    ax.set_ylabel("requests / s (start-up excluded)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+CATEGORIES = (  # (label, file-path fragment) of the Python code a function or builtin runs in
+    ("attention", "engine/attention"),
+    ("model (norm, rope, mlp glue)", "engine/models/"),
+    ("sampling", "engine/sampling"),
+    ("scheduling + batch building + KV", "engine/sched"),
+    ("scheduling + batch building + KV", "engine/batch_builder"),
+    ("scheduling + batch building + KV", "engine/kv_cache"),
+    ("engine loop", "engine/engine.py"),
+)
+
+
+def profile_split(stats_path: Path) -> dict[str, float]:
+    """Seconds per category from a cProfile dump of `batchjob run`: a Python function counts
+    its own time where it is defined; a builtin (torch op) counts in its caller's file.
+    Linear layers (``linear``/``matmul``/``mm`` builtins) are split out of the model."""
+    import pstats
+
+    st = pstats.Stats(str(stats_path))
+    out: dict[str, float] = {}
+
+    def label(file: str) -> str:
+        return next((lab for lab, frag in CATEGORIES if frag in file), "other (Python, I/O)")
+
+    for (file, _, fn), (_, _, tt, _, callers) in st.stats.items():  # type: ignore[attr-defined]
+        if file != "~":
+            out[label(file)] = out.get(label(file), 0.0) + tt
+            continue
+        for (cfile, _, _), caller in callers.items():
+            lab = label(cfile)
+            if lab.startswith("model") and any(k in fn for k in ("linear", "matmul", "mm'")):
+                lab = "linear layers (torch linear/matmul)"
+            out[lab] = out.get(lab, 0.0) + caller[2]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+@click.command()
+@click.option(
+    "--workloads",
+    default="case1,micro-2000-200-s16",
+    show_default=True,
+    help=f"Comma list of: {', '.join(WORKLOADS)}",
+)
+@click.option("--systems", default="batchjob,baseline,vllm-file,vllm-sorted", show_default=True)
+@click.option("--with-vllm/--no-vllm", default=True, help="Drop the vLLM systems.")
+@click.option("--with-hf", is_flag=True, help="Add HF generate (small workloads only).")
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--scale", type=float, default=None, help="Override every workload's scale.")
+@click.option("--len-scale", type=float, default=None, help="Override every len_scale.")
+@click.option("--kv-gib", type=float, default=1.0, show_default=True)
+@click.option("--chunk-size", default=2048, show_default=True)
+@click.option("--smoke", is_flag=True, help="Tiny model and workload; vLLM only with --with-vllm.")
+@click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_peers")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Keep the runs already in OUT/peers_runs.parquet (same workload/system/repeat).",
+)
+@click.option(
+    "--profile-stats",
+    type=click.Path(exists=True, path_type=Path),
+    default=None,
+    help="Only print the time split of a cProfile dump of `batchjob run` (see the docs).",
+)
+def main(
+    workloads,
+    systems,
+    with_vllm,
+    with_hf,
+    repeats,
+    scale,
+    len_scale,
+    kv_gib,
+    chunk_size,
+    smoke,
+    out,
+    resume,
+    profile_stats,
+) -> None:
+    if profile_stats is not None:
+        split = profile_split(profile_stats)
+        total = sum(split.values())
+        for k, v in split.items():
+            print(f"{k:40s} {v:8.2f} s  {v / total:6.1%}")
+        return
+    out = out.resolve()  # job files and peers get absolute paths
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = [s for s in systems.split(",") if s]
+    if smoke:
+        name, sc, ls, mt = SMOKE_WORKLOAD
+        scales = {name: (sc, ls, mt)}
+        model = build_model(out / "smoke-model", smoke=True)
+        kv_gib = 1 / 64  # 16 MiB: 16k tokens of the 1 KiB/token tiny model (vLLM: >= max len)
+        chosen = [s for s in chosen if not s.startswith("vllm") or "--with-vllm" in sys.argv]
+    else:
+        scales = {n: WORKLOADS[n] for n in workloads.split(",")}
+        if scale or len_scale:
+            scales = {n: (scale or a, len_scale or b, c) for n, (a, b, c) in scales.items()}
+        model = build_model(ROOT / "models" / "bench-peer", smoke=False)
+    if not with_vllm or not VLLM_PY.exists():
+        chosen = [s for s in chosen if not s.startswith("vllm")]
+    if with_hf and "hf" not in chosen:
+        chosen.append("hf")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    kv_bytes = int(kv_gib * (1 << 30))
+    runs: list[RunResult] = []
+    if resume and (out / "peers_runs.parquet").exists():  # keep runs an earlier call finished
+        runs = [RunResult(**r) for r in pq.read_table(out / "peers_runs.parquet").to_pylist()]
+    done = {(r.workload, r.system, r.repeat) for r in runs}
+    for name, (sc, ls, mt) in scales.items():
+        data = out / "data" / f"{name}-{sc}-{ls}-{mt}.parquet"
+        t = write_workload(name, sc, ls, mt, vocab, data)
+        print(
+            f"{name}: {t.num_rows} requests, {sum(map(len, t['prompt'].to_pylist()))} prompt "
+            f"tokens, {mt} out each; systems {chosen}",
+            flush=True,
+        )
+        for rep in range(repeats):
+            ours = None
+            for system in sorted(chosen, key=lambda s: s != "batchjob"):  # batchjob first
+                if (name, system, rep) in done:  # --resume: reuse, re-check against batchjob
+                    ours = (
+                        ours
+                        if system != "batchjob"
+                        else outputs_by_row(
+                            out / "runs" / f"{name}-batchllm-{rep}" / "results.parquet"
+                        )
+                    )
+                    runs = [
+                        recheck(r, out / "runs", ours)
+                        if r.system == system and (r.workload, r.repeat) == (name, rep)
+                        else r
+                        for r in runs
+                    ]
+                    continue
+                if system in ("batchjob", "baseline"):
+                    policy = "batchllm" if system == "batchjob" else "baseline"
+                    r, outs = run_batchjob(
+                        name, policy, rep, data, model, out / "runs", mt, kv_bytes, chunk_size, ours
+                    )
+                    ours = outs if system == "batchjob" else ours
+                else:
+                    r = run_peer(name, system, rep, data, model, out / "runs", kv_gib, ours)
+                runs.append(r)
+                print(
+                    f"  rep {rep} {system}: run {r.run_s:.1f} s ({r.requests_per_s:.2f} req/s), "
+                    f"end-to-end {r.end_to_end_s:.1f} s, saving {r.saving_ratio:.3f}, "
+                    f"mem {r.peak_mem_mib:.0f} MiB, match {r.match_frac:.2f}, "
+                    f"load {r.loadavg_1m:.1f}",
+                    flush=True,
+                )
+                write_parquet_atomic(
+                    pa.table({k: [asdict(x)[k] for x in runs] for k in asdict(runs[0])}),
+                    out / "peers_runs.parquet",
+                )
+    rows = summary_rows(runs, scales)
+    table = markdown(rows)
+    (out / "peers.md").write_text(table + "\n")
+    write_parquet_atomic(
+        pa.table({k: [r[k] for r in rows] for k in rows[0]}), out / "peers.parquet"
+    )
+    plot(rows, out / "peers.png")
+    print("\n" + table + f"\n\nwrote {out}/peers.md, peers.parquet, peers_runs.parquet, peers.png")
+
+
+if __name__ == "__main__":
+    main()
