@@ -400,26 +400,40 @@ CATEGORIES = (  # (label, file-path fragment) of the Python code a function or b
 
 
 def profile_split(stats_path: Path) -> dict[str, float]:
-    """Seconds per category from a cProfile dump of `batchjob run`: a Python function counts
-    its own time where it is defined; a builtin (torch op) counts in its caller's file.
-    Linear layers (``linear``/``matmul``/``mm`` builtins) are split out of the model."""
+    """Seconds per category from a cProfile dump of `batchjob run`. Each function's own time
+    goes to the batchjob file it runs in, or, for torch ops and torch Python internals, to
+    the nearest batchjob caller up the call graph (``linear``/``matmul`` ops: "linear")."""
     import pstats
 
-    st = pstats.Stats(str(stats_path))
+    st = pstats.Stats(str(stats_path)).stats  # type: ignore[attr-defined]
+
+    def label(file: str) -> str | None:
+        if "/batchjob/" not in file:
+            return None
+        return next((lab for lab, frag in CATEGORIES if frag in file), "other batchjob Python")
+
+    def resolve(func: tuple, depth: int = 0) -> str:
+        lab = label(func[0])
+        if lab is not None or depth > 8 or func not in st:
+            return lab or "other (Python, I/O, torch glue)"
+        callers = st[func][4]
+        if not callers:
+            return "other (Python, I/O, torch glue)"
+        top = max(callers, key=lambda c: callers[c][3])  # caller with most cumulative time
+        return resolve(top, depth + 1)
+
     out: dict[str, float] = {}
-
-    def label(file: str) -> str:
-        return next((lab for lab, frag in CATEGORIES if frag in file), "other (Python, I/O)")
-
-    for (file, _, fn), (_, _, tt, _, callers) in st.stats.items():  # type: ignore[attr-defined]
-        if file != "~":
-            out[label(file)] = out.get(label(file), 0.0) + tt
+    for func, (_, _, tt, _, callers) in st.items():
+        if func[0] == "~" and any(k in func[2] for k in ("linear", "matmul", "addmm")):
+            lab = "linear layers (torch linear/matmul)"
+        elif func[0] == "~" and callers:  # a builtin: split by the caller that ran it
+            for c, stats in callers.items():
+                lab = resolve(c)
+                out[lab] = out.get(lab, 0.0) + stats[2]
             continue
-        for (cfile, _, _), caller in callers.items():
-            lab = label(cfile)
-            if lab.startswith("model") and any(k in fn for k in ("linear", "matmul", "mm'")):
-                lab = "linear layers (torch linear/matmul)"
-            out[lab] = out.get(lab, 0.0) + caller[2]
+        else:
+            lab = resolve(func)
+        out[lab] = out.get(lab, 0.0) + tt
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
