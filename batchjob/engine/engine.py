@@ -16,7 +16,12 @@ import torch
 from batchjob.engine.batch_builder import build_batch
 from batchjob.engine.models.loader import ModelInfo
 from batchjob.engine.sampling import SamplingParams, check_stop, sample, truncate_at_stop
-from batchjob.engine.scheduler import SchedulerSettings, make_scheduler
+from batchjob.engine.scheduler import (
+    SchedulerSettings,
+    check_kv_budget,
+    make_scheduler,
+    request_prefix_len,
+)
 from batchjob.engine.scheduler_output import SchedulerStats
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
@@ -118,7 +123,9 @@ class Engine:
 
     def check_fits(self, prompts: TokenizedPrompts, plan: Plan | None) -> None:
         """Raise ValueError naming the row if a request cannot fit in the KV budget."""
-        make_scheduler(self.scheduler_settings(), prompts, plan)
+        settings = self.scheduler_settings()
+        grouped = plan if settings.policy == "batchllm" else None  # baseline ignores groups
+        check_kv_budget(settings, prompts, request_prefix_len(grouped, len(prompts)))
 
     @torch.inference_mode()
     def run(

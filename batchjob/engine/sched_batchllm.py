@@ -45,7 +45,12 @@ import numpy as np
 
 from batchjob.engine.kv_cache import cdiv
 from batchjob.engine.sched_sequence import FINISHED, NEW, RUNNING, WAITING, Sequence
-from batchjob.engine.scheduler import Scheduler, SchedulerSettings, check_kv_budget
+from batchjob.engine.scheduler import (
+    Scheduler,
+    SchedulerSettings,
+    check_kv_budget,
+    request_prefix_len,
+)
 from batchjob.engine.scheduler_output import (
     ScheduledChunk,
     ScheduledPrefix,
@@ -105,10 +110,7 @@ class BatchLLMScheduler(Scheduler):
         else:
             check_plan(plan, prompts)
             prefix_lens, offsets, members = plan.group_prefix_len, plan.group_offsets, plan.members
-        per_req = np.zeros(n, dtype=np.int64)
-        for g in range(len(prefix_lens)):
-            per_req[members[offsets[g] : offsets[g + 1]]] = prefix_lens[g]
-        check_kv_budget(settings, prompts, per_req)
+        check_kv_budget(settings, prompts, request_prefix_len(plan, n))
         reqs: list[Sequence | None] = [None] * n
         self._groups: list[_Group] = []
         for g in range(len(prefix_lens)):

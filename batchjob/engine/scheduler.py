@@ -75,6 +75,14 @@ class _Counters:
     threshold_lifted_iterations: int = 0
 
 
+def request_prefix_len(plan: Plan | None, num_requests: int) -> np.ndarray:
+    """int64 [N]: the group prefix length each request attends to (0 without a plan)."""
+    per_req = np.zeros(num_requests, dtype=np.int64)
+    if plan is not None:
+        per_req[plan.members] = np.repeat(plan.group_prefix_len, np.diff(plan.group_offsets))
+    return per_req
+
+
 def check_kv_budget(
     settings: SchedulerSettings, prompts: TokenizedPrompts, prefix_len: np.ndarray
 ) -> None:
