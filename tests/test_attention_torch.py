@@ -16,15 +16,6 @@ from batchjob.engine.attention_meta import AttentionMetadata
 from batchjob.errors import ConfigError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The 2-core box is shared: multi-threaded tiny matmuls stall badly under load."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @dataclass
 class SeqSpec:
     q_len: int  # query tokens this step

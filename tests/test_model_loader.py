@@ -17,14 +17,6 @@ from tests.test_attention_torch import SeqSpec, build_meta
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("loader")

@@ -20,15 +20,6 @@ VARIANTS = ["llama", "mistral", "qwen2", "qwen3", "llama-tied-llama3rope", "qwen
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine"] * 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The 2-core box is shared: multi-threaded tiny matmuls stall badly under load."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
