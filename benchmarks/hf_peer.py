@@ -23,43 +23,14 @@ import platform
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
-
-@dataclass(frozen=True)
-class Workload:
-    """Rows in file order; ``order`` is the execution order (indices into the rows)."""
-
-    row_ids: list[int]
-    prompts: list[list[int]]
-    max_tokens: list[int]
-    order: list[int]
-
-
-def load_workload(path: str, sort_prompts: bool) -> Workload:
-    table = pq.read_table(path)
-    for col in ("prompt", "max_tokens"):
-        if col not in table.column_names:
-            raise SystemExit(f"{path}: missing column {col!r} (have {table.column_names})")
-    prompts = [list(map(int, p)) for p in table.column("prompt").to_pylist()]
-    max_tokens = [int(m) for m in table.column("max_tokens").to_pylist()]
-    if "row_id" in table.column_names:
-        row_ids = [int(r) for r in table.column("row_id").to_pylist()]
-    else:
-        row_ids = list(range(len(prompts)))
-    if not prompts:
-        raise SystemExit(f"{path}: no rows")
-    if any(not p for p in prompts) or any(m < 1 for m in max_tokens):
-        raise SystemExit(f"{path}: empty prompt or max_tokens < 1")
-    order = list(range(len(prompts)))
-    if sort_prompts:
-        order.sort(key=lambda i: prompts[i])
-    return Workload(row_ids, prompts, max_tokens, order)
+# one workload loader for both peers (vllm_peer imports only the stdlib at import time)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_peer import load_workload
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
