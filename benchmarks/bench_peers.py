@@ -8,6 +8,10 @@ Systems, all on the same model folder, token ids, fixed output lengths, fp32 and
 (the same engine with the FCFS baseline policy: the ablation), ``vllm-file`` and
 ``vllm-sorted`` (benchmarks/vllm_peer.py in .venv-vllm, rows in file order / lexicographic
 order; "vLLM best" is the faster of the two) and optionally ``hf`` (benchmarks/hf_peer.py).
+All vLLM runs (every workload, both orders, every repeat) go through ONE ``vllm_peer.py
+--plan`` process after the other systems: one 60-100 s engine start-up instead of one per
+run, the prefix cache reset between runs. A vLLM run's ``end_to_end_s`` is that process's
+ready time (spawn, imports, start-up) + its own generate_s: what it would cost alone.
 EOS: every system decodes exactly max_tokens tokens and EOS may be sampled (batchjob
 ``ignore_eos``; vllm_peer ``--no-min-tokens``), so outputs compare token by token.
 Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF generate_s.
@@ -73,10 +77,10 @@ class RunResult:
     prompt_tokens: int
     generated_tokens: int
     run_s: float  # timed part: batchjob engine + plan; peers generate
-    end_to_end_s: float  # the whole subprocess: start-up, load, write
+    end_to_end_s: float  # the whole subprocess (vLLM: shared start-up + this generate)
     saving_ratio: float
     saving_ratio_planned: float  # batchjob only (nan for peers)
-    peak_mem_mib: float  # batchjob: max RSS of its one process; vLLM: summed PSS of 3
+    peak_mem_mib: float  # batchjob: max RSS of its one process; vLLM: summed PSS of 3, this run
     cpu_s: float  # vLLM: CPU seconds during generate; batchjob: user+sys of the process
     loadavg_1m: float
     match_frac: float  # rows whose output ids equal batchjob's (nan if not compared)
@@ -230,41 +234,18 @@ def recheck(r: RunResult, runs_dir: Path, ours: dict[int, list[int]] | None) -> 
     return replace(r, match_frac=match_frac(ours, theirs))
 
 
-def run_peer(
+def peer_result(
     name: str,
     system: str,
     rep: int,
-    data: Path,
-    model: Path,
-    work: Path,
-    kv_gib: float,
+    j: dict,
+    end_to_end: float,
+    rss: float,
+    cpu: float,
     ours: dict[int, list[int]] | None,
 ) -> RunResult:
-    d = work / f"{name}-{system}-{rep}"
-    d.mkdir(parents=True, exist_ok=True)
-    out = d / "peer.json"
-    if system == "hf":
-        cmd = [PY, str(ROOT / "benchmarks/hf_peer.py"), "--batch-size", "8", "--threads", "2"]
-    else:
-        cmd = [
-            str(VLLM_PY),
-            str(ROOT / "benchmarks/vllm_peer.py"),
-            "--omp-bind",
-            "0-1",
-            "--block-size",
-            "32",
-            "--kv-gib",
-            str(kv_gib),
-            "--dtype",
-            "float32",
-            "--no-min-tokens",
-        ]
-        cmd += ["--sort-prompts"] if system == "vllm-sorted" else []
-    cmd += ["--model", str(model), "--input", str(data), "--output-json", str(out)]
-    wall, rss, cpu = run_child(cmd, d / "log.txt")
-    j = json.loads(out.read_text())
+    """A RunResult from a peer's JSON; ``rss``/``cpu`` (of the subprocess) are fallbacks."""
     theirs = {r["row_id"]: r["output_ids"] for r in j["rows"]}
-    mem = j.get("peak_pss_tree_mib") or rss
     return RunResult(
         name,
         system,
@@ -273,14 +254,65 @@ def run_peer(
         j["prompt_tokens"],
         j["generated_tokens"],
         j["generate_s"],
-        wall,
+        end_to_end,
         j.get("saving_ratio", 0.0),
         float("nan"),
-        mem,
+        j.get("peak_pss_tree_mib") or rss,
         j.get("generate_cpu_s") or cpu,
         float(np.mean(j["loadavg_1m"])) if "loadavg_1m" in j else os.getloadavg()[0],
         match_frac(ours, theirs),
     )
+
+
+def run_hf(
+    name: str, rep: int, data: Path, model: Path, work: Path, ours: dict[int, list[int]] | None
+) -> RunResult:
+    d = work / f"{name}-hf-{rep}"
+    d.mkdir(parents=True, exist_ok=True)
+    out = d / "peer.json"
+    cmd = [PY, str(ROOT / "benchmarks/hf_peer.py"), "--batch-size", "8", "--threads", "2"]
+    cmd += ["--model", str(model), "--input", str(data), "--output-json", str(out)]
+    wall, rss, cpu = run_child(cmd, d / "log.txt")
+    return peer_result(name, "hf", rep, json.loads(out.read_text()), wall, rss, cpu, ours)
+
+
+def run_vllm_plan(
+    pending: list[tuple[str, str, int, Path]],
+    model: Path,
+    work: Path,
+    kv_gib: float,
+    ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
+) -> tuple[list[RunResult], Exception | None]:
+    """Every pending (workload, system, repeat, data) vLLM run in ONE vllm_peer.py --plan
+    process. Returns the runs it finished (all, unless it failed: then also the error)."""
+    plan = []
+    for name, system, rep, data in pending:
+        out = work / f"{name}-{system}-{rep}" / "peer.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.unlink(missing_ok=True)  # only this process's JSONs are read back below
+        plan.append(
+            {"input": str(data), "sort_prompts": system == "vllm-sorted", "output_json": str(out)}
+        )
+    d = work / "vllm-plan"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "plan.json").write_text(json.dumps(plan, indent=1))
+    cmd = [str(VLLM_PY), str(ROOT / "benchmarks/vllm_peer.py"), "--omp-bind", "0-1"]
+    cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", "float32"]
+    cmd += ["--no-min-tokens", "--model", str(model), "--plan", str(d / "plan.json")]
+    err, rss, cpu = None, float("nan"), float("nan")
+    try:
+        wall, rss, cpu = run_child(cmd, d / "log.txt")
+        print(f"  vLLM plan: {len(plan)} runs in one process, {wall:.1f} s", flush=True)
+    except RuntimeError as e:  # keep the runs it finished (--resume skips them)
+        err = e
+    results = []
+    for (name, system, rep, _), p in zip(pending, plan, strict=True):
+        out = Path(p["output_json"])
+        if out.exists():
+            j = json.loads(out.read_text())
+            e2e = j["process_ready_s"] + j["generate_s"]
+            results.append(peer_result(name, system, rep, j, e2e, rss, cpu, ours_by[(name, rep)]))
+    return results, err
 
 
 def median(runs: list[RunResult], field: str) -> float:
@@ -510,8 +542,25 @@ def main(
     if resume and (out / "peers_runs.parquet").exists():  # keep runs an earlier call finished
         runs = [RunResult(**r) for r in pq.read_table(out / "peers_runs.parquet").to_pylist()]
     done = {(r.workload, r.system, r.repeat) for r in runs}
+    datas: dict[str, Path] = {}
+    ours_by: dict[tuple[str, int], dict[int, list[int]] | None] = {}
+
+    def record(r: RunResult) -> None:
+        runs.append(r)
+        print(
+            f"  {r.workload} rep {r.repeat} {r.system}: run {r.run_s:.1f} s "
+            f"({r.requests_per_s:.2f} req/s), end-to-end {r.end_to_end_s:.1f} s, "
+            f"saving {r.saving_ratio:.3f}, mem {r.peak_mem_mib:.0f} MiB, "
+            f"match {r.match_frac:.2f}, load {r.loadavg_1m:.1f}",
+            flush=True,
+        )
+        write_parquet_atomic(
+            pa.table({k: [asdict(x)[k] for x in runs] for k in asdict(runs[0])}),
+            out / "peers_runs.parquet",
+        )
+
     for name, (sc, ls, mt) in scales.items():
-        data = out / "data" / f"{name}-{sc}-{ls}-{mt}.parquet"
+        data = datas[name] = out / "data" / f"{name}-{sc}-{ls}-{mt}.parquet"
         t = write_workload(name, sc, ls, mt, vocab, data)
         print(
             f"{name}: {t.num_rows} requests, {sum(map(len, t['prompt'].to_pylist()))} prompt "
@@ -536,6 +585,8 @@ def main(
                         for r in runs
                     ]
                     continue
+                if system.startswith("vllm"):
+                    continue  # all vLLM runs: one process, below
                 if system in ("batchjob", "baseline"):
                     policy = "batchllm" if system == "batchjob" else "baseline"
                     r, outs = run_batchjob(
@@ -543,19 +594,24 @@ def main(
                     )
                     ours = outs if system == "batchjob" else ours
                 else:
-                    r = run_peer(name, system, rep, data, model, out / "runs", kv_gib, ours)
-                runs.append(r)
-                print(
-                    f"  rep {rep} {system}: run {r.run_s:.1f} s ({r.requests_per_s:.2f} req/s), "
-                    f"end-to-end {r.end_to_end_s:.1f} s, saving {r.saving_ratio:.3f}, "
-                    f"mem {r.peak_mem_mib:.0f} MiB, match {r.match_frac:.2f}, "
-                    f"load {r.loadavg_1m:.1f}",
-                    flush=True,
-                )
-                write_parquet_atomic(
-                    pa.table({k: [asdict(x)[k] for x in runs] for k in asdict(runs[0])}),
-                    out / "peers_runs.parquet",
-                )
+                    r = run_hf(name, rep, data, model, out / "runs", ours)
+                record(r)
+            ours_by[(name, rep)] = ours
+    # per repeat, each workload in file order then sorted: slow drift spreads over all
+    pending = [
+        (name, system, rep, datas[name])
+        for rep in range(repeats)
+        for name in scales
+        for system in ("vllm-file", "vllm-sorted")
+        if system in chosen and (name, system, rep) not in done
+    ]
+    if pending:
+        print(f"vLLM: {len(pending)} runs in one vllm_peer.py --plan process", flush=True)
+        finished, err = run_vllm_plan(pending, model, out / "runs", kv_gib, ours_by)
+        for r in finished:
+            record(r)
+        if err is not None:
+            raise err
     rows = summary_rows(runs, scales)
     table = markdown(rows)
     (out / "peers.md").write_text(table + "\n")

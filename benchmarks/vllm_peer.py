@@ -4,6 +4,12 @@ Runs INSIDE ``.venv-vllm`` (see benchmarks/setup_vllm_venv.sh), never in the pro
 
     .venv-vllm/bin/python benchmarks/vllm_peer.py --model DIR --input W.parquet \\
         --output-json out.json [--sort-prompts] [--kv-gib 1] [--block-size 32] [--threads 2]
+    .venv-vllm/bin/python benchmarks/vllm_peer.py --model DIR --plan PLAN.json [engine flags]
+
+``--plan``: PLAN.json is a list of runs ``{"input": W.parquet, "sort_prompts": bool,
+"output_json": out.json}``, all on ONE engine (one start-up), the prefix cache reset before
+each; each run's JSON is the single-run JSON (start-up fields copied into every one), except
+that its peak memory covers that run only (``peak_window``: "run" vs "process").
 
 Input: a ``prompt`` column (list<int>, token ids), a ``max_tokens`` column, and optionally a
 ``row_id`` column (else the file row index). Every row decodes exactly ``max_tokens`` tokens
@@ -82,6 +88,7 @@ class TreeSampler:
         self._interval = interval_s
         self._pss_every = pss_every  # PSS reads walk page tables (~4 ms/GiB): sample it less
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self.peak_rss = 0
         self.peak_pss = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -89,7 +96,7 @@ class TreeSampler:
     def _tree(self) -> list[Any]:
         return [self._proc, *self._proc.children(recursive=True)]
 
-    def _sample(self, with_pss: bool) -> None:
+    def sample(self, with_pss: bool = True) -> None:
         import psutil
 
         rss = pss = 0
@@ -100,7 +107,18 @@ class TreeSampler:
                     rss, pss = rss + m.rss, pss + m.pss
                 else:
                     rss += p.memory_info().rss
-        self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+        with self._lock:
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+
+    def reset(self) -> None:
+        """Start a new peak window (plan mode: one per run) from the current footprint."""
+        with self._lock:
+            self.peak_rss = self.peak_pss = 0
+        self.sample()
+
+    def process_age_s(self) -> float:
+        """Seconds since this process was created: interpreter start and imports included."""
+        return time.time() - self._proc.create_time()
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds used so far by this process and its descendants."""
@@ -116,7 +134,7 @@ class TreeSampler:
     def _run(self) -> None:
         n = 0
         while not self._stop.is_set():
-            self._sample(with_pss=n % self._pss_every == 0)
+            self.sample(with_pss=n % self._pss_every == 0)
             n += 1
             self._stop.wait(self._interval)
 
@@ -132,9 +150,14 @@ class TreeSampler:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="local HF checkpoint folder")
-    p.add_argument("--input", required=True, help="Parquet: prompt list<int>, max_tokens")
-    p.add_argument("--output-json", required=True)
+    p.add_argument("--input", help="Parquet: prompt list<int>, max_tokens")
+    p.add_argument("--output-json")
     p.add_argument("--sort-prompts", action="store_true", help="submit in lexicographic order")
+    p.add_argument(
+        "--plan",
+        help="JSON list of runs {input, sort_prompts, output_json} on one engine (one "
+        "start-up); replaces --input/--output-json/--sort-prompts",
+    )
     p.add_argument(
         "--kv-gib",
         type=float,
@@ -173,7 +196,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ignore_eos only: EOS may be sampled but does not stop a row (batchjob's "
         "ignore_eos); default also masks EOS with min_tokens = max_tokens",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.plan is not None and (args.input or args.output_json or args.sort_prompts):
+        p.error("--plan replaces --input, --output-json and --sort-prompts")
+    if args.plan is None and not (args.input and args.output_json):
+        p.error("--input and --output-json are required (or --plan)")
+    return args
 
 
 def configure_env(args: argparse.Namespace) -> None:
@@ -216,47 +244,62 @@ def kv_capacity_tokens(llm: Any, block_size: int) -> int | None:
     return None if blocks is None else int(blocks) * block_size
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    configure_env(args)
-    work = load_workload(args.input, args.sort_prompts)
-
+def start_engine(args: argparse.Namespace, tree: TreeSampler) -> tuple[Any, dict[str, Any]]:
+    """Build the LLM (and warm it up): returns it and the start-up fields of every run's JSON."""
     import torch
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    with TreeSampler() as tree:
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    startup_s = time.perf_counter() - t0
+    warmup_s = None
+    if args.warmup:
         t0 = time.perf_counter()
-        llm = LLM(**engine_kwargs(args))
-        startup_s = time.perf_counter() - t0
-        kv_tokens = kv_capacity_tokens(llm, args.block_size)
+        warm = SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True, temperature=0.0)
+        llm.generate([TokensPrompt(prompt_token_ids=[5] * 40)], warm, use_tqdm=False)
+        llm.reset_prefix_cache()
+        warmup_s = time.perf_counter() - t0
+    tree.sample()
+    return llm, {
+        "versions": {
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "kv_capacity_tokens": kv_capacity_tokens(llm, args.block_size),
+        "startup_s": startup_s,  # LLM(...) alone
+        "warmup_s": warmup_s,
+        # process creation to a ready engine: interpreter, imports, start-up, warm-up
+        "process_ready_s": tree.process_age_s(),
+        "startup_peak_pss_tree_mib": tree.peak_pss / (1 << 20),
+    }
 
-        warmup_s = None
-        if args.warmup:
-            t0 = time.perf_counter()
-            warm = SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True, temperature=0.0)
-            llm.generate([TokensPrompt(prompt_token_ids=[5] * 40)], warm, use_tqdm=False)
-            llm.reset_prefix_cache()
-            warmup_s = time.perf_counter() - t0
 
-        prompts = [TokensPrompt(prompt_token_ids=work.prompts[i]) for i in work.order]
-        params = [
-            SamplingParams(
-                max_tokens=work.max_tokens[i],
-                min_tokens=0 if args.no_min_tokens else work.max_tokens[i],
-                ignore_eos=True,
-                temperature=0.0,
-                detokenize=False,
-            )
-            for i in work.order
-        ]
-        load_before, cpu0 = os.getloadavg()[0], tree.cpu_seconds()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        generate_s = time.perf_counter() - t0
-        load_after, generate_cpu_s = os.getloadavg()[0], tree.cpu_seconds() - cpu0
-        llm.llm_engine.engine_core.shutdown()  # reap the engine processes: RUSAGE_CHILDREN
-        del llm
+def generate_run(
+    llm: Any, args: argparse.Namespace, work: Workload, tree: TreeSampler, info: dict[str, Any]
+) -> dict[str, Any]:
+    """One workload through ``llm.generate``: the JSON fields, less the memory ones."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=work.prompts[i]) for i in work.order]
+    params = [
+        SamplingParams(
+            max_tokens=work.max_tokens[i],
+            min_tokens=0 if args.no_min_tokens else work.max_tokens[i],
+            ignore_eos=True,
+            temperature=0.0,
+            detokenize=False,
+        )
+        for i in work.order
+    ]
+    load_before, cpu0 = os.getloadavg()[0], tree.cpu_seconds()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.perf_counter() - t0
+    load_after, generate_cpu_s = os.getloadavg()[0], tree.cpu_seconds() - cpu0
 
     generated: list[list[int]] = [[] for _ in work.prompts]
     cached = [0] * len(work.prompts)
@@ -267,15 +310,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n = len(work.prompts)
     prompt_tokens = sum(len(p) for p in work.prompts)
     gen_tokens = sum(len(g) for g in generated)
-    self_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    child_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return {
         "peer": "vllm",
-        "versions": {
-            "vllm": vllm.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": info["versions"],
         "model": str(Path(args.model).resolve()),
         "input": str(Path(args.input).resolve()),
         "config": {
@@ -288,9 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_requests": n,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": gen_tokens,
-        "kv_capacity_tokens": kv_tokens,
-        "startup_s": startup_s,
-        "warmup_s": warmup_s,
+        **{k: v for k, v in info.items() if k != "versions"},
         "generate_s": generate_s,
         # CPU seconds the peer's processes used during generate (all threads, all processes):
         # far below generate_s x cores means it waited for the CPU (other load, spin-free idle)
@@ -301,17 +336,75 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "total_tokens_per_s": (prompt_tokens + gen_tokens) / generate_s,
         "cached_prompt_tokens": sum(cached),
         "saving_ratio": sum(cached) / prompt_tokens,
-        # ru_maxrss is KiB on Linux; children = the largest single reaped descendant
-        "peak_rss_self_mib": self_kib / 1024,
-        "peak_rss_children_mib": child_kib / 1024,
-        # sampled over the whole run (RSS every 0.1 s, PSS every 1 s), summed over the tree
-        "peak_rss_tree_mib": tree.peak_rss / (1 << 20),
-        "peak_pss_tree_mib": tree.peak_pss / (1 << 20),
         "rows": [
             {"row_id": work.row_ids[i], "num_cached_tokens": cached[i], "output_ids": generated[i]}
             for i in range(n)
         ],
     }
+
+
+def memory_fields(tree: TreeSampler, window: str) -> dict[str, Any]:
+    """Peaks so far. ru_maxrss: process lifetime, KiB on Linux; children = the largest single
+    reaped descendant (plan mode: the engine is not reaped yet, only start-up helpers). Tree peaks:
+    sampled (RSS every 0.1 s, PSS every 1 s and at window edges), summed over the process tree,
+    since process start (``window`` "process") or since this run's start ("run", plan mode)."""
+    return {
+        "peak_rss_self_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_children_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "peak_window": window,
+        "peak_rss_tree_mib": tree.peak_rss / (1 << 20),
+        "peak_pss_tree_mib": tree.peak_pss / (1 << 20),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Single-run mode: start, generate, shut down; memory peaks over the whole process."""
+    configure_env(args)
+    work = load_workload(args.input, args.sort_prompts)
+    with TreeSampler() as tree:
+        llm, info = start_engine(args, tree)
+        result = generate_run(llm, args, work, tree, info)
+        llm.llm_engine.engine_core.shutdown()  # reap the engine processes: RUSAGE_CHILDREN
+        del llm
+    return result | memory_fields(tree, "process")
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    """Plan mode: every run on one engine; each run's JSON is written as soon as it is done."""
+    plan = json.loads(Path(args.plan).read_text())
+    configure_env(args)
+    runs = [
+        argparse.Namespace(
+            **{
+                **vars(args),
+                "input": r["input"],
+                "output_json": r["output_json"],
+                "sort_prompts": bool(r.get("sort_prompts", False)),
+            }
+        )
+        for r in plan
+    ]
+    works = [load_workload(r.input, r.sort_prompts) for r in runs]  # fail before start-up
+    with TreeSampler() as tree:
+        llm, info = start_engine(args, tree)
+        for k, (r, work) in enumerate(zip(runs, works, strict=True)):
+            tree.reset()
+            if not llm.reset_prefix_cache():  # no run may reuse another's cached prefixes
+                raise RuntimeError("reset_prefix_cache failed")
+            result = generate_run(llm, r, work, tree, info)
+            tree.sample()
+            result |= memory_fields(tree, "run") | {"plan_index": k, "plan_runs": len(runs)}
+            write_json(result, Path(r.output_json))
+            print(f"[{k + 1}/{len(runs)}] {r.output_json} " + summary(result), file=sys.stderr)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def write_json(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -333,12 +426,11 @@ def summary(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.plan is not None:
+        run_plan(args)
+        return
     result = run(args)
-    out = Path(args.output_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(out)
+    write_json(result, Path(args.output_json))
     print(summary(result), file=sys.stderr)
 
 

@@ -113,6 +113,18 @@ def test_vllm_engine_kwargs_kv_size() -> None:
     assert part["kv_cache_memory_bytes"] == 1 << 28
 
 
+def test_vllm_plan_args_exclusive() -> None:
+    a = vllm_peer.parse_args(["--model", "m", "--plan", "p.json"])
+    assert a.plan == "p.json" and a.input is None and not a.sort_prompts
+    for bad in (
+        ["--plan", "p", "--input", "i"],
+        ["--plan", "p", "--sort-prompts"],
+        ["--input", "i"],
+    ):
+        with pytest.raises(SystemExit):  # --plan replaces them; without it both are needed
+            vllm_peer.parse_args(["--model", "m", *bad])
+
+
 @pytest.mark.parametrize("batch_size,sort", [(4, False), (9, True)])
 def test_hf_peer_matches_unpadded_greedy(
     model_dir: Path, workload: Path, tmp_path: Path, batch_size: int, sort: bool
