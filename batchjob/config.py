@@ -197,7 +197,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # KV cache size; None: from gpu_memory_fraction / RAM
     gpu_memory_fraction: float = 0.9
     block_size: int = 16  # tokens per KV block
-    attention: str = "auto"  # auto | torch | triton
+    attention: str = "auto"  # auto | torch | cpu | triton
     threads: int | None = None  # torch CPU threads
 
     def __post_init__(self) -> None:
@@ -210,7 +210,7 @@ class EngineConfig:
             _int("engine.kv_cache_bytes", self.kv_cache_bytes, lo=1)
         _float(self, "gpu_memory_fraction", "engine.gpu_memory_fraction", 0.0, 1.0, lo_open=True)
         _int("engine.block_size", self.block_size, lo=1)
-        _str("engine.attention", self.attention, ("auto", "torch", "triton"))
+        _str("engine.attention", self.attention, ("auto", "torch", "cpu", "triton"))
         _int("engine.threads", self.threads, lo=1, optional=True)
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.engine.attention import TorchAttention, _attention, get_attention_backend
+from batchjob.engine.attention_cpu import CpuAttention
 from batchjob.engine.attention_meta import AttentionMetadata
 from batchjob.errors import ConfigError
 
@@ -249,7 +250,11 @@ def test_bfloat16_cache():
 
 def test_backend_selection():
     assert isinstance(get_attention_backend("torch", "cpu"), TorchAttention)
-    assert isinstance(get_attention_backend("auto", "cpu"), TorchAttention)
+    auto = get_attention_backend("auto", "cpu")  # the C kernel where it builds
+    assert auto.name == ("cpu" if CpuAttention().available else "torch")
+    assert isinstance(get_attention_backend("torch", "cpu"), TorchAttention)
+    with pytest.raises(ConfigError, match="CPU only"):
+        get_attention_backend("cpu", "cuda")
     with pytest.raises(ConfigError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")
     with pytest.raises(ConfigError, match="triton"):

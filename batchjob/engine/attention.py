@@ -324,11 +324,21 @@ def _triton_backend() -> AttentionBackend:
 def get_attention_backend(
     name: str = "auto", device: str | torch.device = "cpu"
 ) -> AttentionBackend:
-    """``torch``; ``triton`` (``batchjob.kernels.TritonAttention``, CUDA, or CPU under
-    ``TRITON_INTERPRET=1``); ``auto``: triton on CUDA when it imports, torch otherwise."""
+    """``torch``; ``cpu`` (the C kernel, ``attention_cpu.CpuAttention``); ``triton``
+    (``batchjob.kernels.TritonAttention``, CUDA, or CPU under ``TRITON_INTERPRET=1``);
+    ``auto``: triton on CUDA when it imports, the C kernel on CPU when it builds, else torch."""
     dev = torch.device(device)
     if name == "torch":
         return TorchAttention()
+    if name == "cpu":
+        from batchjob.engine.attention_cpu import CpuAttention
+
+        if dev.type != "cpu":
+            raise ConfigError(f"attention backend 'cpu' runs on the CPU only (got {dev})")
+        backend = CpuAttention()
+        if not backend.available:
+            raise ConfigError("attention backend 'cpu': the C kernel did not build (see log)")
+        return backend
     if name == "triton":
         if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError(
@@ -342,5 +352,11 @@ def get_attention_backend(
                 return _triton_backend()
             except ConfigError:
                 pass
+        if dev.type == "cpu":
+            from batchjob.engine.attention_cpu import CpuAttention
+
+            backend = CpuAttention()
+            if backend.available:
+                return backend
         return TorchAttention()
-    raise ConfigError(f"unknown attention backend {name!r} (use auto, torch or triton)")
+    raise ConfigError(f"unknown attention backend {name!r} (use auto, torch, cpu or triton)")

@@ -1,0 +1,315 @@
+/* Prefix-shared paged attention for the CPU, reading KV blocks in place (float32).
+
+   Built and loaded by batchjob/engine/cpu_kernel.py (gcc -O3 -march=native -fopenmp); the
+   Python side (batchjob/engine/attention_cpu.py) turns AttentionMetadata into work units.
+
+   A work unit is `nq` consecutive query tokens x the R query heads of one KV head against
+   one key sequence (a block-table row of `nkeys` keys): the own KV of a sequence (causal)
+   or a group's shared prefix (no mask, all the group's queries in one matrix-matrix tile).
+   Query i of the unit sees key k iff k <= causal + i. Flash-style online softmax in the
+   log2 domain, float32 throughout. Own partials go to `out`, prefix partials to `pout`, and
+   a final pass merges them by log-sum-exp into `out`.
+
+   Layout: q [T, H, D]; k/v cache [num_blocks, BS, Hkv, D]; out/pout [T, H, D];
+   lse [2, T, H] (natural log; row 1: prefix, -inf where a token has no prefix).
+   Requires D % 16 == 0, BS % 16 == 0 and rows = nq * R <= MAX_ROWS. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define L 16        /* keys per chunk = float lanes of one vector */
+#define MAX_ROWS 64 /* query rows (tokens x heads) of one unit */
+#define MAX_D 256
+#define SC 256 /* keys per softmax span: one rescale of the accumulators per span */
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+enum { U_Q0, U_NQ, U_NKEYS, U_BLK, U_CAUSAL, U_DST, U_KVH, U_FIELDS };
+
+typedef struct {
+    const float *q, *k, *v;
+    const int32_t *blocks;
+    float *out, *pout, *lse;
+    int64_t T, H, Hkv, D, BS;
+    float qscale; /* softmax scale * log2(e) */
+} args_t;
+
+static inline v16 ld(const float *p) { return *(const v16u *)p; }
+static inline void st(float *p, v16 x) { *(v16u *)p = x; }
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline v16 select16(i16 m, v16 a, v16 b) { /* m ? a : b, m lanes all-ones or zero */
+    return (v16)(((i16)a & m) | ((i16)b & ~m));
+}
+
+/* 2**x for x <= 0 (relative error ~2e-7); lanes below -126 give ~1e-38, callers mask. */
+static inline v16 exp2v(v16 x) {
+    const v16 lo = splat(-126.0f);
+    x = select16(x < lo, lo, x);
+    i16 xi = __builtin_convertvector(x, i16); /* trunc toward zero */
+    xi += (i16)(__builtin_convertvector(xi, v16) > x); /* -1 where trunc > x: floor */
+    v16 f = x - __builtin_convertvector(xi, v16); /* [0, 1) */
+    v16 p = splat(1.5403530e-4f);
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    return (v16)((i16)p + ((xi) << 23));
+}
+
+static inline float hmax(v16 x) {
+    float m = x[0];
+    for (int i = 1; i < L; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static inline float hsum(v16 x) {
+    float s = 0.0f;
+    for (int i = 0; i < L; i++) s += x[i];
+    return s;
+}
+
+typedef struct {
+    float qs[MAX_ROWS * MAX_D]; /* scaled queries; rows past the unit's are zero */
+    float o[MAX_ROWS * MAX_D];  /* unnormalised output accumulators */
+    float s[MAX_ROWS * SC];     /* scores, then probabilities, of one span of keys */
+    float kt[MAX_D * 2 * L];    /* 32 keys transposed: [D][32] */
+    float m[MAX_ROWS], l[MAX_ROWS];
+} scratch_t;
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Few rows (decode): s[r * SC + j] = q_r . k_j along D, for nv <= 16 keys. */
+INLINE void scores_dot(scratch_t *w, float *s, int rows, int64_t D, const float *K,
+                       int64_t ks, int nv) {
+    for (int r = 0; r < rows; r++) {
+        const float *qr = w->qs + r * D;
+        for (int j = 0; j < L; j++) {
+            v16 a = splat(0);
+            if (j < nv)
+                for (int64_t d = 0; d < D; d += L) a += ld(qr + d) * ld(K + j * ks + d);
+            s[r * SC + j] = hsum(a);
+        }
+    }
+}
+
+/* s[r * SC + j] for 32 keys: K0 (n0 keys) then K1 (n1 keys), transposed once, then
+   8 rows x 2 vectors of keys per step (16 accumulators). rows: a multiple of 8. */
+INLINE void scores_tile(scratch_t *w, float *s, int rows, int64_t D, const float *K0, int n0,
+                        const float *K1, int n1, int64_t ks) {
+    float *kt = w->kt;
+    for (int64_t d = 0; d < D; d++) {
+        for (int j = 0; j < n0; j++) kt[d * 32 + j] = K0[j * ks + d];
+        for (int j = n0; j < L; j++) kt[d * 32 + j] = 0.0f;
+        for (int j = 0; j < n1; j++) kt[d * 32 + L + j] = K1[j * ks + d];
+        for (int j = n1; j < L; j++) kt[d * 32 + L + j] = 0.0f;
+    }
+    for (int r = 0; r < rows; r += 8) {
+        const float *q = w->qs + r * D;
+        v16 a0 = splat(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        v16 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+        for (int64_t d = 0; d < D; d++) {
+            const v16 x = ld(kt + d * 32), y = ld(kt + d * 32 + L);
+            float c;
+            c = q[d], a0 += c * x, b0 += c * y;
+            c = q[D + d], a1 += c * x, b1 += c * y;
+            c = q[2 * D + d], a2 += c * x, b2 += c * y;
+            c = q[3 * D + d], a3 += c * x, b3 += c * y;
+            c = q[4 * D + d], a4 += c * x, b4 += c * y;
+            c = q[5 * D + d], a5 += c * x, b5 += c * y;
+            c = q[6 * D + d], a6 += c * x, b6 += c * y;
+            c = q[7 * D + d], a7 += c * x, b7 += c * y;
+        }
+        float *sr = s + r * SC;
+        st(sr, a0), st(sr + L, b0), sr += SC;
+        st(sr, a1), st(sr + L, b1), sr += SC;
+        st(sr, a2), st(sr + L, b2), sr += SC;
+        st(sr, a3), st(sr + L, b3), sr += SC;
+        st(sr, a4), st(sr + L, b4), sr += SC;
+        st(sr, a5), st(sr + L, b5), sr += SC;
+        st(sr, a6), st(sr + L, b6), sr += SC;
+        st(sr, a7), st(sr + L, b7);
+    }
+}
+
+/* o[r] += sum_j p[r * SC + j] v_j over nv keys; rows: a multiple of 4 (padded rows have
+   p == 0). 4 rows x 4 vectors of D per step (16 accumulators), then single vectors. */
+INLINE void accumulate(scratch_t *w, const float *p, int rows, int64_t D, const float *V,
+                       int64_t ks, int nv) {
+    for (int r = 0; r < rows; r += 4) {
+        const float *p0 = p + r * SC, *p1 = p0 + SC, *p2 = p1 + SC, *p3 = p2 + SC;
+        float *o0 = w->o + r * D, *o1 = o0 + D, *o2 = o1 + D, *o3 = o2 + D;
+        int64_t d = 0;
+        for (; d + 4 * L <= D; d += 4 * L) {
+            v16 acc[4][4];
+            for (int i = 0; i < 4; i++) {
+                acc[0][i] = ld(o0 + d + i * L), acc[1][i] = ld(o1 + d + i * L);
+                acc[2][i] = ld(o2 + d + i * L), acc[3][i] = ld(o3 + d + i * L);
+            }
+            for (int j = 0; j < nv; j++) {
+                const float *vj = V + j * ks + d;
+                const float c0 = p0[j], c1 = p1[j], c2 = p2[j], c3 = p3[j];
+                for (int i = 0; i < 4; i++) {
+                    const v16 x = ld(vj + i * L);
+                    acc[0][i] += c0 * x, acc[1][i] += c1 * x;
+                    acc[2][i] += c2 * x, acc[3][i] += c3 * x;
+                }
+            }
+            for (int i = 0; i < 4; i++) {
+                st(o0 + d + i * L, acc[0][i]), st(o1 + d + i * L, acc[1][i]);
+                st(o2 + d + i * L, acc[2][i]), st(o3 + d + i * L, acc[3][i]);
+            }
+        }
+        for (; d < D; d += L) {
+            v16 a0 = ld(o0 + d), a1 = ld(o1 + d), a2 = ld(o2 + d), a3 = ld(o3 + d);
+            for (int j = 0; j < nv; j++) {
+                const v16 x = ld(V + j * ks + d);
+                a0 += p0[j] * x, a1 += p1[j] * x, a2 += p2[j] * x, a3 += p3[j] * x;
+            }
+            st(o0 + d, a0), st(o1 + d, a1), st(o2 + d, a2), st(o3 + d, a3);
+        }
+    }
+}
+
+/* Online softmax over one span of n keys (starting at key kb): scores -> probabilities,
+   running max/sum updated, accumulators rescaled once per row. */
+INLINE void softmax_span(scratch_t *w, int rows, int64_t R, int64_t D, int64_t causal,
+                         int64_t kb, int n) {
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int r = 0; r < rows; r++) {
+        float *s = w->s + r * SC;
+        int64_t lim = causal + r / R - kb + 1; /* visible keys of this span: j < lim */
+        if (lim > n) lim = n;
+        if (lim <= 0) { /* nothing visible here (nor later): adds nothing */
+            memset(s, 0, sizeof(float) * ((n + L - 1) / L) * L);
+            continue;
+        }
+        v16 vmax = splat(-INFINITY);
+        for (int j = 0; j < lim; j += L) {
+            const v16 x = select16(lane < (int32_t)(lim - j), ld(s + j), splat(-INFINITY));
+            vmax = select16(x > vmax, x, vmax);
+        }
+        const float mx = hmax(vmax), mold = w->m[r];
+        const float mnew = mx > mold ? mx : mold;
+        v16 sum = splat(0);
+        for (int j = 0; j < n; j += L) {
+            const i16 vis = lane < (int32_t)(lim - j);
+            const v16 pj = select16(vis, exp2v(ld(s + j) - mnew), splat(0));
+            st(s + j, pj);
+            sum += pj;
+        }
+        const float alpha = exp2f(mold - mnew); /* 0 on the first visible span */
+        w->l[r] = w->l[r] * alpha + hsum(sum);
+        w->m[r] = mnew;
+        if (alpha != 1.0f) {
+            float *o = w->o + r * D;
+            for (int64_t d = 0; d < D; d += L) st(o + d, ld(o + d) * alpha);
+        }
+    }
+}
+
+INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
+    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->Hkv * D;
+    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], kvh = u[U_KVH];
+    const int rows = (int)(nq * R);
+    const int few = rows < 4;                    /* decode: dot products, no padding */
+    const int rpad = few ? rows : (rows + 7) & ~7; /* tiles work on 8 rows at a time */
+    for (int r = 0; r < rows; r++) {
+        const float *src = a->q + ((q0 + r / R) * H + kvh * R + r % R) * D;
+        for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = src[d] * a->qscale;
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    memset(w->qs + rows * D, 0, sizeof(float) * (rpad - rows) * D);
+    memset(w->o, 0, sizeof(float) * rpad * D);
+    int64_t kend = u[U_NKEYS];
+    if (causal + nq < kend) kend = causal + nq; /* keys past the last query's limit */
+    const int32_t *blocks = a->blocks + u[U_BLK];
+#define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + kvh * D)
+    for (int64_t kb = 0; kb < kend; kb += SC) {
+        const int n = kend - kb < SC ? (int)(kend - kb) : SC;
+        for (int c = 0; c < n; c += 2 * L) {
+            const int n0 = n - c < L ? n - c : L, n1 = n - c - L < 0 ? 0 : (n - c - L < L ? n - c - L : L);
+            const float *K0 = a->k + KV_AT(kb + c);
+            if (few) {
+                scores_dot(w, w->s + c, rows, D, K0, ks, n0);
+                if (n1) scores_dot(w, w->s + c + L, rows, D, a->k + KV_AT(kb + c + L), ks, n1);
+            } else {
+                const float *K1 = n1 ? a->k + KV_AT(kb + c + L) : K0;
+                scores_tile(w, w->s + c, rpad, D, K0, n0, K1, n1, ks);
+            }
+        }
+        softmax_span(w, rows, R, D, causal, kb, n);
+        for (int r = rows; r < (rows + 3) / 4 * 4; r++) memset(w->s + r * SC, 0, sizeof(float) * SC);
+        for (int c = 0; c < n; c += L)
+            accumulate(w, w->s + c, (rows + 3) & ~3, D, a->v + KV_AT(kb + c), ks,
+                       n - c < L ? n - c : L);
+    }
+#undef KV_AT
+    float *out = u[U_DST] ? a->pout : a->out;
+    float *lse = a->lse + (u[U_DST] ? a->T * H : 0);
+    for (int r = 0; r < rows; r++) {
+        const int64_t row = (q0 + r / R) * H + kvh * R + r % R;
+        const float inv = 1.0f / w->l[r];
+        for (int64_t d = 0; d < D; d++) out[row * D + d] = w->o[r * D + d] * inv;
+        lse[row] = (w->m[r] + log2f(w->l[r])) * (float)M_LN2;
+    }
+}
+
+/* One clone per common head dim, so D is a compile-time constant in the inner loops. */
+static void run_unit(const args_t *a, const int64_t *u, scratch_t *w) {
+    switch (a->D) {
+    case 64: run_unit_d(a, u, w, 64); break;
+    case 80: run_unit_d(a, u, w, 80); break;
+    case 96: run_unit_d(a, u, w, 96); break;
+    case 128: run_unit_d(a, u, w, 128); break;
+    default: run_unit_d(a, u, w, a->D);
+    }
+}
+
+/* Returns 0, or a negative code for arguments the kernel does not support. */
+int batchjob_paged_attention(const float *q, const float *k_cache, const float *v_cache,
+                             const int32_t *blocks, const int64_t *units, int64_t n_units,
+                             int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
+                             float scale, float *out, float *pout, float *lse,
+                             int n_threads) {
+    if (D % L || D > MAX_D || BS % L || Hkv <= 0 || H % Hkv) return -1;
+    for (int64_t i = 0; i < n_units; i++)
+        if (units[i * U_FIELDS + U_NQ] * (H / Hkv) > MAX_ROWS) return -2;
+    const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
+                      scale * (float)M_LOG2E};
+    int failed = 0;
+#pragma omp parallel num_threads(n_threads)
+    {
+        scratch_t *w = aligned_alloc(64, sizeof(scratch_t));
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for
+        for (int64_t i = 0; i < T * H; i++) lse[T * H + i] = -INFINITY;
+        if (w) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < n_units; i++) run_unit(&a, units + i * U_FIELDS, w);
+        }
+#pragma omp for
+        for (int64_t i = 0; i < T * H; i++) { /* merge the prefix partial into out */
+            const float lp = lse[T * H + i];
+            if (lp == -INFINITY) continue;
+            const float lo = lse[i], mx = lo > lp ? lo : lp;
+            const float wo = expf(lo - mx), wp = expf(lp - mx), inv = 1.0f / (wo + wp);
+            float *o = out + i * D;
+            const float *p = pout + i * D;
+            for (int64_t d = 0; d < D; d++) o[d] = (o[d] * wo + p[d] * wp) * inv;
+            lse[i] = mx + logf(wo + wp);
+        }
+        free(w);
+    }
+    return failed ? -3 : 0;
+}
