@@ -36,8 +36,12 @@ def _tiles(starts: np.ndarray, lens: np.ndarray, tile: int):
 
 
 def build_units(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, np.ndarray]:
-    """(units int64 [U, 7], blocks int32): the kernel's work for one batch, costliest first."""
-    tile = max(1, MAX_ROWS // (h // hkv))
+    """(units int64 [U, 7], blocks int32): the kernel's work for one batch, costliest first.
+
+    A unit's KVH is one KV head, or -1 for all of them (decode tiles: under 4 query rows per
+    head), so a decode reads each KV block as one contiguous stream."""
+    r = h // hkv
+    tile = max(1, MAX_ROWS // r)
     cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
     q_len = np.diff(cu_q)
     kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
@@ -58,11 +62,17 @@ def build_units(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, 
         base = table.size + grp * p_table.shape[1]
         parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1]))
     u = np.concatenate(parts, axis=1).T  # [n, 6]
-    units = np.empty((len(u) * hkv, 7), dtype=np.int64)
-    units[:, :6] = np.repeat(u, hkv, axis=0)
-    units[:, KVH] = np.tile(np.arange(hkv), len(u))
+    # decode-like tiles (< 4 rows per head) take all KV heads in one unit: whole blocks stream
+    whole = (u[:, NQ] * r < 4) & (u[:, NQ] * r * hkv <= MAX_ROWS)
+    per_head = np.repeat(u[~whole], hkv, axis=0)
+    units = np.empty((int(whole.sum()) + len(per_head), 7), dtype=np.int64)
+    units[: len(per_head), :6] = per_head
+    units[: len(per_head), KVH] = np.tile(np.arange(hkv), int((~whole).sum()))
+    units[len(per_head) :, :6] = u[whole]
+    units[len(per_head) :, KVH] = -1
     keys = np.minimum(units[:, NKEYS], units[:, CAUSAL] + units[:, NQ])
-    units = units[np.argsort(-(units[:, NQ] * keys), kind="stable")]
+    cost = units[:, NQ] * keys * np.where(units[:, KVH] < 0, hkv, 1)
+    units = units[np.argsort(-cost, kind="stable")]
     return np.ascontiguousarray(units), np.concatenate([table.ravel(), p_table.ravel()])
 
 

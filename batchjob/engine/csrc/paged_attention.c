@@ -69,10 +69,19 @@ static inline float hmax(v16 x) {
     return m;
 }
 
-static inline float hsum(v16 x) {
-    float s = 0.0f;
-    for (int i = 0; i < L; i++) s += x[i];
-    return s;
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum(v16 x) { /* tree reduction: halves, then lanes */
+    v8 a, b;
+    memcpy(&a, &x, 32);
+    memcpy(&b, (char *)&x + 32, 32);
+    a += b;
+    v4 c, e;
+    memcpy(&c, &a, 16);
+    memcpy(&e, (char *)&a + 16, 16);
+    c += e;
+    return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 typedef struct {
@@ -80,22 +89,42 @@ typedef struct {
     float o[MAX_ROWS * MAX_D];  /* unnormalised output accumulators */
     float s[MAX_ROWS * SC];     /* scores, then probabilities, of one span of keys */
     float kt[MAX_D * 2 * L];    /* 32 keys transposed: [D][32] */
+    float qt[MAX_D * L];        /* up to 16 query rows transposed: [D][16] */
+    float kv[L * MAX_D];        /* one chunk of K or V rows, contiguous: [16][D] */
     float m[MAX_ROWS], l[MAX_ROWS];
 } scratch_t;
 
 #define INLINE static inline __attribute__((always_inline))
 
 /* Few rows (decode): s[r * SC + j] = q_r . k_j along D, for nv <= 16 keys. */
-INLINE void scores_dot(scratch_t *w, float *s, int rows, int64_t D, const float *K,
+INLINE void scores_dot(const float *qs, float *s, int rows, int64_t D, const float *K,
                        int64_t ks, int nv) {
     for (int r = 0; r < rows; r++) {
-        const float *qr = w->qs + r * D;
+        const float *qr = qs + r * D;
         for (int j = 0; j < L; j++) {
             v16 a = splat(0);
             if (j < nv)
                 for (int64_t d = 0; d < D; d += L) a += ld(qr + d) * ld(K + j * ks + d);
             s[r * SC + j] = hsum(a);
         }
+    }
+}
+
+/* 4..16 rows (a decode group's prefix): s[r * SC + j] = q_r . k_j for nv <= 16 keys, with the
+   rows in one vector (w->qt) and each key element broadcast: no transpose of K needed. */
+INLINE void scores_qt(scratch_t *w, float *s, int rows, int64_t D, const float *K, int64_t ks,
+                      int nv) {
+    for (int j0 = 0; j0 < nv; j0 += 8) {
+        const float *k[8];
+        for (int i = 0; i < 8; i++) k[i] = K + (j0 + i < nv ? j0 + i : 0) * ks; /* pad: key 0 */
+        v16 a[8];
+        for (int i = 0; i < 8; i++) a[i] = splat(0);
+        for (int64_t d = 0; d < D; d++) {
+            const v16 qv = ld(w->qt + d * L);
+            for (int i = 0; i < 8; i++) a[i] += k[i][d] * qv;
+        }
+        for (int i = 0; i < 8 && j0 + i < nv; i++)
+            for (int r = 0; r < rows; r++) s[r * SC + j0 + i] = a[i][r];
     }
 }
 
@@ -138,13 +167,14 @@ INLINE void scores_tile(scratch_t *w, float *s, int rows, int64_t D, const float
     }
 }
 
-/* o[r] += sum_j p[r * SC + j] v_j over nv keys; rows: a multiple of 4 (padded rows have
-   p == 0). 4 rows x 4 vectors of D per step (16 accumulators), then single vectors. */
-INLINE void accumulate(scratch_t *w, const float *p, int rows, int64_t D, const float *V,
+/* o[r] += sum_j p[r * SC + j] v_j over nv keys: 4 rows x 4 vectors of D per step (16
+   accumulators), then single vectors and single rows. */
+INLINE void accumulate(float *obase, const float *p, int rows, int64_t D, const float *V,
                        int64_t ks, int nv) {
-    for (int r = 0; r < rows; r += 4) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
         const float *p0 = p + r * SC, *p1 = p0 + SC, *p2 = p1 + SC, *p3 = p2 + SC;
-        float *o0 = w->o + r * D, *o1 = o0 + D, *o2 = o1 + D, *o3 = o2 + D;
+        float *o0 = obase + r * D, *o1 = o0 + D, *o2 = o1 + D, *o3 = o2 + D;
         int64_t d = 0;
         for (; d + 4 * L <= D; d += 4 * L) {
             v16 acc[4][4];
@@ -175,16 +205,25 @@ INLINE void accumulate(scratch_t *w, const float *p, int rows, int64_t D, const 
             st(o0 + d, a0), st(o1 + d, a1), st(o2 + d, a2), st(o3 + d, a3);
         }
     }
+    for (; r < rows; r++) { /* decode rows */
+        const float *pr = p + r * SC;
+        float *o = obase + r * D;
+        for (int64_t d = 0; d < D; d += L) {
+            v16 acc = ld(o + d);
+            for (int j = 0; j < nv; j++) acc += pr[j] * ld(V + j * ks + d);
+            st(o + d, acc);
+        }
+    }
 }
 
 /* Online softmax over one span of n keys (starting at key kb): scores -> probabilities,
    running max/sum updated, accumulators rescaled once per row. */
-INLINE void softmax_span(scratch_t *w, int rows, int64_t R, int64_t D, int64_t causal,
+INLINE void softmax_span(scratch_t *w, int rows, int rh, int64_t R, int64_t D, int64_t causal,
                          int64_t kb, int n) {
     const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int r = 0; r < rows; r++) {
         float *s = w->s + r * SC;
-        int64_t lim = causal + r / R - kb + 1; /* visible keys of this span: j < lim */
+        int64_t lim = causal + (r % rh) / R - kb + 1; /* visible keys of this span: j < lim */
         if (lim > n) lim = n;
         if (lim <= 0) { /* nothing visible here (nor later): adds nothing */
             memset(s, 0, sizeof(float) * ((n + L - 1) / L) * L);
@@ -214,48 +253,73 @@ INLINE void softmax_span(scratch_t *w, int rows, int64_t R, int64_t D, int64_t c
     }
 }
 
+/* Cache rows of one head are Hkv * D floats apart (4 KiB for 8 x 128): 16 of them share
+   one L1 set and evict each other while a tile re-reads them, so tiles read a packed copy. */
+INLINE const float *pack(float *dst, const float *src, int nv, int64_t D, int64_t ks) {
+    for (int j = 0; j < nv; j++) memcpy(dst + j * D, src + j * ks, sizeof(float) * D);
+    return dst;
+}
+
+/* kvh < 0: all KV heads in this unit (decode rows only), so it streams whole blocks. */
 INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
     const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->Hkv * D;
-    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], kvh = u[U_KVH];
-    const int rows = (int)(nq * R);
-    const int few = rows < 4;                    /* decode: dot products, no padding */
+    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
+    const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
+    const int rh = (int)(nq * R), rows = (int)(nh * rh); /* rows per head, in all */
+    const int few = rh < 4;                         /* decode: dot products, no padding */
     const int rpad = few ? rows : (rows + 7) & ~7; /* tiles work on 8 rows at a time */
     for (int r = 0; r < rows; r++) {
-        const float *src = a->q + ((q0 + r / R) * H + kvh * R + r % R) * D;
+        const int64_t hh = r / rh, rl = r % rh;
+        const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
         for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = src[d] * a->qscale;
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
     memset(w->qs + rows * D, 0, sizeof(float) * (rpad - rows) * D);
+    const int vec_rows = !few && rows <= L; /* rows fit one vector: scores_qt */
+    if (vec_rows)
+        for (int64_t d = 0; d < D; d++)
+            for (int r = 0; r < L; r++) w->qt[d * L + r] = r < rows ? w->qs[r * D + d] : 0.0f;
     memset(w->o, 0, sizeof(float) * rpad * D);
     int64_t kend = u[U_NKEYS];
     if (causal + nq < kend) kend = causal + nq; /* keys past the last query's limit */
     const int32_t *blocks = a->blocks + u[U_BLK];
-#define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + kvh * D)
+#define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
     for (int64_t kb = 0; kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
-        for (int c = 0; c < n; c += 2 * L) {
-            const int n0 = n - c < L ? n - c : L, n1 = n - c - L < 0 ? 0 : (n - c - L < L ? n - c - L : L);
-            const float *K0 = a->k + KV_AT(kb + c);
+        for (int c = 0; c < n; c += L) {
+            const int nv = n - c < L ? n - c : L;
+            const float *K = a->k + KV_AT(kb + c);
             if (few) {
-                scores_dot(w, w->s + c, rows, D, K0, ks, n0);
-                if (n1) scores_dot(w, w->s + c + L, rows, D, a->k + KV_AT(kb + c + L), ks, n1);
-            } else {
-                const float *K1 = n1 ? a->k + KV_AT(kb + c + L) : K0;
-                scores_tile(w, w->s + c, rpad, D, K0, n0, K1, n1, ks);
+                for (int64_t hh = 0; hh < nh; hh++)
+                    scores_dot(w->qs + hh * rh * D, w->s + hh * rh * SC + c, rh, D, K + hh * D,
+                               ks, nv);
+            } else if (vec_rows) {
+                scores_qt(w, w->s + c, rows, D, pack(w->kv, K, nv, D, ks), D, nv);
+            } else if (c % (2 * L) == 0) { /* 32 keys at a time */
+                const int n1 = n - c - L <= 0 ? 0 : (n - c - L < L ? n - c - L : L);
+                const float *K1 = n1 ? a->k + KV_AT(kb + c + L) : K;
+                scores_tile(w, w->s + c, rpad, D, K, nv, K1, n1, ks);
             }
         }
-        softmax_span(w, rows, R, D, causal, kb, n);
-        for (int r = rows; r < (rows + 3) / 4 * 4; r++) memset(w->s + r * SC, 0, sizeof(float) * SC);
-        for (int c = 0; c < n; c += L)
-            accumulate(w, w->s + c, (rows + 3) & ~3, D, a->v + KV_AT(kb + c), ks,
-                       n - c < L ? n - c : L);
+        softmax_span(w, rows, rh, R, D, causal, kb, n);
+        for (int c = 0; c < n; c += L) {
+            const float *V = a->v + KV_AT(kb + c);
+            const int nv = n - c < L ? n - c : L;
+            if (few)
+                for (int64_t hh = 0; hh < nh; hh++)
+                    accumulate(w->o + hh * rh * D, w->s + hh * rh * SC + c, rh, D, V + hh * D,
+                               ks, nv);
+            else
+                accumulate(w->o, w->s + c, rows, D, pack(w->kv, V, nv, D, ks), D, nv);
+        }
     }
 #undef KV_AT
     float *out = u[U_DST] ? a->pout : a->out;
     float *lse = a->lse + (u[U_DST] ? a->T * H : 0);
     for (int r = 0; r < rows; r++) {
-        const int64_t row = (q0 + r / R) * H + kvh * R + r % R;
+        const int64_t hh = r / rh, rl = r % rh;
+        const int64_t row = (q0 + rl / R) * H + (h0 + hh) * R + rl % R;
         const float inv = 1.0f / w->l[r];
         for (int64_t d = 0; d < D; d++) out[row * D + d] = w->o[r * D + d] * inv;
         lse[row] = (w->m[r] + log2f(w->l[r])) * (float)M_LN2;
@@ -280,8 +344,11 @@ int batchjob_paged_attention(const float *q, const float *k_cache, const float *
                              float scale, float *out, float *pout, float *lse,
                              int n_threads) {
     if (D % L || D > MAX_D || BS % L || Hkv <= 0 || H % Hkv) return -1;
-    for (int64_t i = 0; i < n_units; i++)
-        if (units[i * U_FIELDS + U_NQ] * (H / Hkv) > MAX_ROWS) return -2;
+    for (int64_t i = 0; i < n_units; i++) {
+        const int64_t rh = units[i * U_FIELDS + U_NQ] * (H / Hkv);
+        const int all = units[i * U_FIELDS + U_KVH] < 0;
+        if (rh * (all ? Hkv : 1) > MAX_ROWS || (all && rh >= 4)) return -2;
+    }
     const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
                       scale * (float)M_LOG2E};
     int failed = 0;
