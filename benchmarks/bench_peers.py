@@ -43,16 +43,16 @@ from examples.workloads import make_workload  # noqa: E402
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PY = sys.executable
 # name -> (scale, len_scale, max_tokens): each a few minutes of vLLM on 2 cores
-WORKLOADS: dict[str, tuple[float, float, int]] = {
-    "case1": (0.1, 0.5, 50),  # 300 requests, 227k prompt tokens
-    "micro-2000-200-s16": (0.1, 0.5, 50),
-    "micro-2000-200-s4": (0.1, 0.5, 50),
-    "micro-1000-1000-s16": (0.1, 0.5, 50),
-    "micro-1000-1000-s4": (0.1, 0.5, 50),
-    "micro-200-2000-s16": (0.1, 0.5, 50),
-    "micro-200-2000-s4": (0.1, 0.5, 50),
-    "case2": (0.2, 0.5, 25),
-    "nosharing": (0.2, 0.5, 64),
+WORKLOADS: dict[str, tuple[float, float, int]] = {  # (scale, len_scale, max_tokens)
+    "case1": (0.05, 0.5, 50),  # 150 requests, 114k prompt tokens
+    "micro-2000-200-s16": (0.1, 0.5, 50),  # 102 requests: prefix 1000 / distinct 100
+    "micro-2000-200-s4": (0.06, 0.5, 50),
+    "micro-1000-1000-s16": (0.06, 0.5, 50),
+    "micro-1000-1000-s4": (0.05, 0.5, 50),
+    "micro-200-2000-s16": (0.05, 0.5, 50),
+    "micro-200-2000-s4": (0.05, 0.5, 50),
+    "case2": (0.1, 0.5, 25),
+    "nosharing": (0.1, 0.5, 64),
 }
 SMOKE_WORKLOAD = ("micro-2000-200-s4", 0.02, 0.05, 8)  # 20 requests of 110 tokens
 # minimum batchjob / vLLM-best requests/s
