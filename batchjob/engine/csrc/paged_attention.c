@@ -88,9 +88,8 @@ typedef struct {
     float qs[MAX_ROWS * MAX_D]; /* scaled queries; rows past the unit's are zero */
     float o[MAX_ROWS * MAX_D];  /* unnormalised output accumulators */
     float s[MAX_ROWS * SC];     /* scores, then probabilities, of one span of keys */
-    float kt[MAX_D * 2 * L];    /* 32 keys transposed: [D][32] */
-    float qt[MAX_D * L];        /* up to 16 query rows transposed: [D][16] */
     float kv[L * MAX_D];        /* one chunk of K or V rows, contiguous: [16][D] */
+    float qtk[MAX_D * MAX_ROWS]; /* key-major tiles: query rows transposed, [D][RP] */
     float m[MAX_ROWS], l[MAX_ROWS];
 } scratch_t;
 
@@ -110,70 +109,13 @@ INLINE void scores_dot(const float *qs, float *s, int rows, int64_t D, const flo
     }
 }
 
-/* 4..16 rows (a decode group's prefix): s[r * SC + j] = q_r . k_j for nv <= 16 keys, with the
-   rows in one vector (w->qt) and each key element broadcast: no transpose of K needed. */
-INLINE void scores_qt(scratch_t *w, float *s, int rows, int64_t D, const float *K, int64_t ks,
-                      int nv) {
-    for (int j0 = 0; j0 < nv; j0 += 8) {
-        const float *k[8];
-        for (int i = 0; i < 8; i++) k[i] = K + (j0 + i < nv ? j0 + i : 0) * ks; /* pad: key 0 */
-        v16 a[8];
-        for (int i = 0; i < 8; i++) a[i] = splat(0);
-        for (int64_t d = 0; d < D; d++) {
-            const v16 qv = ld(w->qt + d * L);
-            for (int i = 0; i < 8; i++) a[i] += k[i][d] * qv;
-        }
-        for (int i = 0; i < 8 && j0 + i < nv; i++)
-            for (int r = 0; r < rows; r++) s[r * SC + j0 + i] = a[i][r];
-    }
-}
-
-/* s[r * SC + j] for 32 keys: K0 (n0 keys) then K1 (n1 keys), transposed once, then
-   8 rows x 2 vectors of keys per step (16 accumulators). rows: a multiple of 8. */
-INLINE void scores_tile(scratch_t *w, float *s, int rows, int64_t D, const float *K0, int n0,
-                        const float *K1, int n1, int64_t ks) {
-    float *kt = w->kt;
-    for (int64_t d = 0; d < D; d++) {
-        for (int j = 0; j < n0; j++) kt[d * 32 + j] = K0[j * ks + d];
-        for (int j = n0; j < L; j++) kt[d * 32 + j] = 0.0f;
-        for (int j = 0; j < n1; j++) kt[d * 32 + L + j] = K1[j * ks + d];
-        for (int j = n1; j < L; j++) kt[d * 32 + L + j] = 0.0f;
-    }
-    for (int r = 0; r < rows; r += 8) {
-        const float *q = w->qs + r * D;
-        v16 a0 = splat(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        v16 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
-        for (int64_t d = 0; d < D; d++) {
-            const v16 x = ld(kt + d * 32), y = ld(kt + d * 32 + L);
-            float c;
-            c = q[d], a0 += c * x, b0 += c * y;
-            c = q[D + d], a1 += c * x, b1 += c * y;
-            c = q[2 * D + d], a2 += c * x, b2 += c * y;
-            c = q[3 * D + d], a3 += c * x, b3 += c * y;
-            c = q[4 * D + d], a4 += c * x, b4 += c * y;
-            c = q[5 * D + d], a5 += c * x, b5 += c * y;
-            c = q[6 * D + d], a6 += c * x, b6 += c * y;
-            c = q[7 * D + d], a7 += c * x, b7 += c * y;
-        }
-        float *sr = s + r * SC;
-        st(sr, a0), st(sr + L, b0), sr += SC;
-        st(sr, a1), st(sr + L, b1), sr += SC;
-        st(sr, a2), st(sr + L, b2), sr += SC;
-        st(sr, a3), st(sr + L, b3), sr += SC;
-        st(sr, a4), st(sr + L, b4), sr += SC;
-        st(sr, a5), st(sr + L, b5), sr += SC;
-        st(sr, a6), st(sr + L, b6), sr += SC;
-        st(sr, a7), st(sr + L, b7);
-    }
-}
-
 /* o[r] += sum_j p[r * SC + j] v_j over nv keys: 4 rows x 4 vectors of D per step (16
    accumulators), then single vectors and single rows. */
-INLINE void accumulate(float *obase, const float *p, int rows, int64_t D, const float *V,
-                       int64_t ks, int nv) {
+INLINE void accumulate(float *obase, const float *p, int64_t prs, int64_t pks, int rows,
+                       int64_t D, const float *V, int64_t ks, int nv) {
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-        const float *p0 = p + r * SC, *p1 = p0 + SC, *p2 = p1 + SC, *p3 = p2 + SC;
+        const float *p0 = p + r * prs, *p1 = p0 + prs, *p2 = p1 + prs, *p3 = p2 + prs;
         float *o0 = obase + r * D, *o1 = o0 + D, *o2 = o1 + D, *o3 = o2 + D;
         int64_t d = 0;
         for (; d + 4 * L <= D; d += 4 * L) {
@@ -184,7 +126,8 @@ INLINE void accumulate(float *obase, const float *p, int rows, int64_t D, const 
             }
             for (int j = 0; j < nv; j++) {
                 const float *vj = V + j * ks + d;
-                const float c0 = p0[j], c1 = p1[j], c2 = p2[j], c3 = p3[j];
+                const float c0 = p0[j * pks], c1 = p1[j * pks], c2 = p2[j * pks];
+                const float c3 = p3[j * pks];
                 for (int i = 0; i < 4; i++) {
                     const v16 x = ld(vj + i * L);
                     acc[0][i] += c0 * x, acc[1][i] += c1 * x;
@@ -200,19 +143,89 @@ INLINE void accumulate(float *obase, const float *p, int rows, int64_t D, const 
             v16 a0 = ld(o0 + d), a1 = ld(o1 + d), a2 = ld(o2 + d), a3 = ld(o3 + d);
             for (int j = 0; j < nv; j++) {
                 const v16 x = ld(V + j * ks + d);
-                a0 += p0[j] * x, a1 += p1[j] * x, a2 += p2[j] * x, a3 += p3[j] * x;
+                a0 += p0[j * pks] * x, a1 += p1[j * pks] * x;
+                a2 += p2[j * pks] * x, a3 += p3[j * pks] * x;
             }
             st(o0 + d, a0), st(o1 + d, a1), st(o2 + d, a2), st(o3 + d, a3);
         }
     }
     for (; r < rows; r++) { /* decode rows */
-        const float *pr = p + r * SC;
+        const float *pr = p + r * prs;
         float *o = obase + r * D;
         for (int64_t d = 0; d < D; d += L) {
             v16 acc = ld(o + d);
-            for (int j = 0; j < nv; j++) acc += pr[j] * ld(V + j * ks + d);
+            for (int j = 0; j < nv; j++) acc += pr[j * pks] * ld(V + j * ks + d);
             st(o + d, acc);
         }
+    }
+}
+
+/* Key-major tiles (4..64 rows): rows live in NV vectors of 16 (w->qt: [D][NV*16]), each
+   K element is broadcast, so K needs no transpose; scores land key-major,
+   sk[j * RP + r] (RP = NV * 16), and stay so for the softmax and P.V. */
+INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, int64_t D, const float *K,
+                         int nv) {
+    const int RP = NV * L, KB = 16 / NV; /* keys per step: NV x KB = 16 accumulators */
+    for (int j0 = 0; j0 < nv; j0 += KB) {
+        const float *k[16];
+        for (int i = 0; i < KB; i++) k[i] = K + (j0 + i < nv ? j0 + i : 0) * D; /* pad: key 0 */
+        v16 a[16];
+        for (int i = 0; i < 16; i++) a[i] = splat(0);
+        for (int64_t d = 0; d < D; d++) {
+            v16 qv[4];
+            for (int v = 0; v < NV; v++) qv[v] = ld(w->qtk + d * RP + v * L);
+            for (int i = 0; i < KB; i++) {
+                const float kd = k[i][d];
+                for (int v = 0; v < NV; v++) a[i * NV + v] += kd * qv[v];
+            }
+        }
+        for (int i = 0; i < KB && j0 + i < nv; i++)
+            for (int v = 0; v < NV; v++) st(sk + (j0 + i) * RP + v * L, a[i * NV + v]);
+    }
+}
+
+INLINE void scores_km(scratch_t *w, float *sk, int NV, int64_t D, const float *K, int nv) {
+    switch (NV) { /* NV constant in each clone: the accumulators stay in registers */
+    case 1: scores_km_nv(w, sk, 1, D, K, nv); break;
+    case 2: scores_km_nv(w, sk, 2, D, K, nv); break;
+    default: scores_km_nv(w, sk, 4, D, K, nv); break; /* 3 rounds up to 4: qt lanes are 0 */
+    }
+}
+
+/* Online softmax over a key-major span of n keys from key kb: vectorised over rows. */
+INLINE void softmax_km(scratch_t *w, int rows, int NV, int64_t R, int64_t D, int64_t causal,
+                       int64_t kb, int n) {
+    const int RP = NV * L;
+    for (int v = 0; v < NV; v++) {
+        i16 lim; /* row r sees span keys j < lim[r] (0 for padding rows) */
+        for (int i = 0; i < L; i++) {
+            const int r = v * L + i;
+            int64_t x = r < rows ? causal + r / R - kb + 1 : 0;
+            lim[i] = (int32_t)(x < 0 ? 0 : (x > n ? n : x));
+        }
+        v16 mx = splat(-INFINITY);
+        for (int j = 0; j < n; j++) {
+            const v16 x = select16(lim > j, ld(w->s + j * RP + v * L), splat(-INFINITY));
+            mx = select16(x > mx, x, mx);
+        }
+        const v16 mold = ld(w->m + v * L);
+        const v16 mnew = select16(mx > mold, mx, mold);
+        const i16 none = mnew == splat(-INFINITY); /* no key seen yet: keep zeros */
+        const v16 alpha = select16(none, splat(1.0f), exp2v(mold - mnew));
+        v16 sum = splat(0);
+        for (int j = 0; j < n; j++) {
+            float *sj = w->s + j * RP + v * L;
+            const v16 p = select16(lim > j, exp2v(ld(sj) - mnew), splat(0));
+            st(sj, p);
+            sum += p;
+        }
+        st(w->l + v * L, ld(w->l + v * L) * alpha + sum);
+        st(w->m + v * L, mnew);
+        for (int i = 0; i < L && v * L + i < rows; i++)
+            if (alpha[i] != 1.0f) {
+                float *o = w->o + (v * L + i) * D;
+                for (int64_t d = 0; d < D; d += L) st(o + d, ld(o + d) * alpha[i]);
+            }
     }
 }
 
@@ -266,21 +279,18 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
     const int rh = (int)(nq * R), rows = (int)(nh * rh); /* rows per head, in all */
-    const int few = rh < 4;                         /* decode: dot products, no padding */
-    const int rpad = few ? rows : (rows + 7) & ~7; /* tiles work on 8 rows at a time */
+    const int few = rh < 4; /* decode: row-major dot products; else key-major tiles */
+    const int NV = few ? 0 : (rows <= L ? 1 : rows <= 2 * L ? 2 : 4), RP = NV * L;
     for (int r = 0; r < rows; r++) {
         const int64_t hh = r / rh, rl = r % rh;
         const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
         for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = src[d] * a->qscale;
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.0f;
     }
-    memset(w->qs + rows * D, 0, sizeof(float) * (rpad - rows) * D);
-    const int vec_rows = !few && rows <= L; /* rows fit one vector: scores_qt */
-    if (vec_rows)
+    for (int r = 0; r < (few ? rows : RP); r++) w->m[r] = -INFINITY, w->l[r] = 0.0f;
+    if (!few)
         for (int64_t d = 0; d < D; d++)
-            for (int r = 0; r < L; r++) w->qt[d * L + r] = r < rows ? w->qs[r * D + d] : 0.0f;
-    memset(w->o, 0, sizeof(float) * rpad * D);
+            for (int r = 0; r < RP; r++) w->qtk[d * RP + r] = r < rows ? w->qs[r * D + d] : 0.0f;
+    memset(w->o, 0, sizeof(float) * rows * D);
     int64_t kend = u[U_NKEYS];
     if (causal + nq < kend) kend = causal + nq; /* keys past the last query's limit */
     const int32_t *blocks = a->blocks + u[U_BLK];
@@ -290,28 +300,27 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
         for (int c = 0; c < n; c += L) {
             const int nv = n - c < L ? n - c : L;
             const float *K = a->k + KV_AT(kb + c);
-            if (few) {
+            if (few)
                 for (int64_t hh = 0; hh < nh; hh++)
                     scores_dot(w->qs + hh * rh * D, w->s + hh * rh * SC + c, rh, D, K + hh * D,
                                ks, nv);
-            } else if (vec_rows) {
-                scores_qt(w, w->s + c, rows, D, pack(w->kv, K, nv, D, ks), D, nv);
-            } else if (c % (2 * L) == 0) { /* 32 keys at a time */
-                const int n1 = n - c - L <= 0 ? 0 : (n - c - L < L ? n - c - L : L);
-                const float *K1 = n1 ? a->k + KV_AT(kb + c + L) : K;
-                scores_tile(w, w->s + c, rpad, D, K, nv, K1, n1, ks);
-            }
+            else
+                scores_km(w, w->s + c * RP, NV, D, pack(w->kv, K, nv, D, ks), nv);
         }
-        softmax_span(w, rows, rh, R, D, causal, kb, n);
+        if (few)
+            softmax_span(w, rows, rh, R, D, causal, kb, n);
+        else
+            softmax_km(w, rows, NV, R, D, causal, kb, n);
         for (int c = 0; c < n; c += L) {
             const float *V = a->v + KV_AT(kb + c);
             const int nv = n - c < L ? n - c : L;
             if (few)
                 for (int64_t hh = 0; hh < nh; hh++)
-                    accumulate(w->o + hh * rh * D, w->s + hh * rh * SC + c, rh, D, V + hh * D,
-                               ks, nv);
+                    accumulate(w->o + hh * rh * D, w->s + hh * rh * SC + c, SC, 1, rh, D,
+                               V + hh * D, ks, nv);
             else
-                accumulate(w->o, w->s + c, rows, D, pack(w->kv, V, nv, D, ks), D, nv);
+                accumulate(w->o, w->s + c * RP, 1, RP, rows, D, pack(w->kv, V, nv, D, ks), D,
+                           nv);
         }
     }
 #undef KV_AT
