@@ -118,11 +118,13 @@ def test_interrupted_job_resumes_without_loss_or_duplicates(tmp_path, model_dir,
     job = write_job(tmp_path, model_dir, dataset, "run/results.parquet", flush_rows="1")
     parts = tmp_path / "run" / "results.parquet.parts"
     cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
+    cmd += ["--set", "scheduler.chunk_size=8"]  # many small iterations: rows finish one by one,
+    # so SIGINT lands mid-job however fast the engine is (outputs do not depend on chunking)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 3:
+        if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 1:
             proc.send_signal(signal.SIGINT)
             break
         time.sleep(0.01)
