@@ -124,7 +124,7 @@ def test_interrupted_job_resumes_without_loss_or_duplicates(tmp_path, model_dir,
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 1:
+        if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 3:
             proc.send_signal(signal.SIGINT)
             break
         time.sleep(0.01)
