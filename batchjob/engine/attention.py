@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from batchjob.engine.attention_meta import AttentionMetadata
 from batchjob.errors import ConfigError
+
+T = TypeVar("T")
 
 
 class AttentionBackend(Protocol):
@@ -92,6 +95,21 @@ class _Segment:
     pad_t: torch.Tensor | None = None  # int64 [N]
 
 
+class BatchMemo:
+    """The work a backend derives from one batch's metadata, built once and reused by every
+    layer (the same ``AttentionMetadata`` object) until the next batch."""
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._key: tuple = ()
+        self._value: object = None
+
+    def get(self, meta: AttentionMetadata, key: tuple, build: Callable[[], T]) -> T:
+        if self._meta is not meta or self._key != key:
+            self._meta, self._key, self._value = meta, key, build()
+        return self._value  # type: ignore[return-value]
+
+
 def _size_class(x: np.ndarray, floor: int, per_octave: int) -> np.ndarray:
     """Geometric size classes: padding to the class maximum wastes < 2**(1/per_octave)."""
     return np.ceil(per_octave * np.log2(np.maximum(x, floor))).astype(np.int64)
@@ -119,7 +137,7 @@ class TorchAttention:
     def __init__(self, max_scores: int = 1 << 24, max_gather: int = 1 << 23) -> None:
         self.max_scores = max_scores
         self.max_gather = max_gather
-        self._cache: tuple[AttentionMetadata, tuple[int, int, int], list[_Segment]] | None = None
+        self._plans = BatchMemo()
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         nb, bs, hkv, d = k_cache.shape
@@ -130,7 +148,8 @@ class TorchAttention:
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape  # [num_blocks, bs, Hkv, D]
         r = h // hkv
-        plan = self._get_plan(meta, bs, h, hkv * d)
+        row = hkv * d
+        plan = self._plans.get(meta, (bs, h, row), lambda: self._build_plan(meta, bs, h, row))
         qf = q.float().view(t, hkv, r, d)  # [T, Hkv, R, D]: head = kv_head * R + i
         out = torch.empty(t, hkv, r, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(t, hkv, r, dtype=torch.float32, device=q.device)
@@ -168,14 +187,6 @@ class TorchAttention:
         return out.view(t, h, d).to(q.dtype)
 
     # ---- plan: index tensors that depend only on the metadata -----------------------------
-
-    def _get_plan(self, meta: AttentionMetadata, bs: int, h: int, row: int) -> list[_Segment]:
-        c = self._cache
-        if c is not None and c[0] is meta and c[1] == (bs, h, row):
-            return c[2]
-        plan = self._build_plan(meta, bs, h, row)
-        self._cache = (meta, (bs, h, row), plan)
-        return plan
 
     def _build_plan(self, meta: AttentionMetadata, bs: int, h: int, row: int) -> list[_Segment]:
         """``row``: elements of one token's K (Hkv * D)."""
@@ -321,6 +332,14 @@ def _triton_backend() -> AttentionBackend:
     return cls()
 
 
+def _cpu_backend() -> AttentionBackend | None:
+    """The C kernel backend, or None when it did not build."""
+    from batchjob.engine.attention_cpu import CpuAttention  # imports this module
+
+    backend = CpuAttention()
+    return backend if backend.available else None
+
+
 def get_attention_backend(
     name: str = "auto", device: str | torch.device = "cpu"
 ) -> AttentionBackend:
@@ -331,12 +350,10 @@ def get_attention_backend(
     if name == "torch":
         return TorchAttention()
     if name == "cpu":
-        from batchjob.engine.attention_cpu import CpuAttention
-
         if dev.type != "cpu":
             raise ConfigError(f"attention backend 'cpu' runs on the CPU only (got {dev})")
-        backend = CpuAttention()
-        if not backend.available:
+        backend = _cpu_backend()
+        if backend is None:
             raise ConfigError("attention backend 'cpu': the C kernel did not build (see log)")
         return backend
     if name == "triton":
@@ -353,10 +370,6 @@ def get_attention_backend(
             except ConfigError:
                 pass
         if dev.type == "cpu":
-            from batchjob.engine.attention_cpu import CpuAttention
-
-            backend = CpuAttention()
-            if backend.available:
-                return backend
+            return _cpu_backend() or TorchAttention()
         return TorchAttention()
     raise ConfigError(f"unknown attention backend {name!r} (use auto, torch, cpu or triton)")

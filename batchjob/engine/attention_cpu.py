@@ -17,7 +17,7 @@ import ctypes
 import numpy as np
 import torch
 
-from batchjob.engine.attention import TorchAttention
+from batchjob.engine.attention import BatchMemo, TorchAttention
 from batchjob.engine.attention_meta import AttentionMetadata
 from batchjob.engine.cpu_kernel import load_kernel
 
@@ -76,6 +76,11 @@ def build_units(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, 
     return np.ascontiguousarray(units), np.concatenate([table.ravel(), p_table.ravel()])
 
 
+def _work(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    units, blocks = build_units(meta, h, hkv)
+    return units, blocks, bool(units[:, DST].any())
+
+
 class CpuAttention:
     """Paged prefix-shared attention on the CPU via the C kernel (see module docstring)."""
 
@@ -84,7 +89,7 @@ class CpuAttention:
     def __init__(self) -> None:
         self.lib = load_kernel()
         self.fallback = TorchAttention()
-        self._cache: tuple[AttentionMetadata, tuple[int, int], np.ndarray, np.ndarray] | None = None
+        self._work = BatchMemo()  # (units, blocks, has_prefix) of the current batch
 
     @property
     def available(self) -> bool:
@@ -113,14 +118,9 @@ class CpuAttention:
             return self.fallback.attend(q, k_cache, v_cache, meta, scale)
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape
-        c = self._cache
-        if c is None or c[0] is not meta or c[1] != (h, hkv):
-            units, blocks = build_units(meta, h, hkv)
-            self._cache = c = (meta, (h, hkv), units, blocks)
-        units, blocks = c[2], c[3]
+        units, blocks, has_prefix = self._work.get(meta, (h, hkv), lambda: _work(meta, h, hkv))
         q = q.contiguous()
         out = torch.empty(t, h, d, dtype=torch.float32)
-        has_prefix = bool(units[:, DST].any()) if len(units) else False
         pout = torch.empty(t, h, d, dtype=torch.float32) if has_prefix else out
         lse = torch.empty(2, t, h, dtype=torch.float32)
         rc = self.lib.batchjob_paged_attention(
