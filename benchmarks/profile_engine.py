@@ -1,0 +1,80 @@
+"""Engine time and its split (attention, linear layers, other torch ops, the rest) on one
+peer workload, in-process, with the peer benchmark's model and 1 GiB KV budget.
+
+    .venv/bin/python benchmarks/profile_engine.py --workload case1 --scale 0.03
+    .venv/bin/python benchmarks/profile_engine.py --attention torch       # the gather path
+    .venv/bin/python benchmarks/profile_engine.py --profile               # + torch profiler split
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_peers import build_model, job_toml, write_workload  # noqa: E402
+
+from batchjob import pipeline  # noqa: E402
+from batchjob.config import load_job  # noqa: E402
+from batchjob.engine import attention, attention_cpu  # noqa: E402
+
+GROUPS = {  # torch ops, by what they do in the model
+    "linear layers": ("aten::mm", "aten::addmm"),
+    "KV writes": ("aten::index_copy_",),
+}
+
+
+def _traced(backend_cls: type) -> None:
+    """Name every ``attend`` call in the profile, whatever it runs inside."""
+    attend = backend_cls.attend
+
+    def wrapped(self, *args):
+        with torch.profiler.record_function("attention"):
+            return attend(self, *args)
+
+    backend_cls.attend = wrapped
+
+
+@click.command()
+@click.option("--workload", default="case1", show_default=True)
+@click.option("--scale", default=0.03, show_default=True)
+@click.option("--len-scale", default=0.5, show_default=True)
+@click.option("--max-tokens", default=50, show_default=True)
+@click.option("--attention", "attn", default="auto", show_default=True)
+@click.option("--profile", is_flag=True, help="Split engine time with torch.profiler.")
+@click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "profile_engine")
+def main(workload, scale, len_scale, max_tokens, attn, profile, out) -> None:
+    model = build_model(ROOT / "models" / "bench-peer", smoke=False)
+    data = out / f"{workload}-{scale}-{len_scale}-{max_tokens}.parquet"
+    write_workload(workload, scale, len_scale, max_tokens, 1000, data)
+    toml = job_toml(data, model, out / "results.parquet", "batchllm", max_tokens, 1 << 30, 2048)
+    (out / "job.toml").write_text(toml.replace("[engine]\n", f'[engine]\nattention = "{attn}"\n'))
+    job = load_job(out / "job.toml")
+    torch.set_num_threads(2)
+    if not profile:
+        s = pipeline.run(job).summary
+        print(f"{workload} scale {scale}: {s.requests_run} requests, engine {s.engine_s:.1f} s")
+        return
+    # one class only: CpuAttention falls back to TorchAttention, which would count twice
+    _traced(attention.TorchAttention if attn == "torch" else attention_cpu.CpuAttention)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        s = pipeline.run(job).summary
+    ev = {e.key: e for e in prof.key_averages()}
+    attn_s = ev["attention"].cpu_time_total / 1e6 if "attention" in ev else 0.0
+    print(f"{workload} scale {scale}: {s.requests_run} requests, engine {s.engine_s:.1f} s")
+    print(f"  attention (whole attend calls): {attn_s:.1f} s ({attn_s / s.engine_s:.0%})")
+    for name, keys in GROUPS.items():
+        t = sum(ev[k].self_cpu_time_total for k in keys if k in ev) / 1e6
+        print(f"  {name}: {t:.1f} s ({t / s.engine_s:.0%})")
+    top = sorted(ev.values(), key=lambda e: -e.self_cpu_time_total)[:12]
+    for e in top:
+        print(f"    {e.key:40s} self {e.self_cpu_time_total / 1e6:6.2f} s  n {e.count}")
+
+
+if __name__ == "__main__":
+    main()
