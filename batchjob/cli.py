@@ -122,6 +122,7 @@ def build_job(
 def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     """Read, tokenize and plan a job; print a summary and write the plan (no model run)."""
     from batchjob.plan.build import build_plan
+    from batchjob.plan.plan_io import write_plan
     from batchjob.summary import summarize
     from batchjob.tokenize import StageTiming, load_prompts
 
@@ -133,7 +134,7 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     logical = len(data.prompts.tokens)
     path = (plan_out or job.output.plan_file).expanduser().resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    plan.to_parquet(path)
+    write_plan(plan, path)
     stages = (data.read, data.tokenize, StageTiming("plan", plan_s, len(data.prompts), logical))
     kv_dtype = job.model.dtype if job.model.dtype != "auto" else (info.dtype if info else None)
     summary = summarize(

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from batchjob.backends.native.engine import Engine, EngineOptions, RequestOutput
+from batchjob.backends.native.models.loader import load_model
+from batchjob.backends.native.sampling import SamplingParams
 from batchjob.config import JobConfig
-from batchjob.engine.engine import Engine, EngineOptions, RequestOutput
-from batchjob.engine.models.loader import load_model
-from batchjob.engine.sampling import SamplingParams
 from batchjob.errors import ConfigError
 from batchjob.io import STATUS_OK
 from batchjob.plan.build import build_plan
+from batchjob.plan.plan_io import write_plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.report import RunSummary, summarize, write_report
 from batchjob.results import ResultRow, ResultSink, output_file
@@ -127,7 +128,7 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
 
     t0 = time.perf_counter()
     plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
-    plan.to_parquet(job.output.plan_file)
+    write_plan(plan, job.output.plan_file)
     stage["plan_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

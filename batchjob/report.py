@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from batchjob.engine.engine import EngineRun, IterationRecord
+from batchjob.backends.native.engine import EngineRun, IterationRecord
 from batchjob.io import write_parquet_atomic
 
 

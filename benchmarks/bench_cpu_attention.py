@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import click
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from batchjob.engine.attention import TorchAttention
-from batchjob.engine.attention_cpu import CpuAttention
-from tests.reference import naive_attention as ref
+from batchjob.backends.native.attention.cpu import CpuAttention
+from batchjob.backends.native.attention.torch_path import TorchAttention
+from batchjob.kernels import reference as ref
 
 
 def shapes() -> dict[str, ref.BatchSpec]:

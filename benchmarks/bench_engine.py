@@ -3,7 +3,7 @@
     python benchmarks/bench_engine.py                      # all workloads, 3 repeats
     python benchmarks/bench_engine.py --workloads case1 --repeats 1
 
-Workloads are the paper's shapes from examples/workloads.py, scaled for a 2-core CPU, rows
+Workloads are the paper's shapes from batchjob/workloads.py, scaled for a 2-core CPU, rows
 shuffled. The model (random weights) and the KV budget are sized so that the dataset's KV
 is several times the budget, as a 7B model's is on a GPU. Reports medians over repeats:
 throughput (requests/s, prompt and total tokens/s), achieved saving ratio, mean/min tokens
@@ -13,7 +13,6 @@ per iteration, preemptions, and the ratio batchllm / baseline measured in the sa
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +23,15 @@ import pyarrow as pa
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from batchjob.engine.engine import Engine, EngineOptions  # noqa: E402
-from batchjob.engine.models.loader import load_model  # noqa: E402
-from batchjob.engine.sampling import SamplingParams  # noqa: E402
+from batchjob.backends.native.engine import Engine, EngineOptions  # noqa: E402
+from batchjob.backends.native.models.loader import load_model  # noqa: E402
+from batchjob.backends.native.sampling import SamplingParams  # noqa: E402
 from batchjob.io import write_parquet_atomic  # noqa: E402
 from batchjob.plan.build import build_plan  # noqa: E402
 from batchjob.prompts import TokenizedPrompts  # noqa: E402
 from batchjob.tiny_model import make_tiny_model  # noqa: E402
-from examples.workloads import make_workload  # noqa: E402
+from batchjob.workloads import make_workload  # noqa: E402
 
 # name -> (scale, len_scale): ~100-200 requests of a few hundred tokens each on 2 cores
 WORKLOADS = {

@@ -74,7 +74,7 @@ class Bench:
 def build(
     sc: Scenario, hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, dev: str = "cuda"
 ) -> Bench:
-    from batchjob.engine.attention_meta import AttentionMetadata
+    from batchjob.backends.native.attention.meta import AttentionMetadata
 
     n_req = sc.n_prefill + sc.n_decode
     share = sc.share or n_req
@@ -132,7 +132,7 @@ def sdpa_runner(b: Bench, scale: float) -> Callable[[], torch.Tensor]:
     """torch SDPA on the dense, unshared problem: one padded batch per (q_len, kv_len) shape."""
     import torch.nn.functional as F
 
-    from batchjob.kernels import unshare_kv
+    from batchjob.kernels.triton import unshare_kv
 
     ub = unshare_kv(b.meta, b.k_cache, b.v_cache)
     bs = b.k_cache.shape[1]
@@ -167,7 +167,7 @@ def sdpa_runner(b: Bench, scale: float) -> Callable[[], torch.Tensor]:
 
 
 def runners(b: Bench, scale: float) -> dict[str, Callable[[], torch.Tensor]]:
-    from batchjob.kernels import (
+    from batchjob.kernels.triton import (
         Workspace,
         cascade_prefix_attention,
         fused_prefix_attention,

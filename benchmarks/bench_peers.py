@@ -34,11 +34,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from batchjob.io import write_parquet_atomic  # noqa: E402
 from batchjob.tiny_model import default_corpus, make_tiny_model  # noqa: E402
-from examples.workloads import make_workload  # noqa: E402
+from batchjob.workloads import make_workload  # noqa: E402
 
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PY = sys.executable

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-# one workload loader for both peers (vllm_peer imports only the stdlib at import time)
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# one workload loader for both peers (vllm_peer imports only the stdlib at import time);
+# the script's own folder is on sys.path when run as a script
 from vllm_peer import load_workload
 
 

@@ -8,20 +8,19 @@ peer workload, in-process, with the peer benchmark's model and 1 GiB KV budget.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_peers import build_model, job_toml, write_workload  # noqa: E402
 
 from batchjob import pipeline  # noqa: E402
+from batchjob.backends.native.attention import cpu as attention_cpu  # noqa: E402
+from batchjob.backends.native.attention import torch_path as attention  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
-from batchjob.engine import attention, attention_cpu  # noqa: E402
 
 GROUPS = {  # torch ops, by what they do in the model
     "linear layers": ("aten::mm", "aten::addmm"),

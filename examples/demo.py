@@ -13,13 +13,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import pyarrow.parquet as pq  # noqa: E402
 
 from batchjob.io import write_parquet_atomic  # noqa: E402
 from batchjob.tiny_model import make_tiny_model  # noqa: E402
-from examples.workloads import WORDS, make_workload  # noqa: E402
+from batchjob.workloads import WORDS, make_workload  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-llama"
 DATA = ROOT / "data" / "demo" / "prompts.parquet"

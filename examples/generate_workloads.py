@@ -4,22 +4,18 @@
     python examples/generate_workloads.py micro-2000-200-s16 --out data/micro/ --num-files 4
     python examples/generate_workloads.py --list
 
-See examples/workloads.py for what each workload contains.
+See batchjob/workloads.py for what each workload contains.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: make `examples` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from batchjob.io import write_parquet_atomic
-from examples.workloads import DEFAULT_VOCAB_LO, WORKLOADS, make_workload
+from batchjob.workloads import DEFAULT_VOCAB_LO, WORKLOADS, make_workload
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

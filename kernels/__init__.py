@@ -1,32 +1,10 @@
-"""Triton kernels for prefix-shared paged attention (imported as batchjob.kernels).
+"""Every kernel of batchjob, installed as ``batchjob.kernels``; nothing here imports batchjob.
 
-On CUDA tensors the kernels compile and autotune; on CPU tensors they run under Triton's
-interpreter when TRITON_INTERPRET=1 was set before triton was first imported (tests).
-Importing this package does not import triton. See docs/kernels.md.
+- ``kernels.triton``: Triton kernels for prefix-shared paged attention (CUDA; CPU under
+  ``TRITON_INTERPRET=1`` in tests). Importing the package does not import triton.
+- ``kernels.cpu``: the C/OpenMP paged-attention kernel, built on first use with gcc.
+
+Host wrappers take tensors and plain integers; the engine's attention backends
+(``batchjob.backends.native.attention``) call down into them, never the other way.
+See docs/kernels.md.
 """
-
-from __future__ import annotations
-
-from .backend import TritonAttention
-from .variants import UnsharedKV, plain_paged_attention, unshare_kv
-from .wrappers import (
-    Workspace,
-    cascade_prefix_attention,
-    fused_prefix_attention,
-    group_order,
-    paged_attention,
-    write_kv,
-)
-
-__all__ = [
-    "TritonAttention",
-    "UnsharedKV",
-    "Workspace",
-    "cascade_prefix_attention",
-    "fused_prefix_attention",
-    "group_order",
-    "paged_attention",
-    "plain_paged_attention",
-    "unshare_kv",
-    "write_kv",
-]

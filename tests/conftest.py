@@ -16,7 +16,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from examples.workloads import WORDS
+from batchjob.workloads import WORDS
 
 # Two xdist workers on two cores: one torch thread each, or tiny matmuls oversubscribe.
 torch.set_num_threads(1)

@@ -12,7 +12,6 @@ and by ``row_id``; it does not copy tokens.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,16 +47,3 @@ class Plan:
 
     def group_members(self, g: int) -> np.ndarray:
         return self.members[self.group_offsets[g] : self.group_offsets[g + 1]]
-
-    def to_parquet(self, path: str | os.PathLike) -> None:
-        """One row per member in execution order, PlanStats in the metadata (atomic write)."""
-        from batchjob.plan.plan_io import write_plan  # plan_io imports this module
-
-        write_plan(self, path)
-
-    @classmethod
-    def from_parquet(cls, path: str | os.PathLike) -> Plan:
-        """Read a plan written by ``to_parquet`` (raises InputDataError if malformed)."""
-        from batchjob.plan.plan_io import read_plan
-
-        return read_plan(path)

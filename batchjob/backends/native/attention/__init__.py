@@ -1,0 +1,1 @@
+"""Attention backends of the native engine: torch path, C kernel (CPU), Triton (CUDA)."""

@@ -1,0 +1,147 @@
+"""The CPU attention backend: prefix-shared paged attention read in place by a C kernel.
+
+``CpuAttention`` turns ``AttentionMetadata`` into work units for csrc/paged_attention.c
+(once per batch; every layer reuses them): each unit is a tile of up to ``MAX_ROWS`` query
+rows (tokens x the query heads of one KV head) against one key sequence, either a
+sequence's own KV (causal) or its group's shared prefix (all the group's queries at once).
+Unlike the torch path it never copies KV out of the cache: a decode step reads each shared
+prefix once per group and each own KV once. Cases the kernel does not take (non-float32
+caches, head dims or block sizes not multiples of 16, no C compiler) go to
+``TorchAttention``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from batchjob.backends.native.attention.base import BatchMemo
+from batchjob.backends.native.attention.meta import AttentionMetadata
+from batchjob.backends.native.attention.torch_path import TorchAttention
+from batchjob.kernels.cpu.build import load_kernel
+
+MAX_ROWS = 64  # must match csrc/paged_attention.c
+# unit fields, in the kernel's order
+Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH = range(7)
+
+
+def _tiles(starts: np.ndarray, lens: np.ndarray, tile: int):
+    """Split ranges [start, start + len) into tiles of <= ``tile``: (owner, start, length)."""
+    n = -(-lens // tile)
+    owner = np.repeat(np.arange(len(lens)), n)
+    first = np.repeat(np.cumsum(n) - n, n)
+    off = (np.arange(int(n.sum())) - first) * tile
+    return owner, starts[owner] + off, np.minimum(tile, lens[owner] - off), off
+
+
+def build_units(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, np.ndarray]:
+    """(units int64 [U, 7], blocks int32): the kernel's work for one batch, costliest first.
+
+    A unit's KVH is one KV head, or -1 for all of them (decode tiles: under 4 query rows per
+    head), so a decode reads each KV block as one contiguous stream."""
+    r = h // hkv
+    tile = max(1, MAX_ROWS // r)
+    cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
+    q_len = np.diff(cu_q)
+    kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
+    table = meta.block_table.cpu().numpy().astype(np.int32)
+    p_table = meta.prefix_block_table.cpu().numpy().astype(np.int32)
+    s, e = meta.group_q_start.cpu().numpy(), meta.group_q_end.cpu().numpy()
+    p_len = meta.prefix_len.cpu().numpy().astype(np.int64)
+
+    own, q0, nq, off = _tiles(cu_q[:-1], q_len, tile)
+    own_u = np.stack(
+        [q0, nq, kv_len[own], own * table.shape[1], kv_len[own] - q_len[own] + off, 0 * own]
+    )
+    parts = [own_u]
+    g = np.nonzero((p_len > 0) & (e > s))[0]
+    if len(g):
+        gi, q0, nq, _ = _tiles(s[g].astype(np.int64), (e[g] - s[g]).astype(np.int64), tile)
+        grp = g[gi]
+        base = table.size + grp * p_table.shape[1]
+        parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1]))
+    u = np.concatenate(parts, axis=1).T  # [n, 6]
+    # decode-like tiles (< 4 rows per head) take all KV heads in one unit: whole blocks stream
+    whole = (u[:, NQ] * r < 4) & (u[:, NQ] * r * hkv <= MAX_ROWS)
+    per_head = np.repeat(u[~whole], hkv, axis=0)
+    units = np.empty((int(whole.sum()) + len(per_head), 7), dtype=np.int64)
+    units[: len(per_head), :6] = per_head
+    units[: len(per_head), KVH] = np.tile(np.arange(hkv), int((~whole).sum()))
+    units[len(per_head) :, :6] = u[whole]
+    units[len(per_head) :, KVH] = -1
+    keys = np.minimum(units[:, NKEYS], units[:, CAUSAL] + units[:, NQ])
+    cost = units[:, NQ] * keys * np.where(units[:, KVH] < 0, hkv, 1)
+    units = units[np.argsort(-cost, kind="stable")]
+    return np.ascontiguousarray(units), np.concatenate([table.ravel(), p_table.ravel()])
+
+
+def _work(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    units, blocks = build_units(meta, h, hkv)
+    return units, blocks, bool(units[:, DST].any())
+
+
+class CpuAttention:
+    """Paged prefix-shared attention on the CPU via the C kernel (see module docstring)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.lib = load_kernel()
+        self.fallback = TorchAttention()
+        self._work = BatchMemo()  # (units, blocks, has_prefix) of the current batch
+
+    @property
+    def available(self) -> bool:
+        return self.lib is not None
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        self.fallback.write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        _, bs, hkv, d = k_cache.shape
+        return (
+            self.lib is not None
+            and q.device.type == "cpu"
+            and q.dtype == torch.float32
+            and k_cache.dtype == torch.float32
+            and d % 16 == 0
+            and d <= 256
+            and bs % 16 == 0
+            and q.shape[1] // hkv <= MAX_ROWS
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
+
+    def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        if not self.supports(q, k_cache, v_cache):
+            return self.fallback.attend(q, k_cache, v_cache, meta, scale)
+        t, h, d = q.shape
+        _, bs, hkv, _ = k_cache.shape
+        units, blocks, has_prefix = self._work.get(meta, (h, hkv), lambda: _work(meta, h, hkv))
+        q = q.contiguous()
+        out = torch.empty(t, h, d, dtype=torch.float32)
+        pout = torch.empty(t, h, d, dtype=torch.float32) if has_prefix else out
+        lse = torch.empty(2, t, h, dtype=torch.float32)
+        rc = self.lib.batchjob_paged_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            blocks.ctypes.data_as(ctypes.c_void_p),
+            units.ctypes.data_as(ctypes.c_void_p),
+            len(units),
+            t,
+            h,
+            hkv,
+            d,
+            bs,
+            scale,
+            out.data_ptr(),
+            pout.data_ptr(),
+            lse.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"CPU paged attention kernel rejected its arguments (code {rc})")
+        return out

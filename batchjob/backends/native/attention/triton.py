@@ -1,0 +1,61 @@
+"""TritonAttention: the engine-facing Triton backend (same methods as TorchAttention)."""
+
+from __future__ import annotations
+
+import torch
+
+from batchjob.backends.native.attention.meta import AttentionMetadata
+from batchjob.kernels.triton.wrappers import (
+    Workspace,
+    cascade_prefix_attention,
+    fused_prefix_attention,
+    group_order,
+    write_kv,
+)
+
+VARIANTS = ("fused", "cascade")
+
+
+class TritonAttention:
+    """Prefix-shared paged attention with Triton kernels.
+
+    ``variant="fused"`` (default) runs prefix part, own part and merge in one launch;
+    ``"cascade"`` uses three launches (for comparison). The instance owns a reusable
+    workspace and caches per-batch derived metadata across layers (keyed on the metadata
+    object's identity), so use one instance per stream.
+    """
+
+    name = "triton"
+
+    def __init__(self, variant: str = "fused") -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+        self.variant = variant
+        self._workspace = Workspace()
+        self._meta: AttentionMetadata | None = None
+        self._order: torch.Tensor | None = None
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """k, v: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping."""
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D] -> [T, Hq, D] (q's dtype)."""
+        if meta is not self._meta:  # new batch: derive once, reuse for every layer
+            self._meta, self._order = meta, group_order(meta)
+        fn = fused_prefix_attention if self.variant == "fused" else cascade_prefix_attention
+        return fn(q, k_cache, v_cache, meta, scale, workspace=self._workspace, order=self._order)

@@ -1,0 +1,235 @@
+"""The native engine's loop: schedule -> build batch -> forward -> sample -> update.
+
+Knows nothing of Parquet: it takes ``TokenizedPrompts`` and a ``Plan``, and hands each
+finished request to a callback as soon as it finishes (so results stream to disk).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from batchjob.backends.native.batch_builder import build_batch
+from batchjob.backends.native.models.loader import ModelInfo
+from batchjob.backends.native.sampling import SamplingParams, check_stop, sample, truncate_at_stop
+from batchjob.backends.native.scheduler.base import (
+    SchedulerSettings,
+    check_kv_budget,
+    request_prefix_len,
+)
+from batchjob.backends.native.scheduler.output import SchedulerStats
+from batchjob.backends.native.scheduler.registry import make_scheduler
+from batchjob.plan.plan import Plan
+from batchjob.prompts import TokenizedPrompts
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs a plan (a subset of the job's [scheduler] and [engine] sections)."""
+
+    policy: str = "batchllm"  # batchllm | baseline
+    chunk_size: int = 2048  # token budget S_chunk per iteration
+    kv_threshold: float = 0.95  # M_threshold as a fraction of the KV blocks
+    max_num_seqs: int = 256  # baseline policy only
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # None: a fraction of free GPU memory, or 2 GiB on CPU
+    gpu_memory_fraction: float = 0.9
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One finished request."""
+
+    position: int  # index in TokenizedPrompts
+    row_id: int
+    token_ids: np.ndarray  # int32 generated tokens (stop token included, as HF does)
+    finish_reason: str  # "stop" | "length"
+    text: str | None  # set when a stop string cut the text; else the caller detokenizes
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One iteration of the engine, for the report and the timeline plot."""
+
+    iteration: int
+    decode_tokens: int
+    prefill_tokens: int
+    num_seqs: int
+    kv_blocks_used: int
+    kv_bytes_used: int
+    preempted: int
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """What a run did: per-iteration records and the scheduler's counters."""
+
+    iterations: list[IterationRecord]
+    scheduler: SchedulerStats
+    num_blocks: int
+    block_size: int
+    kv_bytes_per_token: int
+    wall_s: float
+
+
+def kv_budget_bytes(opts: EngineOptions, device: torch.device, weights_bytes: int = 0) -> int:
+    """KV cache size in bytes: explicit, or a fraction of what the GPU has free."""
+    if opts.kv_cache_bytes is not None:
+        return opts.kv_cache_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(int(free - (1 - opts.gpu_memory_fraction) * total), 0)
+    return 2 * GiB
+
+
+class Engine:
+    """Runs plans on one model; the KV cache is allocated once and reused across runs."""
+
+    def __init__(self, model: torch.nn.Module, info: ModelInfo, opts: EngineOptions) -> None:
+        self.model = model
+        self.info = info
+        self.opts = opts
+        budget = kv_budget_bytes(opts, info.device)
+        self.num_blocks = budget // (opts.block_size * info.kv_bytes_per_token)
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"KV budget of {budget} bytes holds {self.num_blocks} blocks of "
+                f"{opts.block_size} tokens ({info.kv_bytes_per_token} bytes/token): too small"
+            )
+        # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
+        self.kv_cache = torch.zeros(
+            info.kv_cache_shape(self.num_blocks, opts.block_size),
+            dtype=info.dtype,
+            device=info.device,
+        )
+
+    def scheduler_settings(self) -> SchedulerSettings:
+        o = self.opts
+        return SchedulerSettings(
+            num_blocks=self.num_blocks,
+            policy=o.policy,
+            chunk_size=o.chunk_size,
+            block_size=o.block_size,
+            kv_threshold=o.kv_threshold,
+            max_num_seqs=o.max_num_seqs,
+        )
+
+    def check_fits(self, prompts: TokenizedPrompts, plan: Plan | None) -> None:
+        """Raise ValueError naming the row if a request cannot fit in the KV budget."""
+        settings = self.scheduler_settings()
+        grouped = plan if settings.policy == "batchllm" else None  # baseline ignores groups
+        check_kv_budget(settings, prompts, request_prefix_len(grouped, len(prompts)))
+
+    @torch.inference_mode()
+    def run(
+        self,
+        prompts: TokenizedPrompts,
+        plan: Plan | None,
+        sampling: SamplingParams,
+        on_finish: Callable[[RequestOutput], None],
+        detokenize: Callable[[list[int]], str] | None = None,
+        on_iteration: Callable[[IterationRecord], None] | None = None,
+    ) -> EngineRun:
+        """Generate for every prompt; ``on_finish`` gets each request as it finishes.
+
+        Per-row ``prompts.max_tokens`` override ``sampling.max_tokens``. Stop strings need
+        ``detokenize`` (token ids -> text).
+        """
+        if sampling.stop and detokenize is None:
+            raise ValueError("stop strings need a detokenize function")
+        sched = make_scheduler(self.scheduler_settings(), prompts, plan)
+        row_params = _per_row_params(sampling, prompts.max_tokens)
+        eos = self.info.eos_token_ids
+        generated: dict[int, list[int]] = {}
+        records: list[IterationRecord] = []
+        bs = self.opts.block_size
+        t_start = time.perf_counter()
+        while sched.has_unfinished():
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            batch = build_batch(out, bs, self.info.device)
+            sampled: dict[int, int] = {}
+            finished: set[int] = set()
+            if batch.sample_seq_ids:
+                logits = self.model(
+                    batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
+                )
+                ids = batch.sample_seq_ids
+                params = [row_params(s) for s in ids]
+                steps = [len(generated.get(s, ())) for s in ids]
+                rows = [int(prompts.row_ids[s]) for s in ids]
+                tokens = sample(logits, params, rows, steps).tolist()
+                for seq, tok, p in zip(ids, tokens, params, strict=True):
+                    toks = generated.setdefault(seq, [])
+                    reason = check_stop(toks, tok, p, eos)
+                    toks.append(tok)
+                    sampled[seq] = tok
+                    text = None
+                    if p.stop and detokenize is not None:
+                        text, stopped = truncate_at_stop(detokenize(toks), p.stop)
+                        if stopped:
+                            reason = "stop"
+                        else:
+                            text = None
+                    if reason is not None:
+                        finished.add(seq)
+                        on_finish(
+                            RequestOutput(
+                                position=seq,
+                                row_id=int(prompts.row_ids[seq]),
+                                token_ids=np.asarray(toks, dtype=np.int32),
+                                finish_reason=reason,
+                                text=text,
+                            )
+                        )
+                        del generated[seq]
+            elif out.chunks:
+                # prefill-only iteration with nothing to sample: still run the forward
+                self.model(
+                    batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
+                )
+            sched.update(out, sampled, finished)
+            rec = IterationRecord(
+                iteration=out.iteration,
+                decode_tokens=out.num_decode_tokens,
+                prefill_tokens=out.num_prefill_tokens,
+                num_seqs=len(out.chunks),
+                kv_blocks_used=out.kv_blocks_used,
+                kv_bytes_used=out.kv_blocks_used * bs * self.info.kv_bytes_per_token,
+                preempted=len(out.preempted),
+                wall_s=time.perf_counter() - t0,
+            )
+            records.append(rec)
+            if on_iteration is not None:
+                on_iteration(rec)
+        return EngineRun(
+            iterations=records,
+            scheduler=sched.stats,
+            num_blocks=self.num_blocks,
+            block_size=bs,
+            kv_bytes_per_token=self.info.kv_bytes_per_token,
+            wall_s=time.perf_counter() - t_start,
+        )
+
+
+def _per_row_params(
+    base: SamplingParams, max_tokens: np.ndarray
+) -> Callable[[int], SamplingParams]:
+    """Row position -> its SamplingParams (cached per distinct max_tokens)."""
+    cache: dict[int, SamplingParams] = {}
+
+    def get(pos: int) -> SamplingParams:
+        mt = int(max_tokens[pos])
+        p = cache.get(mt)
+        if p is None:
+            p = cache[mt] = replace(base, max_tokens=mt)
+        return p
+
+    return get

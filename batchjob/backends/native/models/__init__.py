@@ -1,0 +1,16 @@
+"""Llama-family models (Llama, Mistral, Qwen2, Qwen3) in torch, loaded from local checkpoints."""
+
+from __future__ import annotations
+
+from batchjob.backends.native.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from batchjob.backends.native.models.llama import LlamaForCausalLM
+from batchjob.backends.native.models.loader import MODEL_CLASSES, ModelInfo, load_model
+
+__all__ = [
+    "MODEL_CLASSES",
+    "SUPPORTED_ARCHITECTURES",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "ModelInfo",
+    "load_model",
+]

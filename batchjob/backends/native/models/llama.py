@@ -1,0 +1,175 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat ragged batch of tokens.
+
+No batch dimension and no padding: ``T`` tokens of many sequences go through every layer
+together; attention is the only place that knows about sequences, through
+``AttentionMetadata`` and the attention backend (``model.attn_backend``). q/k/v and
+gate/up projections are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchjob.backends.native.attention.meta import AttentionMetadata
+from batchjob.backends.native.models.config import ModelConfig
+from batchjob.backends.native.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+from batchjob.errors import ModelError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # normalise in float32, like HF
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        out = self.q_size + 2 * self.kv_size
+        self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,
+        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = layer_cache[0], layer_cache[1]
+        backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, dtype=dtype)
+        self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(self, h, cos, sin, layer_cache, meta, backend) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, layer_cache, meta, backend)
+        return h + self.mlp(self.post_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """One class for all supported families; ``cfg`` flags select the differences."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attn_backend=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # _weight skips the random init (normal_ on meta would import torch._dynamo: ~8 s)
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        )
+        inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)  # on CPU even under a meta context
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # float32 [D/2]
+        self.attn_backend = attn_backend  # write_kv/attend provider, see engine.attention
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]: absolute position (group prefix included)
+        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        logits_index: torch.Tensor,  # int64 [K]: token indices that need logits
+    ) -> torch.Tensor:  # float32 [K, vocab]
+        if self.attn_backend is None:
+            raise RuntimeError("model.attn_backend is not set")
+        self._check_window(meta)
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)  # [T, 1, D]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend)
+        h = self.norm(h[logits_index])  # [K, hidden]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()  # [K, vocab]
+
+    def _check_window(self, meta: AttentionMetadata) -> None:
+        """Sliding-window attention is not implemented: refuse sequences longer than it."""
+        window = self.cfg.sliding_window
+        if window is None or meta.max_kv_len + meta.max_prefix_len <= window:
+            return
+        total = meta.kv_len.long().clone()  # [S]
+        grouped = meta.seq_group >= 0
+        total[grouped] += meta.prefix_len.long()[meta.seq_group[grouped].long()]
+        longest = int(total.max())
+        if longest > window:
+            raise ModelError(
+                f"a sequence of {longest} tokens exceeds the model's sliding window ({window}); "
+                "sliding-window attention is not implemented, so prompt + output must fit in it"
+            )
+
+    def checkpoint_sources(self) -> dict[str, list[str]]:
+        """Parameter name -> checkpoint tensor names, concatenated along dim 0 when several."""
+        src: dict[str, list[str]] = {
+            "embed_tokens.weight": ["model.embed_tokens.weight"],
+            "norm.weight": ["model.norm.weight"],
+        }
+        if self.lm_head is not None:
+            src["lm_head.weight"] = ["lm_head.weight"]
+        for i in range(self.cfg.num_layers):
+            hf, me = f"model.layers.{i}.", f"layers.{i}."
+            src[me + "input_norm.weight"] = [hf + "input_layernorm.weight"]
+            src[me + "post_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+            for kind in ("weight", "bias"):
+                qkv = [f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"]
+                src[f"{me}attn.qkv.{kind}"] = qkv
+                src[f"{me}attn.o_proj.{kind}"] = [f"{hf}self_attn.o_proj.{kind}"]
+                gate_up = [f"{hf}mlp.gate_proj.{kind}", f"{hf}mlp.up_proj.{kind}"]
+                src[f"{me}mlp.gate_up.{kind}"] = gate_up
+                src[f"{me}mlp.down.{kind}"] = [f"{hf}mlp.down_proj.{kind}"]
+            src[me + "attn.q_norm.weight"] = [hf + "self_attn.q_norm.weight"]
+            src[me + "attn.k_norm.weight"] = [hf + "self_attn.k_norm.weight"]
+        names = dict(self.named_parameters())
+        return {k: v for k, v in src.items() if k in names}

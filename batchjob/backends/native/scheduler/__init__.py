@@ -1,0 +1,1 @@
+"""Scheduling policies of the native engine (batchllm, baseline) and their shared base."""

@@ -1,0 +1,296 @@
+"""Scheduler settings, per-request state, the parts both policies share, and the factory.
+
+Protocol (the runner's loop)::
+
+    sched = make_scheduler(settings, prompts, plan)
+    while sched.has_unfinished():
+        out = sched.schedule()          # SchedulerOutput: chunks, block tables, prefixes
+        ...                             # run the model; sample one token per chunk.samples
+        sched.update(out, sampled={seq_id: token}, finished={seq_id, ...})
+
+``schedule`` and ``update`` alternate strictly. A request's state advances at ``schedule``
+(its KV is counted as computed once scheduled); ``update`` appends the sampled tokens and
+retires finished requests. A request also finishes when it has ``max_tokens`` outputs,
+whether or not the runner says so. Pure Python + numpy: never import torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from batchjob.backends.native.kv_cache import BlockPool, cdiv
+from batchjob.backends.native.scheduler.output import (
+    ScheduledChunk,
+    ScheduledPrefix,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from batchjob.backends.native.scheduler.sequence import FINISHED, RUNNING, WAITING, Sequence
+from batchjob.plan.plan import Plan
+from batchjob.prompts import TokenizedPrompts
+
+POLICIES = ("batchllm", "baseline")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSettings:
+    num_blocks: int  # KV budget in blocks (the runner derives it from the KV bytes available)
+    policy: str = "batchllm"  # batchllm (groups, 3 queues, Algo 2) | baseline (vLLM v1 style)
+    chunk_size: int = 2048  # token budget S_chunk per iteration (decode + prefill tokens)
+    block_size: int = 16  # tokens per KV block
+    kv_threshold: float = 0.95  # M_threshold / num_blocks: no new prefill above it (batchllm)
+    max_num_seqs: int = 256  # running-request cap (baseline only)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("num_blocks", "chunk_size", "block_size", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.kv_threshold <= 1.0:
+            raise ValueError(f"kv_threshold must be in (0, 1], got {self.kv_threshold}")
+
+    @property
+    def kv_cap_blocks(self) -> int:
+        """M_threshold in blocks: floor(kv_threshold * num_blocks)."""
+        return math.floor(self.kv_threshold * self.num_blocks + 1e-9)
+
+
+@dataclass
+class _Counters:
+    iterations: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefix_tokens: int = 0
+    recomputed_tokens: int = 0
+    cache_hit_tokens: int = 0
+    preemptions: int = 0
+    group_preemptions: int = 0
+    prefixes_computed: int = 0
+    peak_blocks: int = 0
+    threshold_lifted_iterations: int = 0
+
+
+def request_prefix_len(plan: Plan | None, num_requests: int) -> np.ndarray:
+    """int64 [N]: the group prefix length each request attends to (0 without a plan)."""
+    per_req = np.zeros(num_requests, dtype=np.int64)
+    if plan is not None:
+        per_req[plan.members] = np.repeat(plan.group_prefix_len, np.diff(plan.group_offsets))
+    return per_req
+
+
+def check_kv_budget(
+    settings: SchedulerSettings, prompts: TokenizedPrompts, prefix_len: np.ndarray
+) -> None:
+    """Raise ValueError unless every request fits alone: its group prefix + own prompt + outputs.
+
+    ``prefix_len``: int64 [N], the group prefix length of each prompt (0 for none).
+    """
+    bs, nb = settings.block_size, settings.num_blocks
+    lengths = prompts.lengths
+    if len(prompts) and lengths.min() < 1:
+        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty")
+    if len(prompts) and prompts.max_tokens.min() < 1:
+        raise ValueError(f"max_tokens must be >= 1 (prompt {int(np.argmin(prompts.max_tokens))})")
+    if not len(prompts):
+        return
+    own = lengths - prefix_len
+    mt = prompts.max_tokens.astype(np.int64)
+    prefix_blocks = -(-prefix_len // bs)
+    own_blocks = -(-(own + mt - 1) // bs)  # the last sampled token never gets KV
+    need = prefix_blocks + own_blocks
+    i = int(np.argmax(need))
+    if need[i] > nb:
+        raise ValueError(
+            f"KV budget too small: prompt {i} (row_id {int(prompts.row_ids[i])}) needs "
+            f"{int(need[i])} blocks of {bs} tokens = group prefix {int(prefix_len[i])} tokens "
+            f"({int(prefix_blocks[i])} blocks) + own prompt {int(own[i])} tokens + max_tokens "
+            f"{int(mt[i])} - 1 ({int(own_blocks[i])} blocks), but num_blocks is {nb}; "
+            "give the engine more KV memory or lower max_tokens"
+        )
+
+
+class Scheduler(ABC):
+    """Common state and the schedule/update protocol; policies fill ``_schedule``."""
+
+    def __init__(self, settings: SchedulerSettings, requests: list[Sequence]) -> None:
+        self.settings = settings
+        self.block_size = settings.block_size
+        self.pool = BlockPool(settings.num_blocks)
+        self._reqs = requests  # indexed by seq_id
+        self._running: dict[int, Sequence] = {}  # running requests, oldest admission first
+        self._num_unfinished = len(requests)
+        self._pending: SchedulerOutput | None = None
+        self._preempted_now: list[int] = []
+        self._next_stamp = 0
+        self._c = _Counters()
+
+    # --- public API ---------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self._num_unfinished > 0
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(**{f.name: getattr(self._c, f.name) for f in fields(self._c)})
+
+    def output_tokens(self, seq_id: int) -> list[int]:
+        """Tokens sampled so far for request ``seq_id`` (a copy)."""
+        return list(self._reqs[seq_id].outputs)
+
+    def schedule(self) -> SchedulerOutput:
+        if self._pending is not None:
+            raise RuntimeError("schedule() called again before update() of the last output")
+        if not self.has_unfinished():
+            raise RuntimeError("schedule() called with no unfinished request")
+        self._preempted_now = []
+        chunks, lifted = self._schedule()
+        if not chunks:
+            raise RuntimeError("internal error: scheduler made no progress")
+        chunks = _group_contiguous(chunks)
+        groups = dict.fromkeys(c.group for c in chunks if c.group >= 0)
+        n_dec = sum(c.num_tokens for c in chunks if c.is_decode)
+        n_all = sum(c.num_tokens for c in chunks)
+        used = self.pool.num_used
+        c = self._c
+        c.peak_blocks = max(c.peak_blocks, used)
+        c.threshold_lifted_iterations += int(lifted)
+        out = SchedulerOutput(
+            chunks=tuple(chunks),
+            prefixes=tuple(self._scheduled_prefix(g) for g in groups),
+            num_decode_tokens=n_dec,
+            num_prefill_tokens=n_all - n_dec,
+            kv_blocks_used=used,
+            kv_blocks_total=self.pool.num_blocks,
+            preempted=tuple(self._preempted_now),
+            iteration=c.iterations,
+            threshold_lifted=lifted,
+        )
+        c.iterations += 1
+        self._pending = out
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], finished: set[int]) -> None:
+        """Record one sampled token per sampling chunk of ``out``; retire finished requests."""
+        if out is not self._pending:
+            raise ValueError("update() must get the output of the last schedule() call")
+        sampling = {c.seq_id for c in out.chunks if c.samples}
+        if sampling != set(sampled):
+            raise ValueError(
+                f"sampled must have exactly the sampling seq_ids: missing "
+                f"{sorted(sampling - set(sampled))}, unexpected {sorted(set(sampled) - sampling)}"
+            )
+        if not finished <= sampling:
+            raise ValueError(f"finished seq_ids that did not sample: {sorted(finished - sampling)}")
+        self._pending = None
+        for chunk in out.chunks:
+            if chunk.seq_id < 0:
+                self._prefix_chunk_done(chunk)
+            elif chunk.samples:
+                req = self._reqs[chunk.seq_id]
+                req.outputs.append(int(sampled[chunk.seq_id]))
+                if chunk.seq_id in finished or len(req.outputs) >= req.max_tokens:
+                    self._finish(req)
+
+    # --- policy hooks -------------------------------------------------------------------
+    @abstractmethod
+    def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
+        """Chunks of this iteration (any order) and whether kv_threshold was lifted."""
+
+    @abstractmethod
+    def _requeue(self, req: Sequence) -> None:
+        """Put a just-preempted request back in line."""
+
+    def _scheduled_prefix(self, group: int) -> ScheduledPrefix:
+        raise NotImplementedError
+
+    def _prefix_chunk_done(self, chunk: ScheduledChunk) -> None:
+        raise NotImplementedError
+
+    def _on_finish(self, req: Sequence) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    def _on_preempt(self, req: Sequence) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    # --- shared mechanics ---------------------------------------------------------------
+    def _blocks_to_add(self, seq: Sequence, n: int) -> int:
+        """New blocks ``seq`` needs to hold ``n`` more own KV tokens."""
+        return cdiv(seq.computed + n, self.block_size) - len(seq.blocks)
+
+    def _admit(self, req: Sequence) -> None:
+        req.state = RUNNING
+        req.stamp = self._next_stamp
+        self._next_stamp += 1
+        self._running[req.seq_id] = req
+
+    def _youngest_running(self) -> Sequence:
+        return self._running[next(reversed(self._running))]
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.pool.free(reversed(seq.blocks))  # last block first: evicted first
+        seq.blocks = []
+        seq._table = None
+        seq.computed = 0
+        seq.num_cached_blocks = 0
+
+    def _preempt(self, req: Sequence) -> None:
+        """Recompute preemption: drop the request's own KV and put it back in line."""
+        self._free_blocks(req)
+        del self._running[req.seq_id]
+        req.state = WAITING
+        self._c.preemptions += 1
+        self._preempted_now.append(req.seq_id)
+        self._on_preempt(req)
+        self._requeue(req)
+
+    def _finish(self, req: Sequence) -> None:
+        self._free_blocks(req)
+        del self._running[req.seq_id]
+        req.state = FINISHED
+        self._num_unfinished -= 1
+        self._on_finish(req)
+
+    def _emit(self, seq: Sequence, n: int) -> ScheduledChunk:
+        """Schedule own tokens [computed, computed + n) of ``seq`` (blocks already held)."""
+        start, end = seq.computed, seq.computed + n
+        num_tokens = seq.num_tokens
+        # blocks are allocated exactly as needed: the table covers the KV after this chunk
+        assert n > 0 and end <= num_tokens and len(seq.blocks) == cdiv(end, self.block_size)
+        is_decode = n == 1 and bool(seq.outputs) and end == num_tokens
+        c = self._c
+        if is_decode:
+            c.decode_tokens += 1
+        else:
+            c.prefill_tokens += n
+        if seq.seq_id < 0:
+            c.prefix_tokens += n
+        c.recomputed_tokens += max(0, min(end, seq.high_water) - start)
+        seq.high_water = max(seq.high_water, end)
+        seq.computed = end
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.tokens(start, end),
+            kv_start=start,
+            position_start=seq.own_start + start,
+            block_table=seq.block_table(),
+            group=seq.chunk_group,
+            is_decode=is_decode,
+            samples=seq.seq_id >= 0 and end == num_tokens,
+        )
+
+
+def _group_contiguous(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """Stable reorder so chunks of the same group (>= 0) are adjacent."""
+    buckets: dict[object, list[ScheduledChunk]] = {}
+    for c in chunks:
+        key = c.group if c.group >= 0 else ("seq", c.seq_id)
+        buckets.setdefault(key, []).append(c)
+    return [c for bucket in buckets.values() for c in bucket]

@@ -1,0 +1,347 @@
+"""BatchLLM policy: prefix-sharing groups, three token queues, memory-centric batching (Algo 2).
+
+Every iteration fills the token budget ``chunk_size`` from, in order:
+
+1. the decode queue: every running request in decode gets its one token (oldest first);
+2. the distinct-prompt queue: first the unfinished prefills of running requests, then the
+   waiting members of started groups whose prefix is complete, and recompute chunks of
+   preempted requests (those go to the front);
+3. the common-prefix queue: the next group in plan order. Its prefix is a sequence of its
+   own (``seq_id = -(g + 1)``, ``samples=False``) that owns the prefix blocks; once its last
+   chunk has run (``update``), the members join the distinct queue, so a member's tokens are
+   never scheduled before its whole prefix. A group with ``prefix_len == 0`` has no prefix
+   sequence: starting it puts its members in the distinct queue at once.
+
+Prefill is chunked to the tokens left in the budget and admitted by KV memory only (Algo 2,
+no request-count cap): a prefill chunk (distinct, recompute or prefix) runs only if
+``blocks in use + blocks it needs <= floor(kv_threshold * num_blocks)``; the chunk is cut to
+what fits, and the first one that cannot fit at all ends the prefill pass. Decode tokens are
+not capped by the threshold. An iteration that preempted starts no new sequence.
+
+Memory: prefix blocks are allocated chunk by chunk by the prefix sequence, held by the group
+and freed when its last member finishes. When a decode needs a block and none is free, the
+youngest running request is preempted (its own KV freed; it recomputes its distinct prompt
++ outputs later; the group prefix stays). If that request is the only one running, the
+youngest *idle* group (prefix blocks held, no running member) is preempted instead: its
+prefix blocks are freed, its waiting members leave the distinct queue and the group goes
+back to the front of the prefix queue, to be recomputed (``stats.group_preemptions``).
+
+Group start: a group's prefix starts only if its whole prefix plus one member's prompt fit
+under the threshold, counting the prompts of members whose prefix completed earlier in the
+same pass (they come first next iteration). This keeps idle prefixes from holding memory.
+
+Progress: if nothing fits under the threshold and no decode runs, the iteration schedules a
+single prefill chunk ignoring the threshold (``threshold_lifted``: physical blocks only); if
+even that fits nothing, the youngest prefilling request is preempted (or, with one left, the
+youngest idle group) until something fits. Every request fits alone with its group prefix
+(``check_kv_budget``), so this ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from batchjob.backends.native.kv_cache import cdiv
+from batchjob.backends.native.scheduler.base import (
+    Scheduler,
+    SchedulerSettings,
+    check_kv_budget,
+    request_prefix_len,
+)
+from batchjob.backends.native.scheduler.output import (
+    ScheduledChunk,
+    ScheduledPrefix,
+    prefix_group,
+    prefix_seq_id,
+)
+from batchjob.backends.native.scheduler.sequence import FINISHED, NEW, RUNNING, WAITING, Sequence
+from batchjob.plan.plan import Plan
+from batchjob.prompts import TokenizedPrompts
+
+
+class _Group:
+    __slots__ = ("index", "members", "num_running", "num_unfinished", "prefix", "ready", "stamp")
+
+    def __init__(self, index: int, members: list[Sequence], prefix: Sequence | None) -> None:
+        self.index = index
+        self.members = members  # in plan order
+        self.prefix = prefix  # the prefix sequence, None when prefix_len == 0
+        self.num_unfinished = len(members)
+        self.num_running = 0  # members holding own KV
+        self.ready = False  # prefix complete (after update) and members released
+        self.stamp = -1  # start order: larger is younger
+
+
+def check_plan(plan: Plan, prompts: TokenizedPrompts) -> None:
+    """Raise ValueError unless ``plan`` groups exactly ``prompts`` with true shared prefixes."""
+    n = len(prompts)
+    members = np.asarray(plan.members, dtype=np.int64)
+    if len(members) != n or not np.array_equal(np.sort(members), np.arange(n)):
+        raise ValueError(f"plan members must be a permutation of the {n} prompt positions")
+    off = np.asarray(plan.group_offsets, dtype=np.int64)
+    if (
+        off.shape != (plan.num_groups + 1,)
+        or off[0] != 0
+        or off[-1] != n
+        or np.any(off[1:] <= off[:-1])
+    ):
+        raise ValueError("plan group_offsets must rise strictly from 0 to the number of members")
+    lengths = prompts.lengths
+    for g in range(plan.num_groups):
+        ms = members[off[g] : off[g + 1]]
+        pl = int(plan.group_prefix_len[g])
+        if pl < 0 or pl > int(lengths[ms].min()) - 1:
+            raise ValueError(f"plan group {g}: prefix_len {pl} leaves a member no distinct token")
+        if pl and len(ms) > 1:
+            rows = prompts.tokens[prompts.offsets[ms][:, None] + np.arange(pl)]  # [m, pl]
+            if not np.all(rows == rows[:1]):
+                raise ValueError(f"plan group {g}: members differ within the {pl}-token prefix")
+
+
+class BatchLLMScheduler(Scheduler):
+    def __init__(
+        self, settings: SchedulerSettings, prompts: TokenizedPrompts, plan: Plan | None
+    ) -> None:
+        n = len(prompts)
+        if plan is None:  # groups of one in file order: memory-centric batching, no sharing
+            prefix_lens, offsets, members = np.zeros(n, np.int64), np.arange(n + 1), np.arange(n)
+        else:
+            check_plan(plan, prompts)
+            prefix_lens, offsets, members = plan.group_prefix_len, plan.group_offsets, plan.members
+        check_kv_budget(settings, prompts, request_prefix_len(plan, n))
+        reqs: list[Sequence | None] = [None] * n
+        self._groups: list[_Group] = []
+        for g in range(len(prefix_lens)):
+            pl = int(prefix_lens[g])
+            ms = []
+            for m in members[offsets[g] : offsets[g + 1]]:
+                m = int(m)
+                ms.append(
+                    Sequence(m, prompts.row(m), pl, int(prompts.max_tokens[m]), g, g if pl else -1)
+                )
+                reqs[m] = ms[-1]
+            prefix = Sequence(prefix_seq_id(g), ms[0].prompt[:pl], group=g) if pl else None
+            self._groups.append(_Group(g, ms, prefix))
+        super().__init__(settings, reqs)  # type: ignore[arg-type]
+        self._waiting: deque[Sequence] = deque()  # distinct queue (not yet running)
+        self._prefix_queue: deque[int] = deque(range(len(self._groups)))  # common-prefix queue
+        self._queued = [True] * len(self._groups)  # group is in the prefix queue
+        self._held: dict[int, _Group] = {}  # groups holding prefix blocks
+        self._next_group_stamp = 0
+
+    # --- hooks ----------------------------------------------------------------------------
+    def _requeue(self, req: Sequence) -> None:
+        self._waiting.appendleft(req)
+
+    def _on_preempt(self, req: Sequence) -> None:
+        self._groups[req.group].num_running -= 1
+
+    def _on_finish(self, req: Sequence) -> None:
+        grp = self._groups[req.group]
+        grp.num_running -= 1
+        grp.num_unfinished -= 1
+        if grp.num_unfinished == 0 and grp.prefix is not None:
+            self._free_blocks(grp.prefix)
+            self._held.pop(grp.index, None)
+
+    def _scheduled_prefix(self, group: int) -> ScheduledPrefix:
+        p = self._groups[group].prefix
+        assert p is not None and p.computed == p.num_tokens
+        return ScheduledPrefix(group, p.num_tokens, p.block_table())
+
+    def _prefix_chunk_done(self, chunk: ScheduledChunk) -> None:
+        grp = self._groups[prefix_group(chunk.seq_id)]
+        p = grp.prefix
+        if p is not None and not grp.ready and p.computed == p.num_tokens:
+            grp.ready = True
+            self._c.prefixes_computed += 1
+            for m in grp.members:
+                if m.state != FINISHED:
+                    m.state = WAITING
+                    self._waiting.append(m)
+
+    # --- one iteration ----------------------------------------------------------------------
+    def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
+        chunks: list[ScheduledChunk] = []
+        budget = self._schedule_decodes(chunks, self.settings.chunk_size)
+        allow_new = not self._preempted_now
+        self._schedule_prefill(chunks, budget, self.settings.kv_cap_blocks, allow_new, False)
+        if chunks:
+            return chunks, False
+        while True:  # nothing fits under the threshold and no decode: one chunk, all blocks
+            self._schedule_prefill(chunks, budget, self.pool.num_blocks, True, True)
+            if chunks:
+                return chunks, True
+            self._preempt_for_progress()
+
+    def _schedule_decodes(self, chunks: list[ScheduledChunk], budget: int) -> int:
+        for req in [r for r in self._running.values() if r.in_decode]:
+            if budget == 0:
+                break
+            if req.state != RUNNING:  # preempted as a victim earlier in this pass
+                continue
+            if self._grow_decode(req):
+                chunks.append(self._emit(req, 1))
+                budget -= 1
+        return budget
+
+    def _grow_decode(self, req: Sequence) -> bool:
+        """A block for ``req``'s next token if it needs one; False if ``req`` was preempted."""
+        need = self._blocks_to_add(req, 1)
+        while need > self.pool.num_free:
+            victim = self._youngest_running()
+            if victim is req and len(self._running) == 1:
+                self._preempt_group(self._youngest_idle_group(exclude=req.group))
+                continue
+            self._preempt(victim)
+            if victim is req:
+                return False
+        req.blocks += self.pool.allocate(need)
+        return True
+
+    def _schedule_prefill(
+        self, chunks: list[ScheduledChunk], budget: int, cap: int, allow_new: bool, one: bool
+    ) -> None:
+        """Distinct then prefix queue under ``cap`` blocks; ``one``: stop after one chunk."""
+        # distinct queue, active part: running requests with prompt/recompute tokens left
+        for req in list(self._running.values()):
+            if budget == 0:
+                return
+            left = req.num_tokens - req.computed
+            if left == 0 or req.in_decode:
+                continue
+            n = self._reserve(req, left, budget, cap)
+            if n == 0:
+                return
+            chunks.append(self._emit(req, n))
+            budget -= n
+            if one:
+                return
+        if not allow_new:
+            return
+        while budget > 0:
+            if self._waiting:  # distinct queue, waiting part
+                req = self._waiting[0]
+                n = self._reserve(req, req.num_tokens, budget, cap)
+                if n == 0:
+                    return
+                self._waiting.popleft()
+                self._admit(req)
+                self._groups[req.group].num_running += 1
+                chunks.append(self._emit(req, n))
+                budget -= n
+                if one:
+                    return
+                continue
+            if not self._prefix_queue:
+                return
+            grp = self._groups[self._prefix_queue[0]]
+            p = grp.prefix
+            if p is None:  # no shared prefix: its members join the distinct queue now
+                if self._fit(grp.members[0], grp.members[0].num_tokens, budget, cap) == 0:
+                    return
+                self._start_group(grp)
+                for m in grp.members:
+                    m.state = WAITING
+                    self._waiting.append(m)
+                continue
+            if grp.stamp < 0 and not self._room_to_start(grp, cap):
+                return
+            n = self._reserve(p, p.num_tokens - p.computed, budget, cap)
+            if n == 0:
+                return
+            if grp.stamp < 0:
+                self._start_group(grp)
+            chunks.append(self._emit(p, n))
+            budget -= n
+            if p.computed < p.num_tokens:
+                return  # budget or memory exhausted mid-prefix
+            self._prefix_queue.popleft()
+            self._queued[grp.index] = False
+            # its members join the distinct queue next iteration, ahead of anything started
+            # now: keep their prompts' blocks free of later prefill in this pass
+            cap -= sum(self._prompt_blocks(m) for m in grp.members if m.state != FINISHED)
+            if one:
+                return
+
+    # --- memory -----------------------------------------------------------------------------
+    def _fit(self, seq: Sequence, left: int, budget: int, cap: int) -> int:
+        """Tokens of ``seq`` (up to ``left``) that fit the budget and ``cap`` blocks in use."""
+        used = self.pool.num_used
+        if used > cap:
+            return 0
+        slack = len(seq.blocks) * self.block_size - seq.computed
+        new_blocks = min(cap - used, self.pool.num_free)
+        return min(left, budget, slack + new_blocks * self.block_size)
+
+    def _reserve(self, seq: Sequence, left: int, budget: int, cap: int) -> int:
+        n = self._fit(seq, left, budget, cap)
+        if n:
+            seq.blocks += self.pool.allocate(self._blocks_to_add(seq, n))
+        return n
+
+    def _room_to_start(self, grp: _Group, cap: int) -> bool:
+        """Start a group only if its whole prefix and one member's prompt fit under ``cap``.
+
+        A prefix is useless until a member runs: starting one that no member can follow
+        would only hold blocks (and invite a group preemption later).
+        """
+        assert grp.prefix is not None
+        first = next(m for m in grp.members if m.state != FINISHED)
+        need = cdiv(grp.prefix.num_tokens, self.block_size) + self._prompt_blocks(first)
+        return self.pool.num_used + need <= cap
+
+    def _prompt_blocks(self, req: Sequence) -> int:
+        return cdiv(req.num_tokens, self.block_size)
+
+    def _start_group(self, grp: _Group) -> None:
+        grp.stamp = self._next_group_stamp
+        self._next_group_stamp += 1
+        if grp.prefix is None:
+            self._prefix_queue.popleft()
+            self._queued[grp.index] = False
+        else:
+            self._held[grp.index] = grp
+
+    def _youngest_idle_group(self, exclude: int) -> _Group:
+        idle = [
+            g
+            for g in self._held.values()
+            if g.num_running == 0 and g.index != exclude and g.prefix and g.prefix.blocks
+        ]
+        if not idle:
+            raise RuntimeError("internal error: KV memory full with nothing left to preempt")
+        return max(idle, key=lambda g: g.stamp)
+
+    def _preempt_group(self, grp: _Group) -> None:
+        """Drop an idle group's prefix KV; the group restarts from the prefix queue."""
+        assert grp.prefix is not None and grp.num_running == 0
+        self._free_blocks(grp.prefix)
+        del self._held[grp.index]
+        grp.ready = False
+        grp.stamp = -1
+        ids = {m.seq_id for m in grp.members}
+        self._waiting = deque(r for r in self._waiting if r.seq_id not in ids)
+        for m in grp.members:
+            if m.state == WAITING:
+                m.state = NEW  # waits for the prefix again
+        if not self._queued[grp.index]:
+            self._prefix_queue.appendleft(grp.index)
+            self._queued[grp.index] = True
+        self._c.group_preemptions += 1
+        self._preempted_now.append(grp.prefix.seq_id)
+
+    def _preempt_for_progress(self) -> None:
+        """Free memory when not even the threshold-free pass could schedule anything."""
+        if len(self._running) > 1:
+            self._preempt(self._youngest_running())
+            return
+        if self._running:
+            head = self._youngest_running().group
+        elif self._waiting:
+            head = self._waiting[0].group
+        else:
+            head = self._prefix_queue[0] if self._prefix_queue else -1
+        self._preempt_group(self._youngest_idle_group(exclude=head))

@@ -1,0 +1,338 @@
+"""Host wrappers: validate inputs (checks.py), then launch the jit kernels.
+
+``fused_prefix_attention`` is the production path (one launch). ``cascade_prefix_attention``
+and ``paged_attention`` (variants.py builds its inputs) are the comparison variants;
+``write_kv`` stores new K/V in the paged caches. On CPU tensors the kernels run under
+Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first imported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+
+import torch
+
+from ..meta import AttentionMetadata
+from .checks import (
+    SUPPORTED_DTYPES,
+    Dims,
+    _fail,
+    check_device,
+    check_index,
+    check_meta,
+    check_out,
+    check_qkv,
+    check_scale,
+    check_sequences,
+    interpreting,
+    jit_module,
+    next_power_of_2,
+)
+
+
+def tune_key(max_q_len: int, has_groups: bool) -> int:
+    """Autotune bucket: decode-only / short chunks / long chunks, with or without groups."""
+    bucket = 0 if max_q_len <= 1 else 1 if max_q_len <= 16 else 2 if max_q_len <= 128 else 3
+    return bucket * 2 + int(has_groups)
+
+
+def dot_flags(dtype: torch.dtype) -> dict[str, object]:
+    """DOT_F32 works around the interpreter's broken bf16 tl.dot; fp32 dots use tf32x3
+    (three tf32 tensor-core products: about fp32 accuracy without FMA-loop dots)."""
+    return {
+        "DOT_F32": interpreting() and dtype == torch.bfloat16,
+        "DOT_PREC": "tf32x3" if dtype == torch.float32 else "tf32",
+    }
+
+
+def group_order(meta: AttentionMetadata) -> torch.Tensor:
+    """int32 [G]: groups sorted by their first query token (the prefix tiles' numbering)."""
+    return torch.argsort(meta.group_q_start).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class Split:
+    """How the prefix is cut into pieces, each one program (see prefix_attention.py)."""
+
+    pieces: int  # N_SPLIT: the most pieces any group has
+    length: int  # SPLIT_LEN: prefix keys per piece
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_split(dims: Dims, meta: AttentionMetadata, split_len: int | None = None) -> Split:
+    """Cut long prefixes when there are too few prefix tiles to fill the GPU.
+
+    ``split_len`` (keys per piece) overrides the heuristic: about two waves of prefix
+    programs, pieces of at least 256 keys, at most 16 pieces.
+    """
+    longest = max(1, meta.max_prefix_len)
+    if split_len is None:
+        split_len = longest
+        if meta.num_groups and meta.prefix_len.is_cuda:
+            tiles = (dims.num_tokens // max(1, 64 // dims.gqa_pad) + meta.num_groups) * (
+                dims.num_kv_heads
+            )
+            want = -(-2 * _num_sms(meta.prefix_len.device.index or 0) // tiles)
+            pieces = max(1, min(want, 16, longest // 256))
+            split_len = -(-longest // pieces)
+    split_len = max(1, split_len)
+    return Split(-(-longest // split_len), split_len)
+
+
+class Workspace:
+    """Scratch for partial (o, lse) results and the fused kernel's merge counters.
+
+    Counters are zero when allocated and every fused launch leaves them zero, so one
+    workspace serves any number of launches on one stream (not concurrent ones).
+    """
+
+    def __init__(self) -> None:
+        self._o = self._lse = self._cnt = None
+
+    def get(self, dims: Dims, slots: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """ws_o fp32 [T, Hq, slots, D], ws_lse fp32 [T, Hq, slots], counters int32 [T, Hq]
+        (flat, possibly longer)."""
+        th = max(1, dims.num_tokens * dims.num_q_heads)
+        need = th * slots * dims.head_dim
+        if self._o is None or self._o.device != device or self._o.numel() < need:
+            self._o = torch.empty(need, dtype=torch.float32, device=device)
+        if self._lse is None or self._lse.device != device or self._lse.numel() < th * slots:
+            self._lse = torch.empty(th * slots, dtype=torch.float32, device=device)
+        if self._cnt is None or self._cnt.device != device or self._cnt.numel() < th:
+            self._cnt = torch.zeros(th, dtype=torch.int32, device=device)
+        return self._o, self._lse, self._cnt
+
+
+def _kv_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
+def _consts(dims: Dims, dtype: torch.dtype) -> dict[str, object]:
+    return {
+        "GQA": dims.gqa,
+        "GQA_PAD": dims.gqa_pad,
+        "D": dims.head_dim,
+        "D_PAD": dims.d_pad,
+        "PAGE": dims.page,
+        **dot_flags(dtype),
+    }
+
+
+def _prefix_tiles(dims: Dims, num_groups: int, block_m: int) -> int:
+    return dims.num_tokens // dims.tok(block_m) + num_groups if num_groups else 0
+
+
+def _own_tiles(dims: Dims, num_seqs: int, block_m: int) -> int:
+    return dims.num_tokens // dims.tok(block_m) + num_seqs
+
+
+def _prepare(q, k_cache, v_cache, meta, scale, out, workspace, order, split_len):
+    dims = check_qkv(q, k_cache, v_cache)
+    check_meta(dims, meta, q.device)
+    scale = check_scale(scale)
+    out = check_out(out, q)
+    split = choose_split(dims, meta, split_len)
+    ws = (workspace or Workspace()).get(dims, split.pieces + 1, q.device)
+    order = group_order(meta) if order is None else order
+    return dims, scale * math.log2(math.e), out, split, ws, order
+
+
+def fused_prefix_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    workspace: Workspace | None = None,
+    out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    split_len: int | None = None,
+) -> torch.Tensor:
+    """Prefix-shared paged attention in ONE launch. q: [T, Hq, D] -> out: [T, Hq, D].
+
+    ``order`` (int32 [G], from ``group_order(meta)``) may be passed to reuse it across layers.
+    ``config`` (BLOCK_M_P, BLOCK_N_P, BLOCK_M_O, BLOCK_N_O, optional num_warps, num_stages)
+    fixes the tiles instead of autotuning (or of the interpreter's small default tiles).
+    ``split_len`` fixes the prefix keys per program (default: choose_split's heuristic).
+    """
+    dims, qk_scale, out, split, (ws_o, ws_lse, cnt), order = _prepare(
+        q, k_cache, v_cache, meta, scale, out, workspace, order, split_len
+    )
+    s, g = meta.num_seqs, meta.num_groups
+    if dims.num_tokens == 0 or s == 0:
+        return out
+    mod = jit_module("attention_kernels")
+
+    def grid(c: dict) -> tuple[int, int]:
+        n = _prefix_tiles(dims, g, c["BLOCK_M_P"]) * split.pieces
+        return (n + _own_tiles(dims, s, c["BLOCK_M_O"]), dims.num_kv_heads)
+
+    args = (
+        q, k_cache, v_cache, out, ws_o, ws_lse, cnt,
+        meta.cu_q, meta.kv_len, meta.block_table, meta.seq_group,
+        meta.prefix_len, meta.prefix_block_table, meta.group_q_start, meta.group_q_end, order,
+        s, g, dims.num_tokens, dims.num_q_heads, split.pieces, split.length, qk_scale,
+        q.stride(0), q.stride(1), *_kv_strides(k_cache, v_cache), out.stride(0), out.stride(1),
+        meta.block_table.stride(0), meta.prefix_block_table.stride(0),
+        tune_key(meta.max_q_len, g > 0),
+    )  # fmt: skip
+    if config is None and interpreting():
+        config = mod.INTERPRET_FUSED
+    if config is None:
+        mod.fused_kernel_tuned[grid](*args, **_consts(dims, q.dtype))
+    else:
+        if min(config["BLOCK_M_P"], config["BLOCK_M_O"]) < max(16, dims.gqa_pad):
+            _fail(f"config {config}: BLOCK_M_P and BLOCK_M_O must be >= max(16, GQA)")
+        mod.fused_kernel[grid(config)](*args, **_consts(dims, q.dtype), **config)
+    return out
+
+
+def cascade_prefix_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    workspace: Workspace | None = None,
+    out: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
+    split_len: int | None = None,
+) -> torch.Tensor:
+    """Cascade variant: prefix launch, own launch, merge launch (FlashInfer-cascade style).
+
+    Same tiles, prefix pieces and partials as the fused kernel; only the launches differ.
+    """
+    dims, qk_scale, out, split, (ws_o, ws_lse, _), order = _prepare(
+        q, k_cache, v_cache, meta, scale, out, workspace, order, split_len
+    )
+    s, g = meta.num_seqs, meta.num_groups
+    if dims.num_tokens == 0 or s == 0:
+        return out
+    mod = jit_module("attention_kernels")
+    consts = _consts(dims, q.dtype)
+    hq, key = dims.num_q_heads, tune_key(meta.max_q_len, g > 0)
+    kv_strides = _kv_strides(k_cache, v_cache)
+    if g:
+        args = (
+            q, k_cache, v_cache, ws_o, ws_lse, meta.prefix_len, meta.prefix_block_table,
+            meta.group_q_start, meta.group_q_end, order, g, hq, split.pieces, split.length,
+            qk_scale, q.stride(0), q.stride(1), *kv_strides, meta.prefix_block_table.stride(0),
+            key,
+        )  # fmt: skip
+        tiles = lambda bm: _prefix_tiles(dims, g, bm) * split.pieces  # noqa: E731
+        _launch_part(mod, "prefix_kernel", args, consts, tiles, dims)
+    args = (
+        q, k_cache, v_cache, out, ws_o, ws_lse, meta.cu_q, meta.kv_len, meta.block_table,
+        meta.seq_group, meta.prefix_len, s, hq, split.pieces, split.length, qk_scale,
+        q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
+        meta.block_table.stride(0), key,
+    )  # fmt: skip
+    consts_own = {**consts, "HAS_GROUPS": g > 0}
+    _launch_part(mod, "own_kernel", args, consts_own, lambda bm: _own_tiles(dims, s, bm), dims)
+    if g:
+        bm = max(mod.MERGE_BLOCK_M, dims.gqa_pad)
+        mod.merge_kernel[(_prefix_tiles(dims, g, bm), dims.num_kv_heads)](
+            out, ws_o, ws_lse, meta.prefix_len, meta.group_q_start, meta.group_q_end, order,
+            g, hq, split.pieces, split.length, out.stride(0), out.stride(1),
+            GQA=dims.gqa, GQA_PAD=dims.gqa_pad, D=dims.head_dim, D_PAD=dims.d_pad, BLOCK_M=bm,
+        )  # fmt: skip
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    kv_len: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain causal paged attention, no sharing: each sequence's full KV is in block_table."""
+    dims = check_qkv(q, k_cache, v_cache)
+    s = check_sequences(dims, cu_q, kv_len, block_table, q.device)
+    scale = check_scale(scale)
+    out = check_out(out, q)
+    if dims.num_tokens == 0 or s == 0:
+        return out
+    mod = jit_module("attention_kernels")
+    args = (
+        q, k_cache, v_cache, out, out, out, cu_q, kv_len, block_table, kv_len, kv_len,
+        s, dims.num_q_heads, 1, 1, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), *_kv_strides(k_cache, v_cache), out.stride(0), out.stride(1),
+        block_table.stride(0), tune_key(max_q_len, False),
+    )  # fmt: skip
+    consts = {**_consts(dims, q.dtype), "HAS_GROUPS": False}
+    _launch_part(mod, "own_kernel", args, consts, lambda bm: _own_tiles(dims, s, bm), dims)
+    return out
+
+
+def _launch_part(mod: ModuleType, name: str, args: tuple, consts: dict, tiles, dims: Dims) -> None:
+    """Launch prefix_kernel / own_kernel: a fixed config when interpreting, else autotuned."""
+    if interpreting():
+        cfg = mod.INTERPRET_PART
+        getattr(mod, name)[(tiles(cfg["BLOCK_M"]), dims.num_kv_heads)](*args, **consts, **cfg)
+    else:
+        kernel = getattr(mod, name + "_tuned")
+        kernel[lambda c: (tiles(c["BLOCK_M"]), dims.num_kv_heads)](*args, **consts)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v: [T, Hkv, D] -> k_cache, v_cache: [num_blocks, block_size, Hkv, D] at slot_mapping.
+
+    slot_mapping: int64 [T], slot = block * block_size + offset; negative slots are skipped.
+    k, v are cast to the caches' dtype.
+    """
+    if k.dim() != 3 or v.shape != k.shape:
+        _fail(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        _fail(
+            "k_cache and v_cache must both be [num_blocks, block_size, Hkv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.shape[2:] != k.shape[1:]:
+        _fail(f"k rows {tuple(k.shape[1:])} do not fit cache rows {tuple(k_cache.shape[2:])}")
+    if k.dtype != v.dtype or k_cache.dtype != v_cache.dtype:
+        _fail(f"k/v dtypes ({k.dtype}, {v.dtype}) or cache dtypes differ")
+    for x in (k, k_cache):
+        if x.dtype not in SUPPORTED_DTYPES:
+            _fail(f"dtype {x.dtype} not supported; use one of {SUPPORTED_DTYPES}")
+    devices = {k.device, v.device, k_cache.device, v_cache.device}
+    if len(devices) != 1:
+        _fail(f"k, v and the caches must be on one device, got {devices}")
+    check_index("slot_mapping", slot_mapping, 1, torch.int64, k.device)
+    if slot_mapping.shape[0] != k.shape[0]:
+        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
+    for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            _fail(f"{name} must be contiguous in its last dim, strides {x.stride()}")
+    check_device(k.device)
+    t, h, d = k.shape
+    if t == 0:
+        return
+    mod = jit_module("kv_write")
+    mod.write_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        H=h, D=d, H_PAD=next_power_of_2(h), D_PAD=next_power_of_2(d), PAGE=k_cache.shape[1],
+    )  # fmt: skip

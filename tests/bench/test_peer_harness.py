@@ -1,0 +1,176 @@
+"""Smoke tests of the benchmark peers on a tiny random Llama.
+
+hf_peer runs in this venv, in process. vllm_peer runs in its own venv (.venv-vllm, made by
+benchmarks/setup_vllm_venv.sh) as a subprocess, and is skipped when that venv is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from batchjob.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+GROUPS, MEMBERS, PREFIX, DISTINCT = 3, 3, 70, 10
+BLOCK = 32
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+vllm_peer = _load("vllm_peer")  # only stdlib at import time: vllm is imported inside run()
+hf_peer = _load("hf_peer")  # imports vllm_peer (as a script, its folder is on sys.path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 32: the smallest head size vLLM's CPU attention supports
+    return make_tiny_model(tmp_path_factory.mktemp("peer-model"), hidden=64, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+    """GROUPS groups of MEMBERS rows: a PREFIX-token shared prefix + DISTINCT own tokens,
+    shuffled; max_tokens varies per row; distinct suffixes differ in their first token."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(0)
+    rows = []
+    for g in range(GROUPS):
+        prefix = [3 + g, *rng.integers(3, vocab, PREFIX - 1).tolist()]  # groups differ at once
+        for m in range(MEMBERS):
+            rows.append([*prefix, 3 + m, *rng.integers(3, vocab, DISTINCT - 1).tolist()])
+    perm = rng.permutation(len(rows))
+    table = pa.table(
+        {
+            "row_id": pa.array([100 + i for i in range(len(rows))], pa.int64()),
+            "prompt": pa.array([rows[i] for i in perm], pa.list_(pa.int32())),
+            "max_tokens": pa.array([4 + i % 4 for i in range(len(rows))], pa.int32()),
+        }
+    )
+    path = tmp_path_factory.mktemp("peer-data") / "w.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+def _rows(path: Path) -> tuple[list[list[int]], list[int]]:
+    t = pq.read_table(path)
+    return t.column("prompt").to_pylist(), t.column("max_tokens").to_pylist()
+
+
+def greedy_reference(model_dir: Path, prompts: list[list[int]], max_tokens: list[int]):
+    """One row at a time, no padding, no KV cache: full forward per step, EOS masked."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    outs = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, max_tokens, strict=True):
+            ids = list(prompt)
+            for _ in range(n):
+                logits = model(torch.tensor([ids])).logits[0, -1]  # [V]
+                logits[eos] = float("-inf")
+                ids.append(int(logits.argmax()))
+            outs.append(ids[len(prompt) :])
+    return outs
+
+
+def test_load_workload_orders_and_ids(workload: Path) -> None:
+    prompts, _ = _rows(workload)
+    w = vllm_peer.load_workload(str(workload), sort_prompts=True)
+    assert w.prompts == prompts and w.row_ids == list(range(100, 100 + len(prompts)))
+    assert [w.prompts[i] for i in w.order] == sorted(prompts)
+    assert vllm_peer.load_workload(str(workload), sort_prompts=False).order == list(
+        range(len(prompts))
+    )
+
+
+def test_vllm_engine_kwargs_kv_size() -> None:
+    base = ["--model", "m", "--input", "i", "--output-json", "o"]
+    whole = vllm_peer.engine_kwargs(vllm_peer.parse_args([*base, "--kv-gib", "2"]))
+    assert "kv_cache_memory_bytes" not in whole  # whole GiB go through VLLM_CPU_KVCACHE_SPACE
+    assert whole["block_size"] == 32 and whole["enable_prefix_caching"] is True
+    part = vllm_peer.engine_kwargs(vllm_peer.parse_args([*base, "--kv-gib", "0.25"]))
+    assert part["kv_cache_memory_bytes"] == 1 << 28
+
+
+def test_vllm_plan_args_exclusive() -> None:
+    a = vllm_peer.parse_args(["--model", "m", "--plan", "p.json"])
+    assert a.plan == "p.json" and a.input is None and not a.sort_prompts
+    for bad in (
+        ["--plan", "p", "--input", "i"],
+        ["--plan", "p", "--sort-prompts"],
+        ["--input", "i"],
+    ):
+        with pytest.raises(SystemExit):  # --plan replaces them; without it both are needed
+            vllm_peer.parse_args(["--model", "m", *bad])
+
+
+@pytest.mark.parametrize("batch_size,sort", [(4, False), (9, True)])
+def test_hf_peer_matches_unpadded_greedy(
+    model_dir: Path, workload: Path, tmp_path: Path, batch_size: int, sort: bool
+) -> None:
+    out = tmp_path / "hf.json"
+    args = ["--model", str(model_dir), "--input", str(workload), "--output-json", str(out)]
+    args += ["--batch-size", str(batch_size), *(["--sort-prompts"] if sort else [])]
+    hf_peer.main(args)
+    res = json.loads(out.read_text())
+    prompts, max_tokens = _rows(workload)
+    assert res["num_requests"] == len(prompts)
+    assert res["prompt_tokens"] == sum(map(len, prompts))
+    assert res["generated_tokens"] == sum(max_tokens)
+    assert res["padded_generated_tokens"] >= res["generated_tokens"]
+    assert res["generate_s"] > 0 and res["peak_rss_self_mib"] > 0
+    assert [r["row_id"] for r in res["rows"]] == list(range(100, 100 + len(prompts)))
+    got = [r["output_ids"] for r in res["rows"]]
+    assert got == greedy_reference(model_dir, prompts, max_tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm (benchmarks/setup_vllm_venv.sh)")
+def test_vllm_peer_prefix_cache_and_tokens(model_dir: Path, workload: Path, tmp_path: Path):
+    out = tmp_path / "vllm.json"
+    cmd = [str(VLLM_PY), str(ROOT / "benchmarks" / "vllm_peer.py"), "--model", str(model_dir)]
+    cmd += ["--input", str(workload), "--output-json", str(out), "--enforce-eager"]
+    cmd += ["--block-size", str(BLOCK), "--kv-gib", "1", "--threads", "1"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    prompts, max_tokens = _rows(workload)
+    assert res["num_requests"] == len(prompts)
+    assert res["generated_tokens"] == sum(max_tokens)
+    assert res["startup_s"] > 0 and res["generate_s"] > 0
+    assert res["peak_rss_tree_mib"] >= res["peak_rss_self_mib"] > 0
+    assert res["peak_rss_tree_mib"] >= res["peak_pss_tree_mib"] > 0
+    assert res["generate_cpu_s"] > 0
+    # everything fits in 1 GiB, so every member after a group's first hits the cached
+    # prefix, in whole blocks: floor(PREFIX / BLOCK) * BLOCK tokens each
+    hits = GROUPS * (MEMBERS - 1) * (PREFIX // BLOCK) * BLOCK
+    assert res["cached_prompt_tokens"] == hits
+    assert res["saving_ratio"] == pytest.approx(hits / sum(map(len, prompts)))
+    rows = res["rows"]
+    assert sorted(r["num_cached_tokens"] for r in rows) == sorted(
+        [0] * GROUPS + [(PREFIX // BLOCK) * BLOCK] * (GROUPS * (MEMBERS - 1))
+    )
+    # fp32 greedy on both sides: vLLM's ids equal the unpadded HF reference
+    assert [r["output_ids"] for r in rows] == greedy_reference(model_dir, prompts, max_tokens)

@@ -1,0 +1,146 @@
+"""Checkpoint loading: sharded checkpoints, ModelInfo, and every ModelError case."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from batchjob.backends.native.models import SUPPORTED_ARCHITECTURES, load_model
+from batchjob.errors import EXIT_MODEL, ModelError
+from batchjob.tiny_model import make_tiny_model
+from tests.engine.test_attention_torch import SeqSpec, build_meta
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loader")
+    kw = {"family": "llama", "vocab_size": 280, "layers": 2, "seed": 3}
+    single = make_tiny_model(root / "single", **kw)
+    sharded = make_tiny_model(root / "sharded", max_shard_size="60KB", **kw)
+    return single, sharded
+
+
+@pytest.fixture
+def model_copy(models, tmp_path):
+    dst = tmp_path / "m"
+    shutil.copytree(models[0], dst)
+    return dst
+
+
+def _logits(model, info, ids: list[int]) -> torch.Tensor:
+    cache = torch.zeros(info.kv_cache_shape(8, 4), dtype=info.dtype)
+    meta = build_meta([SeqSpec(len(ids), len(ids), [3, 1, 6])], [], 4)
+    t = len(ids)
+    return model(torch.tensor(ids), torch.arange(t), cache, meta, torch.arange(t))
+
+
+def test_sharded_checkpoint_matches_single_file(models):
+    single, sharded = models
+    assert not (single / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    assert (sharded / "model.safetensors.index.json").is_file()
+    m1, info1 = load_model(single, device="cpu", attention="torch")
+    m2, info2 = load_model(sharded, device="cpu", attention="torch")
+    assert info1 == info2
+    ids = list(range(5, 15))
+    torch.testing.assert_close(_logits(m1, info1, ids), _logits(m2, info2, ids), rtol=0, atol=0)
+    for p in m2.parameters():
+        assert p.device.type == "cpu" and p.dtype == torch.float32 and not p.requires_grad
+
+
+def test_model_info(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"  # "auto" on CPU still means float32
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    gen = json.loads((model_copy / "generation_config.json").read_text())
+    gen["eos_token_id"] = [cfg["eos_token_id"], 7]
+    (model_copy / "generation_config.json").write_text(json.dumps(gen))
+    _, info = load_model(model_copy, device="auto" if not torch.cuda.is_available() else "cpu")
+    assert info.architecture == "LlamaForCausalLM"
+    assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (2, 4, 2, 16)
+    assert info.vocab_size == 280 and info.max_position == 4096 and info.max_seq_len == 4096
+    assert info.eos_token_ids == (cfg["eos_token_id"], 7)
+    assert info.bos_token_id == cfg["bos_token_id"]
+    assert info.dtype == torch.float32 and info.device == torch.device("cpu")
+    assert info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert info.kv_cache_shape(10, 16) == (2, 2, 10, 16, 2, 16)
+    _, info16 = load_model(model_copy, dtype="bf16", device="cpu")
+    assert info16.dtype == torch.bfloat16 and info16.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+
+
+def _raises(folder, match: str) -> ModelError:
+    with pytest.raises(ModelError, match=match) as e:
+        load_model(folder, device="cpu")
+    assert e.value.exit_code == EXIT_MODEL
+    return e.value
+
+
+def test_missing_folder(tmp_path):
+    _raises(tmp_path / "nope", "does not exist")
+
+
+def test_missing_config(model_copy):
+    (model_copy / "config.json").unlink()
+    _raises(model_copy, "no config.json")
+
+
+def test_unsupported_architecture(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    err = _raises(model_copy, "unsupported architecture.*GPT2LMHeadModel")
+    assert all(a in str(err) for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_unsupported_rope_scaling(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    _raises(model_copy, "rope scaling type 'yarn' is not supported.*llama3")
+
+
+def test_missing_weight_files(model_copy):
+    (model_copy / "model.safetensors").unlink()
+    _raises(model_copy, "no model.safetensors")
+
+
+def test_tensor_missing_from_checkpoint(model_copy):
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    _raises(model_copy, r"'model\.layers\.1\.self_attn\.k_proj\.weight' is missing")
+
+
+def test_tensor_with_wrong_shape(model_copy):
+    path = model_copy / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, path, metadata={"format": "pt"})
+    _raises(model_copy, "model.norm.weight.*shape")
+
+
+def test_index_lists_missing_shard(models, tmp_path):
+    dst = tmp_path / "sharded"
+    shutil.copytree(models[1], dst)
+    shard = sorted(dst.glob("model-*-of-*.safetensors"))[-1]
+    shard.unlink()
+    _raises(dst, f"lists shard {shard.name}, which is missing")
+
+
+def test_sliding_window_is_a_length_cap(tmp_path):
+    folder = make_tiny_model(tmp_path / "mistral", family="mistral", vocab_size=280, seed=1)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["sliding_window"] = 8
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model, info = load_model(folder, device="cpu")
+    assert info.sliding_window == 8 and info.max_seq_len == 8
+    assert _logits(model, info, list(range(3, 11))).shape == (8, 280)  # 8 tokens: fits
+    with pytest.raises(ModelError, match="sliding window"):
+        _logits(model, info, list(range(3, 12)))
