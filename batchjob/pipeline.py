@@ -12,14 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
-from batchjob.backends.native.engine import Engine, EngineOptions, RequestOutput
-from batchjob.backends.native.models.loader import load_model
-from batchjob.backends.native.sampling import SamplingParams
+from batchjob.backends import open_backend
+from batchjob.backends.base import FinishedRequest
 from batchjob.config import JobConfig
-from batchjob.errors import ConfigError
 from batchjob.io import STATUS_OK
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan_io import write_plan
@@ -62,41 +59,9 @@ def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts
     )
 
 
-def sampling_params(job: JobConfig) -> SamplingParams:
-    s = job.sampling
-    return SamplingParams(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        seed=s.seed,
-        max_tokens=s.max_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-        stop=tuple(s.stop),
-        ignore_eos=s.ignore_eos,
-    )
-
-
-def engine_options(job: JobConfig) -> EngineOptions:
-    return EngineOptions(
-        policy=job.scheduler.policy,
-        chunk_size=job.scheduler.chunk_size,
-        kv_threshold=job.scheduler.kv_threshold,
-        max_num_seqs=job.scheduler.max_num_seqs,
-        block_size=job.engine.block_size,
-        kv_cache_bytes=job.engine.kv_cache_bytes,
-        gpu_memory_fraction=job.engine.gpu_memory_fraction,
-    )
-
-
 def run(job: JobConfig, progress: bool = True) -> JobResult:
     """Run ``job``; returns where results and report went and the summary."""
     t_job = time.perf_counter()
-    if job.engine.backend != "native":
-        raise ConfigError(
-            f"engine.backend: {job.engine.backend!r} is not implemented yet; use 'native'"
-        )
-    if job.engine.threads:
-        torch.set_num_threads(job.engine.threads)
     done_marker = output_file(job.output.path)
     if job.output.overwrite:
         _remove_results(Path(job.output.path))
@@ -132,25 +97,16 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
     stage["plan_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    model, info = load_model(
-        job.model.path,
-        dtype=job.model.dtype,
-        device=job.model.device,
-        attention=job.engine.attention,
-    )
     tokenizer = load_tokenizer(job.model.path)
-    try:
-        engine = Engine(model, info, engine_options(job))
-        engine.check_fits(prompts, plan)
-    except ValueError as e:
-        raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
+    backend = open_backend(job, lambda ids: detokenize(tokenizer, [ids])[0])
+    backend.check_fits(prompts, plan)
     stage["load_s"] = time.perf_counter() - t0
 
     lengths = prompts.lengths
     generated = 0
     bar = tqdm(total=len(prompts), unit="row", disable=not progress, desc="batchjob")
 
-    def on_finish(o: RequestOutput) -> None:
+    def on_finish(o: FinishedRequest) -> None:
         nonlocal generated
         generated += len(o.token_ids)
         text = o.text if o.text is not None else detokenize(tokenizer, [o.token_ids])[0]
@@ -175,16 +131,10 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
             bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t_run, 1e-9):.0f}")
 
     try:
-        run_info = engine.run(
-            prompts,
-            plan,
-            sampling_params(job),
-            on_finish,
-            detokenize=lambda ids: detokenize(tokenizer, [ids])[0],
-            on_iteration=on_iteration,
-        )
+        run_info = backend.run(prompts, plan, on_finish, on_iteration=on_iteration)
     finally:
         bar.close()
+        backend.close()
         sink.flush()  # whatever finished is on disk, even on Ctrl-C or a crash
     stage["run_s"] = run_info.wall_s
 
@@ -206,7 +156,7 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
         total_s=time.perf_counter() - t_job,
         stage_s=stage,
         policy=job.scheduler.policy,
-        device=str(info.device),
+        device=backend.device,
     )
     paths = write_report(summary, run_info, job.output.report_file)
     return JobResult(results_path, paths, summary)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from batchjob.backends.native.engine import EngineRun, IterationRecord
+from batchjob.backends.base import BackendRun, IterationRecord
 from batchjob.io import write_parquet_atomic
 
 
@@ -65,7 +65,7 @@ def iterations_table(records: list[IterationRecord]) -> pa.Table:
 
 
 def summarize(
-    run: EngineRun,
+    run: BackendRun,
     *,
     prompt_tokens: int,
     generated_tokens: int,
@@ -78,9 +78,8 @@ def summarize(
     device: str,
 ) -> RunSummary:
     tokens = np.array([r.decode_tokens + r.prefill_tokens for r in run.iterations], dtype=np.int64)
-    s = run.scheduler
-    computed = s.prefill_tokens
-    first_time = computed - s.recomputed_tokens
+    computed = run.computed_prefill_tokens
+    first_time = computed - run.recomputed_tokens
     engine_s = max(run.wall_s, 1e-9)
     return RunSummary(
         rows_total=rows["total"],
@@ -91,16 +90,16 @@ def summarize(
         prompt_tokens=prompt_tokens,
         generated_tokens=generated_tokens,
         computed_prefill_tokens=computed,
-        recomputed_tokens=s.recomputed_tokens,
+        recomputed_tokens=run.recomputed_tokens,
         saving_ratio_planned=plan_ratios[0],
         saving_ratio_multi_level=plan_ratios[1],
         saving_ratio_achieved=1.0 - first_time / prompt_tokens if prompt_tokens else 0.0,
         iterations=len(run.iterations),
         mean_tokens_per_iteration=float(tokens.mean()) if len(tokens) else 0.0,
         min_tokens_per_iteration=int(tokens.min()) if len(tokens) else 0,
-        preemptions=s.preemptions,
-        peak_kv_bytes=s.peak_blocks * run.block_size * run.kv_bytes_per_token,
-        kv_budget_bytes=run.num_blocks * run.block_size * run.kv_bytes_per_token,
+        preemptions=run.preemptions,
+        peak_kv_bytes=run.peak_kv_bytes,
+        kv_budget_bytes=run.kv_budget_bytes,
         engine_s=run.wall_s,
         tecd_s=tecd_seconds(run.iterations),
         total_s=total_s,
@@ -147,7 +146,7 @@ def plot_timeline(records: list[IterationRecord], path: Path, title: str) -> Non
     os.replace(tmp, path)
 
 
-def write_report(summary: RunSummary, run: EngineRun, report_json: Path) -> dict[str, Path]:
+def write_report(summary: RunSummary, run: BackendRun, report_json: Path) -> dict[str, Path]:
     """Write summary JSON, iterations Parquet and the PNG next to it; returns the paths."""
     base = report_json.with_suffix("")
     paths = {

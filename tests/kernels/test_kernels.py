@@ -19,14 +19,6 @@ import pytest
 import torch
 
 from batchjob.backends.native.attention.triton import TritonAttention
-from batchjob.kernels.triton import (
-    Workspace,
-    cascade_prefix_attention,
-    fused_prefix_attention,
-    plain_paged_attention,
-    unshare_kv,
-    write_kv,
-)
 from batchjob.kernels.reference import (
     BatchSpec,
     PagedBatch,
@@ -35,6 +27,14 @@ from batchjob.kernels.reference import (
     naive_prefix_shared_attention,
     naive_write_kv,
     random_spec,
+)
+from batchjob.kernels.triton import (
+    Workspace,
+    cascade_prefix_attention,
+    fused_prefix_attention,
+    plain_paged_attention,
+    unshare_kv,
+    write_kv,
 )
 
 CUDA = torch.cuda.is_available()

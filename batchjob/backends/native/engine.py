@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from batchjob.backends.base import FinishedRequest, IterationRecord
 from batchjob.backends.native.batch_builder import build_batch
 from batchjob.backends.native.models.loader import ModelInfo
 from batchjob.backends.native.sampling import SamplingParams, check_stop, sample, truncate_at_stop
@@ -40,31 +41,6 @@ class EngineOptions:
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: a fraction of free GPU memory, or 2 GiB on CPU
     gpu_memory_fraction: float = 0.9
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """One finished request."""
-
-    position: int  # index in TokenizedPrompts
-    row_id: int
-    token_ids: np.ndarray  # int32 generated tokens (stop token included, as HF does)
-    finish_reason: str  # "stop" | "length"
-    text: str | None  # set when a stop string cut the text; else the caller detokenizes
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """One iteration of the engine, for the report and the timeline plot."""
-
-    iteration: int
-    decode_tokens: int
-    prefill_tokens: int
-    num_seqs: int
-    kv_blocks_used: int
-    kv_bytes_used: int
-    preempted: int
-    wall_s: float
 
 
 @dataclass(frozen=True)
@@ -133,7 +109,7 @@ class Engine:
         prompts: TokenizedPrompts,
         plan: Plan | None,
         sampling: SamplingParams,
-        on_finish: Callable[[RequestOutput], None],
+        on_finish: Callable[[FinishedRequest], None],
         detokenize: Callable[[list[int]], str] | None = None,
         on_iteration: Callable[[IterationRecord], None] | None = None,
     ) -> EngineRun:
@@ -181,7 +157,7 @@ class Engine:
                     if reason is not None:
                         finished.add(seq)
                         on_finish(
-                            RequestOutput(
+                            FinishedRequest(
                                 position=seq,
                                 row_id=int(prompts.row_ids[seq]),
                                 token_ids=np.asarray(toks, dtype=np.int32),

@@ -1,0 +1,82 @@
+"""The one interface the pipeline calls: tokenized prompts + plan in, finished requests out.
+
+A backend is opened for one job (``open_backend``), then ``run`` executes the plan and hands
+every finished request to ``on_finish`` as soon as it finishes (results stream to disk), and
+every iteration's record to ``on_iteration`` (report, timeline plot, progress). Backends know
+nothing of Parquet; the pipeline knows nothing of models, KV caches or schedulers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from batchjob.plan.plan import Plan
+from batchjob.prompts import TokenizedPrompts
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """One finished request."""
+
+    position: int  # index in TokenizedPrompts
+    row_id: int
+    token_ids: np.ndarray  # int32 generated tokens (stop token included, as HF does)
+    finish_reason: str  # "stop" | "length"
+    text: str | None  # set when a stop string cut the text; else the caller detokenizes
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One engine iteration (one forward pass), for the report and the timeline plot."""
+
+    iteration: int
+    decode_tokens: int
+    prefill_tokens: int
+    num_seqs: int
+    kv_blocks_used: int
+    kv_bytes_used: int
+    preempted: int
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class BackendRun:
+    """What a run did, in terms every backend can report."""
+
+    iterations: list[IterationRecord]
+    computed_prefill_tokens: int  # prompt/prefix tokens computed, recomputation included
+    recomputed_tokens: int  # tokens computed again after a preemption
+    preemptions: int
+    peak_kv_bytes: int
+    kv_budget_bytes: int
+    wall_s: float
+
+
+OnFinish = Callable[[FinishedRequest], None]
+OnIteration = Callable[[IterationRecord], None]
+Detokenize = Callable[[list[int]], str]
+
+
+class Backend(Protocol):
+    """An engine that executes a plan. Open one with ``batchjob.backends.open_backend``."""
+
+    name: str
+    device: str  # where it runs, for the report ("cpu", "cuda:0", ...)
+
+    def check_fits(self, prompts: TokenizedPrompts, plan: Plan) -> None:
+        """Raise ``ConfigError`` naming the row when a request cannot fit the KV budget."""
+        ...
+
+    def run(
+        self,
+        prompts: TokenizedPrompts,
+        plan: Plan,
+        on_finish: OnFinish,
+        on_iteration: OnIteration | None = None,
+    ) -> BackendRun: ...
+
+    def close(self) -> None: ...
