@@ -1,4 +1,4 @@
-"""Parquet input (streamed with pyarrow.dataset) and atomic Parquet output.
+"""Parquet input (streamed with pyarrow.dataset); ``write_parquet_atomic`` is batchjob.atomic's.
 
 Row ids: every row's ``row_id`` is its global index in the dataset, files taken in sorted
 path order, so the same input gives the same ids on every run (resume relies on it).
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from batchjob.atomic import write_parquet_atomic as write_parquet_atomic  # re-export
 from batchjob.config import InputConfig
 from batchjob.errors import InputDataError
 
@@ -281,33 +281,3 @@ def open_dataset(cfg: InputConfig) -> InputDataset:
         batch_rows=cfg.batch_rows,
         limit=cfg.limit,
     )
-
-
-# ---------------------------------------------------------------------------------------
-# writing
-
-
-def write_parquet_atomic(table: pa.Table, path: str | Path, **kwargs) -> None:
-    """Write ``table`` to ``path`` so that readers see the old file or the whole new one.
-
-    Temp file in the same directory, fsync, ``os.replace``, then fsync of the directory.
-    ``kwargs`` go to ``pyarrow.parquet.write_table`` (compression, row_group_size, ...).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f, **kwargs)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
