@@ -157,6 +157,7 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
         stage_s=stage,
         policy=job.scheduler.policy,
         device=backend.device,
+        results=results_path,
     )
     paths = write_report(summary, run_info, job.output.report_file)
     return JobResult(results_path, paths, summary)

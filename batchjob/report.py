@@ -8,17 +8,14 @@ remain (the cool-down), whose length does not grow with the dataset.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
+from batchjob.atomic import save_figure_atomic, write_json_atomic, write_parquet_atomic
 from batchjob.backends.base import BackendRun, IterationRecord
-from batchjob.io import write_parquet_atomic
 
 
 @dataclass(frozen=True)
@@ -52,6 +49,29 @@ class RunSummary:
     generated_tokens_per_s: float
     policy: str
     device: str
+    # result rows per "status/finish_reason" ("ok/stop", "ok/length", "empty_prompt/-", ...),
+    # counted over the final results, rows of earlier runs included
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+
+def outcome_counts(results: Path) -> dict[str, int]:
+    """Rows per (status, finish_reason) of a results file or folder of Parquet parts.
+
+    A polars lazy scan reads only the two columns and groups without building Python rows.
+    """
+    import polars as pl
+
+    files = sorted(results.glob("*.parquet")) if results.is_dir() else [results]
+    if not files:
+        return {}
+    counts = (
+        pl.scan_parquet(files)
+        .group_by("status", "finish_reason")
+        .len()
+        .sort("status", "finish_reason", nulls_last=True)
+        .collect()
+    )
+    return {f"{st}/{fr or '-'}": n for st, fr, n in counts.iter_rows()}
 
 
 def tecd_seconds(records: list[IterationRecord]) -> float:
@@ -76,6 +96,7 @@ def summarize(
     stage_s: dict[str, float],
     policy: str,
     device: str,
+    results: Path | None = None,
 ) -> RunSummary:
     tokens = np.array([r.decode_tokens + r.prefill_tokens for r in run.iterations], dtype=np.int64)
     computed = run.computed_prefill_tokens
@@ -109,16 +130,8 @@ def summarize(
         generated_tokens_per_s=generated_tokens / engine_s,
         policy=policy,
         device=device,
+        outcomes=outcome_counts(results) if results is not None else {},
     )
-
-
-def write_json_atomic(obj: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def plot_timeline(records: list[IterationRecord], path: Path, title: str) -> None:
@@ -139,11 +152,10 @@ def plot_timeline(records: list[IterationRecord], path: Path, title: str) -> Non
     ax.set_title(title)
     ax.legend(loc="upper right")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        save_figure_atomic(fig, path, format="png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def write_report(summary: RunSummary, run: BackendRun, report_json: Path) -> dict[str, Path]:
@@ -156,7 +168,9 @@ def write_report(summary: RunSummary, run: BackendRun, report_json: Path) -> dic
     }
     write_parquet_atomic(iterations_table(run.iterations), paths["iterations"])
     write_parquet_atomic(
-        pa.table({k: [v] for k, v in dataclasses.asdict(summary).items() if k != "stage_s"}),
+        pa.table(
+            {k: [v] for k, v in dataclasses.asdict(summary).items() if not isinstance(v, dict)}
+        ),
         base.with_name(base.name + ".summary.parquet"),
     )
     paths["summary"] = base.with_name(base.name + ".summary.parquet")

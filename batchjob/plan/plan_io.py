@@ -2,14 +2,13 @@
 
 Columns: group (int64, index in execution order), row_id (int64), position (int64: prompt
 position in the TokenizedPrompts the plan was built from), prefix_len (int64, the group's),
-decode_estimate (int32). Written atomically (temp file in the same folder + os.replace).
+decode_estimate (int32). Written atomically (batchjob.atomic).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchjob.atomic import write_parquet_atomic
 from batchjob.errors import InputDataError
 from batchjob.plan.plan import Plan, PlanStats
 
@@ -43,15 +43,7 @@ def plan_to_table(plan: Plan) -> pa.Table:
 
 def write_plan(plan: Plan, path: str | os.PathLike) -> None:
     """Write atomically: readers see the old file or the complete new one, never a part."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        pq.write_table(plan_to_table(plan), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_parquet_atomic(plan_to_table(plan), path)
 
 
 def _bad(path: Path, why: str) -> InputDataError:
