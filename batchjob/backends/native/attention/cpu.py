@@ -20,6 +20,7 @@ import torch
 from batchjob.backends.native.attention.base import BatchMemo
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.backends.native.attention.torch_path import TorchAttention
+from batchjob.intmath import cdiv
 from batchjob.kernels.cpu.build import load_kernel
 
 MAX_ROWS = 64  # must match csrc/paged_attention.c
@@ -29,7 +30,7 @@ Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH = range(7)
 
 def _tiles(starts: np.ndarray, lens: np.ndarray, tile: int):
     """Split ranges [start, start + len) into tiles of <= ``tile``: (owner, start, length)."""
-    n = -(-lens // tile)
+    n = cdiv(lens, tile)
     owner = np.repeat(np.arange(len(lens)), n)
     first = np.repeat(np.cumsum(n) - n, n)
     off = (np.arange(int(n.sum())) - first) * tile

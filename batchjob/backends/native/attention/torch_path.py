@@ -21,6 +21,7 @@ import torch
 
 from batchjob.backends.native.attention.base import BatchMemo
 from batchjob.backends.native.attention.meta import AttentionMetadata
+from batchjob.intmath import cdiv
 
 
 @dataclass(frozen=True)
@@ -168,13 +169,13 @@ class TorchAttention:
         cls = _size_class(kv_len[dec], 16, 2)
         for c in np.unique(cls):
             seqs = dec[cls == c]
-            nk = -(-int(kv_len[seqs].max()) // bs) * bs  # keys per seq: whole blocks
+            nk = cdiv(int(kv_len[seqs].max()), bs) * bs  # keys per seq: whole blocks
             step = max(1, min(self.max_scores // (h * nk), self.max_gather // (row * nk)))
             for i in range(0, len(seqs), step):
                 self._decodes(seqs[i : i + step], cu_q, kv_len, table, bs, dev, place)
         for i in np.nonzero(q_len > 1)[0]:
             ql, kl = int(q_len[i]), int(kv_len[i])
-            nblk = -(-kl // bs)
+            nblk = cdiv(kl, bs)
             seg, off = place(nblk)
             seg.blocks.append(table[i, :nblk])
             mask = None
@@ -191,7 +192,7 @@ class TorchAttention:
             p, s, e = int(p_len[gi]), int(g_start[gi]), int(g_end[gi])
             if p == 0 or e <= s:
                 continue
-            nblk = -(-p // bs)
+            nblk = cdiv(p, bs)
             seg, off = place(nblk)
             seg.blocks.append(p_table[gi, :nblk])
             step = max(1, self.max_scores // (h * p))
@@ -205,7 +206,7 @@ class TorchAttention:
     @staticmethod
     def _decodes(seqs, cu_q, kv_len, table, bs, dev, place) -> None:
         kl = kv_len[seqs][:, None]  # [B, 1]
-        used = -(-kl // bs)  # [B, 1]: blocks holding each seq's KV
+        used = cdiv(kl, bs)  # [B, 1]: blocks holding each seq's KV
         nblk = int(used.max())
         j = np.arange(nblk)[None, :]  # [1, nblk]
         blocks = np.where(j < used, table[seqs, :nblk], table[seqs, :1])  # [B, nblk]
