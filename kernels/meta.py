@@ -29,6 +29,11 @@ from dataclasses import dataclass
 import torch
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of ``a / b`` (kernels/' own: batchjob.intmath is out of reach from here)."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     cu_q: torch.Tensor  # int32 [S + 1]: query token offsets of each sequence

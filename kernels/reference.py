@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .meta import AttentionMetadata
+from .meta import AttentionMetadata, cdiv
 
 
 def gather_paged(cache: torch.Tensor, table_row: torch.Tensor, n: int) -> torch.Tensor:
@@ -133,7 +133,7 @@ def build_batch(spec: BatchSpec, seed: int = 0, device: str | torch.device = "cp
     own_k = [rand(sq.kv_len, hkv, d) for sq in spec.seqs]
     own_v = [rand(sq.kv_len, hkv, d) for sq in spec.seqs]
     lengths = list(spec.prefix_lens) + [sq.kv_len for sq in spec.seqs]
-    n_blocks = [max(1, math.ceil(n / bs)) for n in lengths]
+    n_blocks = [max(1, cdiv(n, bs)) for n in lengths]
     total = sum(n_blocks) + 3  # a few never-used blocks
     ids = torch.randperm(total, generator=gen).tolist()
     k_cache = torch.full((total, bs, hkv, d), float("nan")).to(dt)

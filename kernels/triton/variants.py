@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..meta import AttentionMetadata
+from ..meta import AttentionMetadata, cdiv
 from .wrappers import paged_attention
 
 
@@ -27,10 +27,6 @@ class UnsharedKV:
     block_table: torch.Tensor  # int32 [S, max_blocks']
     max_q_len: int
     copied: bool  # True when a prefix ending mid-block forced copying KV into new blocks
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _gather(cache: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
@@ -51,9 +47,9 @@ def unshare_kv(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Te
     page = k_cache.shape[1]
     kv_len, seq_group = meta.kv_len.tolist(), meta.seq_group.tolist()
     prefix_len = meta.prefix_len.tolist()
-    own_rows = [r[: _cdiv(n, page)] for r, n in zip(meta.block_table.tolist(), kv_len, strict=True)]
+    own_rows = [r[: cdiv(n, page)] for r, n in zip(meta.block_table.tolist(), kv_len, strict=True)]
     pre_rows = [
-        r[: _cdiv(p, page)]
+        r[: cdiv(p, page)]
         for r, p in zip(meta.prefix_block_table.tolist(), prefix_len, strict=True)
     ]
     copied = any(prefix_len[g] % page for g in set(seq_group) if g >= 0)
@@ -67,7 +63,7 @@ def unshare_kv(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Te
         elif not copied:
             rows.append(pre_rows[g] + own_rows[s])
         else:
-            n_blocks = _cdiv(p + kv_len[s], page)
+            n_blocks = cdiv(p + kv_len[s], page)
             for cache, dst in ((k_cache, new_k), (v_cache, new_v)):
                 dense = torch.cat(
                     [_gather(cache, pre_rows[g], p), _gather(cache, own_rows[s], kv_len[s])]

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from ..meta import AttentionMetadata
+from ..meta import AttentionMetadata, cdiv
 from .checks import (
     SUPPORTED_DTYPES,
     Dims,
@@ -79,11 +79,11 @@ def choose_split(dims: Dims, meta: AttentionMetadata, split_len: int | None = No
             tiles = (dims.num_tokens // max(1, 64 // dims.gqa_pad) + meta.num_groups) * (
                 dims.num_kv_heads
             )
-            want = -(-2 * _num_sms(meta.prefix_len.device.index or 0) // tiles)
+            want = cdiv(2 * _num_sms(meta.prefix_len.device.index or 0), tiles)
             pieces = max(1, min(want, 16, longest // 256))
-            split_len = -(-longest // pieces)
+            split_len = cdiv(longest, pieces)
     split_len = max(1, split_len)
-    return Split(-(-longest // split_len), split_len)
+    return Split(cdiv(longest, split_len), split_len)
 
 
 class Workspace:
