@@ -191,7 +191,7 @@ def test_logits_index_selects_rows(tiny_models):
 
 def test_bfloat16_weights_run(tiny_models):
     model, info = load_model(tiny_models["qwen3"], dtype="bfloat16", device="cpu")
-    assert info.dtype == torch.bfloat16 and info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+    assert info.torch_dtype == torch.bfloat16 and info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
     engine = MiniEngine(model, info, block_size=4)
     engine.cache = engine.cache.to(torch.bfloat16)
     ids = list(range(3, 15))
