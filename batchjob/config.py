@@ -3,6 +3,11 @@
 Rules:
 - Unknown sections or keys, wrong types and bad values raise ``ConfigError`` naming the
   dotted key and the file (``scheduler.chunk_size``, ``jobs/demo.toml``).
+- One declaration, one default and one check per setting: the sections themselves go to the
+  layers that use them (the native engine, its scheduler and sampler take ``SchedulerConfig``,
+  ``EngineConfig`` and ``SamplingConfig``), so every value a lower layer would refuse is
+  refused here, at load time, before any work. Torch-free: names come from
+  ``batchjob.backends.names``.
 - Relative paths written in the TOML file resolve against the TOML file's directory; paths
   given on the command line (``--set input.path=...``, ``--input``) resolve against the
   current directory, as a shell user expects.
@@ -14,6 +19,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchjob.backends.names import ATTENTION_BACKENDS, BACKENDS, SCHEDULING_POLICIES
 from batchjob.errors import ConfigError
 
 _SIZE_UNITS = {
@@ -151,14 +158,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    max_tokens: int = 128  # decode limit where the row has none
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    seed: int = 0  # per-request seeds derive from this and the row_id
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings
-    ignore_eos: bool = False
+    """How tokens are drawn and when a request stops; the native sampler takes it as is
+    (per row, ``dataclasses.replace(cfg, max_tokens=row_limit)``)."""
+
+    max_tokens: int = 128  # generated tokens at most (finish "length"), where the row has none
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0 (or >= vocab size): off
+    top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1: off
+    seed: int = 0  # each draw is a hash of (seed, row_id, step): same seed, same outputs
+    stop_token_ids: tuple[int, ...] = ()  # finish "stop" when one is generated
+    stop: tuple[str, ...] = ()  # finish "stop" when the text contains one (text cut before it)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
 
     def __post_init__(self) -> None:
         _int("sampling.max_tokens", self.max_tokens, lo=1)
@@ -170,38 +180,53 @@ class SamplingConfig:
         if any(t < 0 for t in self.stop_token_ids):
             _fail("sampling.stop_token_ids", "must be >= 0", list(self.stop_token_ids))
         _list(self, "stop", "sampling.stop", str)
+        if not all(self.stop):
+            _fail("sampling.stop", "stop strings must be non-empty", list(self.stop))
         _bool("sampling.ignore_eos", self.ignore_eos)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = "batchllm"  # batchllm | baseline (FCFS, request-count capped)
-    chunk_size: int = 2048  # token budget S_chunk per iteration
+    """The native scheduler's settings; it takes this section as is, with the engine's
+    ``KVLayout`` (block count and size) beside it."""
+
+    policy: str = "batchllm"  # batchllm (groups, 3 queues, Algo 2) | baseline (vLLM v1 style)
+    chunk_size: int = 2048  # token budget S_chunk per iteration (decode + prefill tokens)
     kv_threshold: float = 0.95  # M_threshold: KV fraction above which no new prefill starts
-    max_num_seqs: int = 256  # baseline policy only
+    max_num_seqs: int = 256  # running-request cap (baseline policy only)
     enlarge: bool = True  # Algo 1 first-level enlargement
     reorder: bool = True  # Eq. 4 group order
 
     def __post_init__(self) -> None:
-        _str("scheduler.policy", self.policy, ("batchllm", "baseline"))
+        _str("scheduler.policy", self.policy, SCHEDULING_POLICIES)
         _int("scheduler.chunk_size", self.chunk_size, lo=1)
         _float(self, "kv_threshold", "scheduler.kv_threshold", 0.0, 1.0, lo_open=True)
         _int("scheduler.max_num_seqs", self.max_num_seqs, lo=1)
         _bool("scheduler.enlarge", self.enlarge)
         _bool("scheduler.reorder", self.reorder)
 
+    def kv_cap_blocks(self, num_blocks: int) -> int:
+        """M_threshold in blocks: floor(kv_threshold * num_blocks)."""
+        return math.floor(self.kv_threshold * num_blocks + 1e-9)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Which engine runs the plan and its KV cache; the native engine takes it as is."""
+
     backend: str = "native"  # native | vllm
-    kv_cache_bytes: int | None = None  # KV cache size; None: from gpu_memory_fraction / RAM
-    gpu_memory_fraction: float = 0.9
-    block_size: int = 16  # tokens per KV block
-    attention: str = "auto"  # auto | torch | cpu | triton
+    kv_cache_bytes: int | None = None  # None: from gpu_memory_fraction on GPU, 2 GiB on CPU
+    gpu_memory_fraction: float = 0.9  # of the GPU's memory, when kv_cache_bytes is None
+    block_size: int = 16  # tokens per KV block (any size >= 1: the kernels index by // and %)
+    attention: str = "auto"  # auto | torch | cpu (C kernel) | triton (CUDA)
     threads: int | None = None  # torch CPU threads
 
     def __post_init__(self) -> None:
-        _str("engine.backend", self.backend, ("native", "vllm"))
+        _str("engine.backend", self.backend, BACKENDS)
         if self.kv_cache_bytes is not None:
             try:
                 object.__setattr__(self, "kv_cache_bytes", parse_bytes(self.kv_cache_bytes))
@@ -210,7 +235,7 @@ class EngineConfig:
             _int("engine.kv_cache_bytes", self.kv_cache_bytes, lo=1)
         _float(self, "gpu_memory_fraction", "engine.gpu_memory_fraction", 0.0, 1.0, lo_open=True)
         _int("engine.block_size", self.block_size, lo=1)
-        _str("engine.attention", self.attention, ("auto", "torch", "cpu", "triton"))
+        _str("engine.attention", self.attention, ATTENTION_BACKENDS)
         _int("engine.threads", self.threads, lo=1, optional=True)
 
 
@@ -278,6 +303,16 @@ class JobConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     source: Path | None = None  # the TOML file it came from
+
+    def __post_init__(self) -> None:
+        # checks across sections that need no device: the rest wait for the backend to open
+        dev, attn = self.model.device, self.engine.attention
+        if self.engine.backend != "native":
+            return
+        if attn == "cpu" and dev.startswith("cuda"):
+            _fail("engine.attention", f"'cpu' runs on the CPU only (model.device is {dev})", attn)
+        if attn == "triton" and dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            _fail("engine.attention", "'triton' needs CUDA (model.device is cpu)", attn)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain JSON-able dict (paths as strings, tuples as lists), for reports and logs."""
@@ -396,6 +431,6 @@ def load_job(
             if "path" not in raw.get(section, {}):
                 raise ConfigError(f"{section}.path: required")
         sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
+        return JobConfig(**sections, source=source)
     except ConfigError as e:
         raise ConfigError(f"{e}{suffix}") from None
-    return JobConfig(**sections, source=source)

@@ -24,9 +24,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from batchjob.backends.native.engine import Engine, EngineOptions  # noqa: E402
+from batchjob.backends.native.engine import Engine  # noqa: E402
 from batchjob.backends.native.models.loader import load_model  # noqa: E402
-from batchjob.backends.native.sampling import SamplingParams  # noqa: E402
+from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig  # noqa: E402
 from batchjob.io import write_parquet_atomic  # noqa: E402
 from batchjob.plan.build import build_plan  # noqa: E402
 from batchjob.prompts import TokenizedPrompts  # noqa: E402
@@ -91,7 +91,7 @@ def measure(engine: Engine, prompts: TokenizedPrompts, name: str, policy: str) -
     run = engine.run(
         prompts,
         plan,
-        SamplingParams(max_tokens=1, ignore_eos=True),
+        SamplingConfig(max_tokens=1, ignore_eos=True),
         lambda o: generated.append(len(o.token_ids)),
     )
     tokens = np.array([r.decode_tokens + r.prefill_tokens for r in run.iterations])
@@ -173,13 +173,10 @@ def main(workloads, repeats, kv_mib, chunk_size, max_num_seqs, max_tokens, out) 
                 engine = Engine(
                     model,
                     info,
-                    EngineOptions(
-                        policy=policy,
-                        chunk_size=chunk_size,
-                        kv_cache_bytes=kv_mib << 20,
-                        max_num_seqs=max_num_seqs,
-                        block_size=16,
+                    SchedulerConfig(
+                        policy=policy, chunk_size=chunk_size, max_num_seqs=max_num_seqs
                     ),
+                    EngineConfig(kv_cache_bytes=kv_mib << 20, block_size=16),
                 )
                 m = measure(engine, prompts, name, policy)
                 per_policy.setdefault(policy, []).append(m)

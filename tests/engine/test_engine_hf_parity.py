@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from batchjob.backends.native.engine import Engine, EngineOptions
+from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
-from batchjob.backends.native.sampling import SamplingParams
+from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
 from batchjob.plan.build import build_plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.tiny_model import make_tiny_model
@@ -60,14 +60,14 @@ def family_model(request, tmp_path_factory):
     return model, info, prompts, refs
 
 
-def run_engine(model, info, prompts, opts: EngineOptions, use_plan: bool):
-    engine = Engine(model, info, opts)
+def run_engine(model, info, prompts, sched: SchedulerConfig, eng: EngineConfig, use_plan: bool):
+    engine = Engine(model, info, sched, eng)
     plan = build_plan(prompts) if use_plan else None
     outs = {}
     run = engine.run(
         prompts,
         plan,
-        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True),
         lambda o: outs.__setitem__(o.position, o.token_ids.tolist()),
     )
     return [outs[i] for i in range(len(prompts))], run, plan
@@ -86,14 +86,9 @@ def run_engine(model, info, prompts, opts: EngineOptions, use_plan: bool):
 def test_greedy_matches_hf(family_model, policy, chunk, kv_blocks):
     model, info, prompts, refs = family_model
     bs = 8
-    opts = EngineOptions(
-        policy=policy,
-        chunk_size=chunk,
-        block_size=bs,
-        kv_threshold=0.9,
-        kv_cache_bytes=kv_blocks * bs * info.kv_bytes_per_token,
-    )
-    outs, run, plan = run_engine(model, info, prompts, opts, use_plan=policy == "batchllm")
+    sched = SchedulerConfig(policy=policy, chunk_size=chunk, kv_threshold=0.9)
+    eng = EngineConfig(block_size=bs, kv_cache_bytes=kv_blocks * bs * info.kv_bytes_per_token)
+    outs, run, plan = run_engine(model, info, prompts, sched, eng, use_plan=policy == "batchllm")
     assert outs == refs
     if policy == "batchllm":
         assert plan.stats.saving_ratio_single_level > 0.3
@@ -106,18 +101,14 @@ def test_greedy_matches_hf(family_model, policy, chunk, kv_blocks):
 
 def test_same_seed_same_output_whatever_schedule(family_model):
     model, info, prompts, _ = family_model
-    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=MAX_TOKENS)
+    params = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=MAX_TOKENS)
     results = []
     for policy, chunk in (("batchllm", 2048), ("baseline", 11)):
         engine = Engine(
             model,
             info,
-            EngineOptions(
-                policy=policy,
-                chunk_size=chunk,
-                block_size=8,
-                kv_cache_bytes=256 * 8 * info.kv_bytes_per_token,
-            ),
+            SchedulerConfig(policy=policy, chunk_size=chunk),
+            EngineConfig(block_size=8, kv_cache_bytes=256 * 8 * info.kv_bytes_per_token),
         )
         outs = {}
         engine.run(
@@ -138,8 +129,8 @@ def test_cuda_greedy_equals_cpu_path(tmp_path, attention):
     folder = make_tiny_model(tmp_path / "m", family="llama")
     cpu_model, cpu_info = load_model(folder, dtype="float32", device="cpu", attention="torch")
     prompts = shared_prompts(cpu_info.vocab_size, seed=2)
-    opts = EngineOptions(chunk_size=13, block_size=16, kv_cache_bytes=1 << 24)
-    expected, _, _ = run_engine(cpu_model, cpu_info, prompts, opts, use_plan=True)
+    sched, eng = SchedulerConfig(chunk_size=13), EngineConfig(block_size=16, kv_cache_bytes=1 << 24)
+    expected, _, _ = run_engine(cpu_model, cpu_info, prompts, sched, eng, use_plan=True)
     gpu_model, gpu_info = load_model(folder, dtype="float32", device="cuda", attention=attention)
-    got, _, _ = run_engine(gpu_model, gpu_info, prompts, opts, use_plan=True)
+    got, _, _ = run_engine(gpu_model, gpu_info, prompts, sched, eng, use_plan=True)
     assert got == expected

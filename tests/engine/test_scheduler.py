@@ -6,12 +6,13 @@ sequence's blocks return to its tail last block first.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from batchjob.backends.native.scheduler.base import SchedulerSettings
+from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.output import SchedulerOutput
 from batchjob.backends.native.scheduler.registry import make_scheduler
+from batchjob.config import SchedulerConfig
+from batchjob.errors import ConfigError
 from batchjob.prompts import TokenizedPrompts
 from tests.engine.test_scheduler_properties import make_plan
 
@@ -45,8 +46,8 @@ def test_batchllm_two_groups_exact() -> None:
         [[*A, 10, 11], [*B, 20], [*A, 12], [*B, 21, 22, 23]], max_tokens=3
     )
     plan = make_plan(prompts, [(3, [1, 3]), (5, [0, 2])])  # group 0: prefix B; group 1: A
-    cfg = SchedulerSettings(num_blocks=16, chunk_size=6, block_size=2, kv_threshold=1.0)
-    s = make_scheduler(cfg, prompts, plan)
+    cfg, kv = SchedulerConfig(chunk_size=6, kv_threshold=1.0), KVLayout(num_blocks=16, block_size=2)
+    s = make_scheduler(cfg, kv, prompts, plan)
 
     # 0: common-prefix queue only: all of B's prefix, then the first chunk of A's
     out = s.schedule()
@@ -104,8 +105,8 @@ def test_batchllm_preemption_then_group_preemption() -> None:
     """7 blocks of 1 token; request 0 decodes long enough to need everything."""
     prompts = TokenizedPrompts.from_lists([[0, 100], [0, 101], [1, 100], [1, 101]], max_tokens=6)
     plan = make_plan(prompts, [(1, [0, 1]), (1, [2, 3])])
-    cfg = SchedulerSettings(num_blocks=7, chunk_size=16, block_size=1, kv_threshold=1.0)
-    s = make_scheduler(cfg, prompts, plan)
+    cfg, kv = SchedulerConfig(chunk_size=16, kv_threshold=1.0), KVLayout(num_blocks=7, block_size=1)
+    s = make_scheduler(cfg, kv, prompts, plan)
     finish_at = {0: 6, 1: 1, 2: 6, 3: 1}
     trace = []
     token = 50
@@ -157,8 +158,8 @@ def test_batchllm_group_starts_only_if_a_member_can_follow() -> None:
     """A's members will need 2 blocks next iteration: B's prefix (+1 member) must wait."""
     prompts = TokenizedPrompts.from_lists([[0, 100], [0, 101], [1, 100], [1, 101]], max_tokens=1)
     plan = make_plan(prompts, [(1, [0, 1]), (1, [2, 3])])
-    cfg = SchedulerSettings(num_blocks=4, chunk_size=16, block_size=1, kv_threshold=1.0)
-    s = make_scheduler(cfg, prompts, plan)
+    cfg, kv = SchedulerConfig(chunk_size=16, kv_threshold=1.0), KVLayout(num_blocks=4, block_size=1)
+    s = make_scheduler(cfg, kv, prompts, plan)
     out = s.schedule()
     assert rows(out) == [(-1, [0], 0, 0, [0], -1, False, False)]
     s.update(out, {}, set())
@@ -172,8 +173,8 @@ def test_batchllm_group_starts_only_if_a_member_can_follow() -> None:
 def test_batchllm_threshold_holds_back_prefill() -> None:
     """kv_threshold 0.5 of 8 blocks: new prefill stops at 4 blocks, decode goes on."""
     prompts = TokenizedPrompts.from_lists([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]], max_tokens=4)
-    cfg = SchedulerSettings(num_blocks=8, chunk_size=16, block_size=2, kv_threshold=0.5)
-    s = make_scheduler(cfg, prompts, None)  # no plan: groups of one in file order
+    cfg, kv = SchedulerConfig(chunk_size=16, kv_threshold=0.5), KVLayout(num_blocks=8, block_size=2)
+    s = make_scheduler(cfg, kv, prompts, None)  # no plan: groups of one in file order
     out = s.schedule()
     assert rows(out) == [
         (0, [1, 2, 3, 4], 0, 0, [0, 1], -1, False, True),
@@ -187,8 +188,8 @@ def test_batchllm_threshold_holds_back_prefill() -> None:
 def test_batchllm_threshold_lifted_when_nothing_fits() -> None:
     """A prompt longer than the threshold still runs: alone, over the threshold."""
     prompts = TokenizedPrompts.from_lists([[1, 2, 3, 4, 5, 6], [7]], max_tokens=1)
-    cfg = SchedulerSettings(num_blocks=4, chunk_size=16, block_size=2, kv_threshold=0.5)
-    s = make_scheduler(cfg, prompts, None)
+    cfg, kv = SchedulerConfig(chunk_size=16, kv_threshold=0.5), KVLayout(num_blocks=4, block_size=2)
+    s = make_scheduler(cfg, kv, prompts, None)
     out = s.schedule()
     assert rows(out) == [(0, [1, 2, 3, 4], 0, 0, [0, 1], -1, False, False)]
     assert not out.threshold_lifted
@@ -206,10 +207,11 @@ def test_baseline_prefix_cache_hit_and_lru_eviction() -> None:
         [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 8, 8], [9] * 11, [1, 2, 3, 4, 7], [1, 2, 3, 4]],
         max_tokens=1,
     )
-    cfg = SchedulerSettings(
-        policy="baseline", num_blocks=8, chunk_size=16, block_size=2, max_num_seqs=1
+    cfg, kv = (
+        SchedulerConfig(policy="baseline", chunk_size=16, max_num_seqs=1),
+        KVLayout(num_blocks=8, block_size=2),
     )
-    s = make_scheduler(cfg, prompts, None)
+    s = make_scheduler(cfg, kv, prompts, None)
 
     def step() -> list[tuple]:
         out = s.schedule()
@@ -233,10 +235,11 @@ def test_baseline_prefix_cache_hit_and_lru_eviction() -> None:
 def test_baseline_same_step_hit_and_request_cap() -> None:
     """Hits on blocks scheduled earlier in the same batch; max_num_seqs caps admission."""
     prompts = TokenizedPrompts.from_lists([[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [8, 9]], max_tokens=2)
-    cfg = SchedulerSettings(
-        policy="baseline", num_blocks=8, chunk_size=16, block_size=2, max_num_seqs=2
+    cfg, kv = (
+        SchedulerConfig(policy="baseline", chunk_size=16, max_num_seqs=2),
+        KVLayout(num_blocks=8, block_size=2),
     )
-    s = make_scheduler(cfg, prompts, None)
+    s = make_scheduler(cfg, kv, prompts, None)
     out = s.schedule()
     assert rows(out) == [
         (0, [1, 2, 3, 4, 5], 0, 0, [0, 1, 2], -1, False, True),
@@ -252,8 +255,11 @@ def test_baseline_same_step_hit_and_request_cap() -> None:
 
 def test_baseline_preempts_youngest_by_recompute() -> None:
     prompts = TokenizedPrompts.from_lists([[1, 2], [3, 4]], max_tokens=3)
-    cfg = SchedulerSettings(policy="baseline", num_blocks=3, chunk_size=16, block_size=2)
-    s = make_scheduler(cfg, prompts, None)
+    cfg, kv = (
+        SchedulerConfig(policy="baseline", chunk_size=16),
+        KVLayout(num_blocks=3, block_size=2),
+    )
+    s = make_scheduler(cfg, kv, prompts, None)
     out = s.schedule()
     assert [r[4] for r in rows(out)] == [[0], [1]]
     s.update(out, {0: 5, 1: 6}, set())
@@ -270,8 +276,8 @@ def test_baseline_preempts_youngest_by_recompute() -> None:
 
 def test_baseline_admits_nobody_after_a_preemption() -> None:
     prompts = TokenizedPrompts.from_lists([[8], [8]], max_tokens=2)
-    cfg = SchedulerSettings(policy="baseline", num_blocks=3, chunk_size=6, block_size=1)
-    s = make_scheduler(cfg, prompts, None)
+    cfg, kv = SchedulerConfig(policy="baseline", chunk_size=6), KVLayout(num_blocks=3, block_size=1)
+    s = make_scheduler(cfg, kv, prompts, None)
     out = s.schedule()
     assert rows(out) == [
         (0, [8], 0, 0, [0], -1, False, True),
@@ -289,14 +295,14 @@ def test_baseline_admits_nobody_after_a_preemption() -> None:
 def test_budget_too_small(policy: str) -> None:
     prompts = TokenizedPrompts.from_lists([[1, 2, 3, 9], [1, 2, 3, 4, 5, 6, 7]], max_tokens=4)
     plan = make_plan(prompts, [(3, [0, 1])]) if policy == "batchllm" else None
-    cfg = SchedulerSettings(policy=policy, num_blocks=2, block_size=4)
+    cfg, kv = SchedulerConfig(policy=policy), KVLayout(num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match=r"prompt 1 .*needs 3 blocks of 4 tokens.*num_blocks is 2"):
-        make_scheduler(cfg, prompts, plan)
+        make_scheduler(cfg, kv, prompts, plan)
 
 
 def test_misuse_is_rejected() -> None:
     prompts = TokenizedPrompts.from_lists([[1, 2], [3]], max_tokens=2)
-    s = make_scheduler(SchedulerSettings(num_blocks=4, block_size=2), prompts, None)
+    s = make_scheduler(SchedulerConfig(), KVLayout(num_blocks=4, block_size=2), prompts, None)
     out = s.schedule()
     with pytest.raises(RuntimeError, match="before update"):
         s.schedule()
@@ -311,24 +317,27 @@ def test_misuse_is_rejected() -> None:
 
 def test_plan_must_match_prompts() -> None:
     prompts = TokenizedPrompts.from_lists([[1, 2, 3], [1, 9, 3]], max_tokens=1)
-    cfg = SchedulerSettings(num_blocks=8, block_size=2)
+    cfg, kv = SchedulerConfig(), KVLayout(num_blocks=8, block_size=2)
     with pytest.raises(ValueError, match="differ within the 2-token prefix"):
-        make_scheduler(cfg, prompts, make_plan(prompts, [(2, [0, 1])]))
+        make_scheduler(cfg, kv, prompts, make_plan(prompts, [(2, [0, 1])]))
     with pytest.raises(ValueError, match="no distinct token"):
-        make_scheduler(cfg, prompts, make_plan(prompts, [(3, [0]), (0, [1])]))
+        make_scheduler(cfg, kv, prompts, make_plan(prompts, [(3, [0]), (0, [1])]))
     with pytest.raises(ValueError, match="permutation"):
-        make_scheduler(cfg, prompts, make_plan(prompts, [(0, [0]), (0, [0])]))
+        make_scheduler(cfg, kv, prompts, make_plan(prompts, [(0, [0]), (0, [0])]))
 
 
-def test_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="policy"):
-        SchedulerSettings(num_blocks=4, policy="fifo")
-    with pytest.raises(ValueError, match="kv_threshold"):
-        SchedulerSettings(num_blocks=4, kv_threshold=0.0)
-    with pytest.raises(ValueError, match="chunk_size"):
-        SchedulerSettings(num_blocks=4, chunk_size=0)
-    assert SchedulerSettings(num_blocks=10, kv_threshold=0.95).kv_cap_blocks == 9
-    assert np.int32  # numpy stays importable without torch in these modules
+def test_settings_are_checked_at_load_time() -> None:
+    """The scheduler takes SchedulerConfig as is: its checks are the config's (ConfigError)."""
+    with pytest.raises(ConfigError, match=r"scheduler\.policy"):
+        SchedulerConfig(policy="fifo")
+    with pytest.raises(ConfigError, match=r"scheduler\.kv_threshold"):
+        SchedulerConfig(kv_threshold=0.0)
+    with pytest.raises(ConfigError, match=r"scheduler\.chunk_size"):
+        SchedulerConfig(chunk_size=0)
+    assert SchedulerConfig(kv_threshold=0.95).kv_cap_blocks(10) == 9
+    empty = TokenizedPrompts.from_lists([], max_tokens=1)
+    s = make_scheduler(SchedulerConfig(kv_threshold=0.95), KVLayout(10, 1), empty, None)
+    assert s.kv_cap_blocks == 9
 
 
 def test_scheduler_modules_do_not_import_torch() -> None:
@@ -337,7 +346,7 @@ def test_scheduler_modules_do_not_import_torch() -> None:
 
     code = (
         "import sys; import batchjob.backends.native.scheduler.registry, "
-        "batchjob.backends.native.kv_cache; "
+        "batchjob.backends.native.kv_cache, batchjob.config; "
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

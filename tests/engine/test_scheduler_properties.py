@@ -16,10 +16,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchjob.backends.native.kv_cache import cdiv
-from batchjob.backends.native.scheduler.base import SchedulerSettings
+from batchjob.backends.native.kv_cache import KVLayout, cdiv
 from batchjob.backends.native.scheduler.output import SchedulerOutput, prefix_group, prefix_seq_id
 from batchjob.backends.native.scheduler.registry import make_scheduler
+from batchjob.config import SchedulerConfig
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan, PlanStats
 from batchjob.prompts import TokenizedPrompts
@@ -97,7 +97,8 @@ class Sim:
     """The reference runner's view of one run."""
 
     wl: Workload
-    cfg: SchedulerSettings
+    cfg: SchedulerConfig
+    kv: KVLayout
     fed: list[list[int]] = field(default_factory=list)  # sampled tokens fed back per request
     done: set[int] = field(default_factory=set)
     live: dict[int, list[int]] = field(default_factory=dict)  # seq -> own blocks held
@@ -131,12 +132,12 @@ class Sim:
 
 
 def check_iteration(sim: Sim, out: SchedulerOutput) -> None:
-    cfg, bs, batchllm = sim.cfg, sim.cfg.block_size, sim.cfg.policy == "batchllm"
+    cfg, bs, batchllm = sim.cfg, sim.kv.block_size, sim.cfg.policy == "batchllm"
     chunks = out.chunks
     assert chunks and sum(c.num_tokens for c in chunks) <= cfg.chunk_size
     assert out.num_decode_tokens + out.num_prefill_tokens == sum(c.num_tokens for c in chunks)
     assert len({c.seq_id for c in chunks}) == len(chunks)
-    assert out.kv_blocks_used <= cfg.num_blocks
+    assert out.kv_blocks_used <= sim.kv.num_blocks
     # chunks of one group are contiguous; every referenced group has its prefix listed
     seen: list[int] = [c.group for c in chunks if c.group >= 0]
     runs = [g for i, g in enumerate(seen) if i == 0 or seen[i - 1] != g]
@@ -217,7 +218,7 @@ def check_iteration(sim: Sim, out: SchedulerOutput) -> None:
 def check_block_sharing(sim: Sim) -> None:
     """batchllm: live sequences never share blocks; baseline: only equal full cached blocks."""
     owner: dict[int, tuple[int, int]] = {}
-    bs = sim.cfg.block_size
+    bs = sim.kv.block_size
     for seq, bt in sim.live.items():
         for i, b in enumerate(bt):
             if b not in owner:
@@ -231,7 +232,7 @@ def check_block_sharing(sim: Sim) -> None:
 
 
 def check_batchllm_admission(sim: Sim, out: SchedulerOutput) -> None:
-    cap = sim.cfg.kv_cap_blocks
+    cap = sim.cfg.kv_cap_blocks(sim.kv.num_blocks)
     has_prefill = any(not c.is_decode for c in out.chunks)
     if out.threshold_lifted:
         assert not any(c.is_decode for c in out.chunks)
@@ -246,9 +247,9 @@ def check_batchllm_admission(sim: Sim, out: SchedulerOutput) -> None:
                 assert out.num_decode_tokens == sim.cfg.chunk_size
 
 
-def simulate(cfg: SchedulerSettings, wl: Workload, seed: int = 0) -> Sim:
-    sched = make_scheduler(cfg, wl.prompts, wl.plan)
-    sim = Sim(wl, cfg)
+def simulate(cfg: SchedulerConfig, kv: KVLayout, wl: Workload, seed: int = 0) -> Sim:
+    sched = make_scheduler(cfg, kv, wl.prompts, wl.plan)
+    sim = Sim(wl, cfg, kv)
     rng = random.Random(seed)
     total = int(wl.prompts.lengths.sum()) + sum(wl.finish_at)
     for _ in range(50 * total + 100):
@@ -285,7 +286,7 @@ def simulate(cfg: SchedulerSettings, wl: Workload, seed: int = 0) -> Sim:
     assert stats.preemptions == sim.preempted
     assert stats.group_preemptions == sum(sim.group_preempted.values())
     assert stats.threshold_lifted_iterations == sim.lifted
-    assert stats.peak_blocks <= cfg.num_blocks
+    assert stats.peak_blocks <= kv.num_blocks
     if cfg.policy == "batchllm":  # every prefix computed once, plus what a group drop lost
         for g in range(wl.plan.num_groups):
             lost = sim.prefix_lost.get(g, 0)
@@ -297,18 +298,17 @@ def simulate(cfg: SchedulerSettings, wl: Workload, seed: int = 0) -> Sim:
 
 
 @st.composite
-def runs(draw, policy: str) -> tuple[SchedulerSettings, Workload]:
+def runs(draw, policy: str) -> tuple[SchedulerConfig, KVLayout, Workload]:
     wl = draw(workloads())
     bs = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    cfg = SchedulerSettings(
+    kv = KVLayout(num_blocks=min_blocks(wl, bs, policy) + draw(st.integers(0, 6)), block_size=bs)
+    cfg = SchedulerConfig(
         policy=policy,
-        num_blocks=min_blocks(wl, bs, policy) + draw(st.integers(0, 6)),
-        block_size=bs,
         chunk_size=draw(st.integers(1, 24)),
         kv_threshold=draw(st.sampled_from([0.2, 0.5, 0.8, 1.0])),
         max_num_seqs=draw(st.integers(1, 6)),
     )
-    return cfg, wl
+    return cfg, kv, wl
 
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -316,21 +316,23 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 @SETTINGS
 @given(runs("batchllm"), st.integers(0, 2**16))
-def test_batchllm_runs(run: tuple[SchedulerSettings, Workload], seed: int) -> None:
+def test_batchllm_runs(run: tuple[SchedulerConfig, KVLayout, Workload], seed: int) -> None:
     simulate(*run, seed=seed)
 
 
 @SETTINGS
 @given(runs("baseline"), st.integers(0, 2**16))
-def test_baseline_runs(run: tuple[SchedulerSettings, Workload], seed: int) -> None:
+def test_baseline_runs(run: tuple[SchedulerConfig, KVLayout, Workload], seed: int) -> None:
     simulate(*run, seed=seed)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs("batchllm"), st.integers(0, 2**16))
-def test_batchllm_runs_real_plans(run: tuple[SchedulerSettings, Workload], seed: int) -> None:
+def test_batchllm_runs_real_plans(
+    run: tuple[SchedulerConfig, KVLayout, Workload], seed: int
+) -> None:
     """The same runs on the planner's own groups and order (build_plan)."""
-    cfg, wl = run
+    cfg, kv, wl = run
     wl = Workload(wl.prompts, build_plan(wl.prompts), wl.finish_at)
-    need = min_blocks(wl, cfg.block_size, "batchllm")
-    simulate(replace(cfg, num_blocks=max(cfg.num_blocks, need)), wl, seed=seed)
+    need = min_blocks(wl, kv.block_size, "batchllm")
+    simulate(cfg, replace(kv, num_blocks=max(kv.num_blocks, need)), wl, seed=seed)

@@ -1,43 +1,23 @@
-"""The native engine behind the ``Backend`` interface: load the model, run the plan."""
+"""The native engine behind the ``Backend`` interface: load the model, run the plan.
+
+The job's sections go down as they are (``job.scheduler``, ``job.engine``, ``job.sampling``):
+``load_job`` already checked every value. What only the machine can tell (the KV budget in
+blocks of this model, the attention backend on this device) fails here, as a ``ConfigError``
+naming the key, before the plan runs.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
-from batchjob.backends.native.engine import Engine, EngineOptions
+from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
-from batchjob.backends.native.sampling import SamplingParams
 from batchjob.config import JobConfig
 from batchjob.errors import ConfigError
+from batchjob.model_info import ModelInfo
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
-
-
-def engine_options(job: JobConfig) -> EngineOptions:
-    return EngineOptions(
-        policy=job.scheduler.policy,
-        chunk_size=job.scheduler.chunk_size,
-        kv_threshold=job.scheduler.kv_threshold,
-        max_num_seqs=job.scheduler.max_num_seqs,
-        block_size=job.engine.block_size,
-        kv_cache_bytes=job.engine.kv_cache_bytes,
-        gpu_memory_fraction=job.engine.gpu_memory_fraction,
-    )
-
-
-def sampling_params(job: JobConfig) -> SamplingParams:
-    s = job.sampling
-    return SamplingParams(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        seed=s.seed,
-        max_tokens=s.max_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-        stop=tuple(s.stop),
-        ignore_eos=s.ignore_eos,
-    )
 
 
 class NativeBackend:
@@ -45,20 +25,22 @@ class NativeBackend:
 
     name = "native"
 
-    def __init__(self, job: JobConfig, detokenize: Detokenize) -> None:
+    def __init__(
+        self, job: JobConfig, detokenize: Detokenize, info: ModelInfo | None = None
+    ) -> None:
         if job.engine.threads:
             torch.set_num_threads(job.engine.threads)
         self.job = job
         self.detokenize = detokenize
         model, self.info = load_model(
-            job.model.path,
+            info or job.model.path,  # the job's ModelInfo, read once by load_prompts
             dtype=job.model.dtype,
             device=job.model.device,
             attention=job.engine.attention,
         )
         self.device = str(self.info.device)
         try:
-            self.engine = Engine(model, self.info, engine_options(job))
+            self.engine = Engine(model, self.info, job.scheduler, job.engine)
         except ValueError as e:
             raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
 
@@ -78,7 +60,7 @@ class NativeBackend:
         r = self.engine.run(
             prompts,
             plan,
-            sampling_params(self.job),
+            self.job.sampling,
             on_finish,
             detokenize=self.detokenize,
             on_iteration=on_iteration,

@@ -1,7 +1,9 @@
 """The native engine's loop: schedule -> build batch -> forward -> sample -> update.
 
 Knows nothing of Parquet: it takes ``TokenizedPrompts`` and a ``Plan``, and hands each
-finished request to a callback as soon as it finishes (so results stream to disk).
+finished request to a callback as soon as it finishes (so results stream to disk). Its
+settings are the job's ``SchedulerConfig``, ``EngineConfig`` and ``SamplingConfig`` as loaded
+(and checked) by ``load_job``; what it derives from them and the machine is the ``KVLayout``.
 """
 
 from __future__ import annotations
@@ -15,32 +17,17 @@ import torch
 
 from batchjob.backends.base import FinishedRequest, IterationRecord
 from batchjob.backends.native.batch_builder import build_batch
-from batchjob.backends.native.models.loader import ModelInfo
-from batchjob.backends.native.sampling import SamplingParams, check_stop, sample, truncate_at_stop
-from batchjob.backends.native.scheduler.base import (
-    SchedulerSettings,
-    check_kv_budget,
-    request_prefix_len,
-)
+from batchjob.backends.native.kv_cache import KVLayout
+from batchjob.backends.native.sampling import check_stop, sample, truncate_at_stop
+from batchjob.backends.native.scheduler.base import check_kv_budget, request_prefix_len
 from batchjob.backends.native.scheduler.output import SchedulerStats
 from batchjob.backends.native.scheduler.registry import make_scheduler
+from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
+from batchjob.model_info import ModelInfo
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 
 GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """How the engine runs a plan (a subset of the job's [scheduler] and [engine] sections)."""
-
-    policy: str = "batchllm"  # batchllm | baseline
-    chunk_size: int = 2048  # token budget S_chunk per iteration
-    kv_threshold: float = 0.95  # M_threshold as a fraction of the KV blocks
-    max_num_seqs: int = 256  # baseline policy only
-    block_size: int = 16
-    kv_cache_bytes: int | None = None  # None: a fraction of free GPU memory, or 2 GiB on CPU
-    gpu_memory_fraction: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -55,60 +42,57 @@ class EngineRun:
     wall_s: float
 
 
-def kv_budget_bytes(opts: EngineOptions, device: torch.device, weights_bytes: int = 0) -> int:
+def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
     """KV cache size in bytes: explicit, or a fraction of what the GPU has free."""
-    if opts.kv_cache_bytes is not None:
-        return opts.kv_cache_bytes
+    if cfg.kv_cache_bytes is not None:
+        return cfg.kv_cache_bytes
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return max(int(free - (1 - opts.gpu_memory_fraction) * total), 0)
+        return max(int(free - (1 - cfg.gpu_memory_fraction) * total), 0)
     return 2 * GiB
 
 
 class Engine:
     """Runs plans on one model; the KV cache is allocated once and reused across runs."""
 
-    def __init__(self, model: torch.nn.Module, info: ModelInfo, opts: EngineOptions) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: ModelInfo,
+        scheduler: SchedulerConfig,
+        engine: EngineConfig,
+    ) -> None:
         self.model = model
         self.info = info
-        self.opts = opts
-        budget = kv_budget_bytes(opts, info.device)
-        self.num_blocks = budget // (opts.block_size * info.kv_bytes_per_token)
-        if self.num_blocks < 2:
-            raise ValueError(
-                f"KV budget of {budget} bytes holds {self.num_blocks} blocks of "
-                f"{opts.block_size} tokens ({info.kv_bytes_per_token} bytes/token): too small"
-            )
+        self.scheduler_cfg = scheduler
+        self.engine_cfg = engine
+        # ValueError when the budget holds fewer than two blocks
+        self.kv = KVLayout.from_budget(
+            kv_budget_bytes(engine, info.torch_device), engine.block_size, info.kv_bytes_per_token
+        )
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
         self.kv_cache = torch.zeros(
-            info.kv_cache_shape(self.num_blocks, opts.block_size),
-            dtype=info.dtype,
-            device=info.device,
+            info.kv_cache_shape(self.kv.num_blocks, self.kv.block_size),
+            dtype=info.torch_dtype,
+            device=info.torch_device,
         )
 
-    def scheduler_settings(self) -> SchedulerSettings:
-        o = self.opts
-        return SchedulerSettings(
-            num_blocks=self.num_blocks,
-            policy=o.policy,
-            chunk_size=o.chunk_size,
-            block_size=o.block_size,
-            kv_threshold=o.kv_threshold,
-            max_num_seqs=o.max_num_seqs,
-        )
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
 
     def check_fits(self, prompts: TokenizedPrompts, plan: Plan | None) -> None:
         """Raise ValueError naming the row if a request cannot fit in the KV budget."""
-        settings = self.scheduler_settings()
-        grouped = plan if settings.policy == "batchllm" else None  # baseline ignores groups
-        check_kv_budget(settings, prompts, request_prefix_len(grouped, len(prompts)))
+        batchllm = self.scheduler_cfg.policy == "batchllm"
+        grouped = plan if batchllm else None  # baseline ignores groups
+        check_kv_budget(self.kv, prompts, request_prefix_len(grouped, len(prompts)))
 
     @torch.inference_mode()
     def run(
         self,
         prompts: TokenizedPrompts,
         plan: Plan | None,
-        sampling: SamplingParams,
+        sampling: SamplingConfig,
         on_finish: Callable[[FinishedRequest], None],
         detokenize: Callable[[list[int]], str] | None = None,
         on_iteration: Callable[[IterationRecord], None] | None = None,
@@ -120,17 +104,17 @@ class Engine:
         """
         if sampling.stop and detokenize is None:
             raise ValueError("stop strings need a detokenize function")
-        sched = make_scheduler(self.scheduler_settings(), prompts, plan)
+        sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan)
         row_params = _per_row_params(sampling, prompts.max_tokens)
         eos = self.info.eos_token_ids
         generated: dict[int, list[int]] = {}
         records: list[IterationRecord] = []
-        bs = self.opts.block_size
+        bs = self.kv.block_size
         t_start = time.perf_counter()
         while sched.has_unfinished():
             t0 = time.perf_counter()
             out = sched.schedule()
-            batch = build_batch(out, bs, self.info.device)
+            batch = build_batch(out, bs, self.info.torch_device)
             sampled: dict[int, int] = {}
             finished: set[int] = set()
             if batch.sample_seq_ids:
@@ -196,12 +180,13 @@ class Engine:
 
 
 def _per_row_params(
-    base: SamplingParams, max_tokens: np.ndarray
-) -> Callable[[int], SamplingParams]:
-    """Row position -> its SamplingParams (cached per distinct max_tokens)."""
-    cache: dict[int, SamplingParams] = {}
+    base: SamplingConfig, max_tokens: np.ndarray
+) -> Callable[[int], SamplingConfig]:
+    """Row position -> its sampling settings: ``base`` with the row's max_tokens (cached per
+    distinct value; the scheduler already refused a row limit below 1)."""
+    cache: dict[int, SamplingConfig] = {}
 
-    def get(pos: int) -> SamplingParams:
+    def get(pos: int) -> SamplingConfig:
         mt = int(max_tokens[pos])
         p = cache.get(mt)
         if p is None:

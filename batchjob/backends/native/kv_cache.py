@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,6 +36,26 @@ def hash_block(parent: BlockHash | None, tokens: np.ndarray) -> BlockHash:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The paged KV cache the scheduler allocates from: derived by the engine, not configured
+    (``block_size`` is ``engine.block_size``; ``num_blocks`` is what the KV budget holds)."""
+
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, block_size: int, bytes_per_token: int) -> KVLayout:
+        """As many blocks as ``budget_bytes`` holds; ValueError below two."""
+        num_blocks = budget_bytes // (block_size * bytes_per_token)
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of "
+                f"{block_size} tokens ({bytes_per_token} bytes/token): too small"
+            )
+        return cls(num_blocks, block_size)
 
 
 class BlockPool:

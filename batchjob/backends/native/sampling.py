@@ -1,4 +1,8 @@
-"""Per-request sampling parameters, a batched sampler, and stop checks.
+"""A batched sampler and stop checks over the job's ``SamplingConfig``.
+
+The settings, their defaults and their checks live in ``batchjob.config.SamplingConfig``
+(top_k 0 = off; stop strings non-empty); a row's own decode limit is
+``dataclasses.replace(cfg, max_tokens=...)``.
 
 Reproducibility: a sampled row draws exactly one uniform number, a counter-based hash of
 (seed, row_id, step), and picks the token by inverse CDF over its (temperature-scaled,
@@ -11,41 +15,12 @@ outputs whatever the schedule (given the same logits). top-k/top-p cut at a prob
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from batchjob.config import SamplingConfig
+
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy (argmax)
-    top_k: int = 0  # keep the k most likely tokens; 0 (or -1) = off
-    top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1 = off
-    seed: int | None = None  # None = 0: still deterministic
-    max_tokens: int = 16  # generated tokens at most (finish reason "length")
-    stop_token_ids: tuple[int, ...] = ()  # finish "stop" when generated
-    stop: tuple[str, ...] = ()  # finish "stop" when the text contains one (text cut before it)
-    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be >= -1, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def _splitmix64(x: int) -> int:
@@ -55,9 +30,9 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def uniform_draw(seed: int | None, row_id: int, step: int) -> float:
+def uniform_draw(seed: int, row_id: int, step: int) -> float:
     """A uniform number in [0, 1) determined by (seed, row_id, step) alone."""
-    h = _splitmix64((seed or 0) & _MASK64)
+    h = _splitmix64(seed & _MASK64)
     h = _splitmix64(h ^ (row_id & _MASK64))
     h = _splitmix64(h ^ (step & _MASK64))
     return (h >> 11) / float(1 << 53)
@@ -65,7 +40,7 @@ def uniform_draw(seed: int | None, row_id: int, step: int) -> float:
 
 def sample(
     logits: torch.Tensor,  # float32 [K, V]
-    params: Sequence[SamplingParams],  # [K]
+    params: Sequence[SamplingConfig],  # [K]
     row_ids: Sequence[int],  # [K]: stable id of each row's request
     steps: Sequence[int],  # [K]: index of the token being generated (0 = first)
 ) -> torch.Tensor:  # int64 [K]
@@ -128,7 +103,7 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float
 def check_stop(
     generated_token_ids: Sequence[int],
     new_token: int,
-    params: SamplingParams,
+    params: SamplingConfig,
     eos_ids: Sequence[int],
 ) -> str | None:
     """Finish reason after ``new_token`` ("stop", "length") or None to continue.

@@ -1,4 +1,9 @@
-"""Attention backends by name: one list used by config validation, errors and dispatch."""
+"""Attention backends by name: one list used by config validation, errors and dispatch.
+
+``load_job`` checks the name and what needs no device (``cpu`` with a cuda model.device,
+``triton`` with a cpu one); what needs the machine fails here, a ``ConfigError`` naming
+``engine.attention``.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ def _triton_backend() -> AttentionBackend:
     try:
         from batchjob.backends.native.attention.triton import TritonAttention
     except ImportError as e:
-        raise ConfigError(f"attention backend 'triton' is unavailable: {e}") from e
+        raise ConfigError(f"engine.attention: 'triton' is unavailable: {e}") from e
     return TritonAttention()
 
 
@@ -39,15 +44,15 @@ def get_attention_backend(
         return TorchAttention()
     if name == "cpu":
         if dev.type != "cpu":
-            raise ConfigError(f"attention backend 'cpu' runs on the CPU only (got {dev})")
+            raise ConfigError(f"engine.attention: 'cpu' runs on the CPU only (got {dev})")
         backend = _cpu_backend()
         if backend is None:
-            raise ConfigError("attention backend 'cpu': the C kernel did not build (see log)")
+            raise ConfigError("engine.attention: 'cpu': the C kernel did not build (see log)")
         return backend
     if name == "triton":
         if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError(
-                f"attention backend 'triton' needs a CUDA device (got {dev}); "
+                f"engine.attention: 'triton' needs a CUDA device (got {dev}); "
                 "use 'torch' or 'auto' on CPU"
             )
         return _triton_backend()
@@ -60,4 +65,5 @@ def get_attention_backend(
         if dev.type == "cpu":
             return _cpu_backend() or TorchAttention()
         return TorchAttention()
-    raise ConfigError(f"unknown attention backend {name!r} (use {', '.join(ATTENTION_BACKENDS)})")
+    names = ", ".join(ATTENTION_BACKENDS)
+    raise ConfigError(f"engine.attention: unknown attention backend {name!r} (use {names})")

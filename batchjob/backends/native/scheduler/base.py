@@ -1,8 +1,11 @@
-"""Scheduler settings, per-request state, the parts both policies share, and the factory.
+"""The parts both scheduling policies share: KV budget check, counters, schedule/update.
+
+A scheduler takes the job's ``SchedulerConfig`` as is (validated at load time) and the
+engine's ``KVLayout`` (the block count it derived from its memory, and ``engine.block_size``).
 
 Protocol (the runner's loop)::
 
-    sched = make_scheduler(settings, prompts, plan)
+    sched = make_scheduler(cfg, kv, prompts, plan)
     while sched.has_unfinished():
         out = sched.schedule()          # SchedulerOutput: chunks, block tables, prefixes
         ...                             # run the model; sample one token per chunk.samples
@@ -16,13 +19,12 @@ whether or not the runner says so. Pure Python + numpy: never import torch here.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 
 import numpy as np
 
-from batchjob.backends.native.kv_cache import BlockPool, cdiv
+from batchjob.backends.native.kv_cache import BlockPool, KVLayout, cdiv
 from batchjob.backends.native.scheduler.output import (
     ScheduledChunk,
     ScheduledPrefix,
@@ -30,34 +32,9 @@ from batchjob.backends.native.scheduler.output import (
     SchedulerStats,
 )
 from batchjob.backends.native.scheduler.sequence import FINISHED, RUNNING, WAITING, Sequence
+from batchjob.config import SchedulerConfig
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
-
-POLICIES = ("batchllm", "baseline")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerSettings:
-    num_blocks: int  # KV budget in blocks (the runner derives it from the KV bytes available)
-    policy: str = "batchllm"  # batchllm (groups, 3 queues, Algo 2) | baseline (vLLM v1 style)
-    chunk_size: int = 2048  # token budget S_chunk per iteration (decode + prefill tokens)
-    block_size: int = 16  # tokens per KV block
-    kv_threshold: float = 0.95  # M_threshold / num_blocks: no new prefill above it (batchllm)
-    max_num_seqs: int = 256  # running-request cap (baseline only)
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("num_blocks", "chunk_size", "block_size", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.kv_threshold <= 1.0:
-            raise ValueError(f"kv_threshold must be in (0, 1], got {self.kv_threshold}")
-
-    @property
-    def kv_cap_blocks(self) -> int:
-        """M_threshold in blocks: floor(kv_threshold * num_blocks)."""
-        return math.floor(self.kv_threshold * self.num_blocks + 1e-9)
 
 
 @dataclass
@@ -83,14 +60,12 @@ def request_prefix_len(plan: Plan | None, num_requests: int) -> np.ndarray:
     return per_req
 
 
-def check_kv_budget(
-    settings: SchedulerSettings, prompts: TokenizedPrompts, prefix_len: np.ndarray
-) -> None:
+def check_kv_budget(kv: KVLayout, prompts: TokenizedPrompts, prefix_len: np.ndarray) -> None:
     """Raise ValueError unless every request fits alone: its group prefix + own prompt + outputs.
 
     ``prefix_len``: int64 [N], the group prefix length of each prompt (0 for none).
     """
-    bs, nb = settings.block_size, settings.num_blocks
+    bs, nb = kv.block_size, kv.num_blocks
     lengths = prompts.lengths
     if len(prompts) and lengths.min() < 1:
         raise ValueError(f"prompt {int(np.argmin(lengths))} is empty")
@@ -117,10 +92,11 @@ def check_kv_budget(
 class Scheduler(ABC):
     """Common state and the schedule/update protocol; policies fill ``_schedule``."""
 
-    def __init__(self, settings: SchedulerSettings, requests: list[Sequence]) -> None:
-        self.settings = settings
-        self.block_size = settings.block_size
-        self.pool = BlockPool(settings.num_blocks)
+    def __init__(self, cfg: SchedulerConfig, kv: KVLayout, requests: list[Sequence]) -> None:
+        self.cfg = cfg
+        self.block_size = kv.block_size
+        self.kv_cap_blocks = cfg.kv_cap_blocks(kv.num_blocks)  # no new prefill above it
+        self.pool = BlockPool(kv.num_blocks)
         self._reqs = requests  # indexed by seq_id
         self._running: dict[int, Sequence] = {}  # running requests, oldest admission first
         self._num_unfinished = len(requests)

@@ -20,21 +20,21 @@ from __future__ import annotations
 
 from collections import deque
 
-from batchjob.backends.native.kv_cache import cdiv
-from batchjob.backends.native.scheduler.base import Scheduler, SchedulerSettings, check_kv_budget
+from batchjob.backends.native.kv_cache import KVLayout, cdiv
+from batchjob.backends.native.scheduler.base import Scheduler, check_kv_budget
 from batchjob.backends.native.scheduler.output import ScheduledChunk
 from batchjob.backends.native.scheduler.sequence import RUNNING, WAITING, Sequence
+from batchjob.config import SchedulerConfig
 from batchjob.prompts import TokenizedPrompts
 
 
 class BaselineScheduler(Scheduler):
-    def __init__(self, settings: SchedulerSettings, prompts: TokenizedPrompts) -> None:
-        check_kv_budget(settings, prompts, prefix_len=prompts.lengths * 0)
+    def __init__(self, cfg: SchedulerConfig, kv: KVLayout, prompts: TokenizedPrompts) -> None:
+        check_kv_budget(kv, prompts, prefix_len=prompts.lengths * 0)
         reqs = [
-            Sequence(i, prompts.row(i), max_tokens=int(prompts.max_tokens[i]))
-            for i in range(len(prompts))
+            Sequence(i, prompts.row(i), int(prompts.max_tokens[i])) for i in range(len(prompts))
         ]
-        super().__init__(settings, reqs)
+        super().__init__(cfg, kv, reqs)
         for r in reqs:
             r.state = WAITING
         self._waiting: deque[Sequence] = deque(reqs)
@@ -43,7 +43,7 @@ class BaselineScheduler(Scheduler):
         self._waiting.appendleft(req)
 
     def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
-        budget = self.settings.chunk_size
+        budget = self.cfg.chunk_size
         chunks: list[ScheduledChunk] = []
         for req in list(self._running.values()):
             if budget == 0:
@@ -57,7 +57,7 @@ class BaselineScheduler(Scheduler):
             budget -= n
         if self._preempted_now:
             return chunks, False
-        while self._waiting and budget > 0 and len(self._running) < self.settings.max_num_seqs:
+        while self._waiting and budget > 0 and len(self._running) < self.cfg.max_num_seqs:
             req = self._waiting[0]
             n = self._admit_with_cache(req, budget)
             if n == 0:

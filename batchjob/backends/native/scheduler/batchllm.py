@@ -43,10 +43,9 @@ from collections import deque
 
 import numpy as np
 
-from batchjob.backends.native.kv_cache import cdiv
+from batchjob.backends.native.kv_cache import KVLayout, cdiv
 from batchjob.backends.native.scheduler.base import (
     Scheduler,
-    SchedulerSettings,
     check_kv_budget,
     request_prefix_len,
 )
@@ -57,6 +56,7 @@ from batchjob.backends.native.scheduler.output import (
     prefix_seq_id,
 )
 from batchjob.backends.native.scheduler.sequence import FINISHED, NEW, RUNNING, WAITING, Sequence
+from batchjob.config import SchedulerConfig
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 
@@ -102,7 +102,7 @@ def check_plan(plan: Plan, prompts: TokenizedPrompts) -> None:
 
 class BatchLLMScheduler(Scheduler):
     def __init__(
-        self, settings: SchedulerSettings, prompts: TokenizedPrompts, plan: Plan | None
+        self, cfg: SchedulerConfig, kv: KVLayout, prompts: TokenizedPrompts, plan: Plan | None
     ) -> None:
         n = len(prompts)
         if plan is None:  # groups of one in file order: memory-centric batching, no sharing
@@ -110,7 +110,7 @@ class BatchLLMScheduler(Scheduler):
         else:
             check_plan(plan, prompts)
             prefix_lens, offsets, members = plan.group_prefix_len, plan.group_offsets, plan.members
-        check_kv_budget(settings, prompts, request_prefix_len(plan, n))
+        check_kv_budget(kv, prompts, request_prefix_len(plan, n))
         reqs: list[Sequence | None] = [None] * n
         self._groups: list[_Group] = []
         for g in range(len(prefix_lens)):
@@ -119,12 +119,13 @@ class BatchLLMScheduler(Scheduler):
             for m in members[offsets[g] : offsets[g + 1]]:
                 m = int(m)
                 ms.append(
-                    Sequence(m, prompts.row(m), pl, int(prompts.max_tokens[m]), g, g if pl else -1)
+                    Sequence(m, prompts.row(m), int(prompts.max_tokens[m]), pl, g, g if pl else -1)
                 )
                 reqs[m] = ms[-1]
-            prefix = Sequence(prefix_seq_id(g), ms[0].prompt[:pl], group=g) if pl else None
+            # a prefix never samples: max_tokens 0
+            prefix = Sequence(prefix_seq_id(g), ms[0].prompt[:pl], 0, group=g) if pl else None
             self._groups.append(_Group(g, ms, prefix))
-        super().__init__(settings, reqs)  # type: ignore[arg-type]
+        super().__init__(cfg, kv, reqs)  # type: ignore[arg-type]
         self._waiting: deque[Sequence] = deque()  # distinct queue (not yet running)
         self._prefix_queue: deque[int] = deque(range(len(self._groups)))  # common-prefix queue
         self._queued = [True] * len(self._groups)  # group is in the prefix queue
@@ -165,9 +166,9 @@ class BatchLLMScheduler(Scheduler):
     # --- one iteration ----------------------------------------------------------------------
     def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
         chunks: list[ScheduledChunk] = []
-        budget = self._schedule_decodes(chunks, self.settings.chunk_size)
+        budget = self._schedule_decodes(chunks, self.cfg.chunk_size)
         allow_new = not self._preempted_now
-        self._schedule_prefill(chunks, budget, self.settings.kv_cap_blocks, allow_new, False)
+        self._schedule_prefill(chunks, budget, self.kv_cap_blocks, allow_new, False)
         if chunks:
             return chunks, False
         while True:  # nothing fits under the threshold and no decode: one chunk, all blocks

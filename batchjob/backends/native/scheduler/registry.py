@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 from batchjob.backends.names import SCHEDULING_POLICIES
-from batchjob.backends.native.scheduler.base import Scheduler, SchedulerSettings
+from batchjob.backends.native.kv_cache import KVLayout
+from batchjob.backends.native.scheduler.base import Scheduler
 from batchjob.backends.native.scheduler.baseline import BaselineScheduler
 from batchjob.backends.native.scheduler.batchllm import BatchLLMScheduler
+from batchjob.config import SchedulerConfig
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 
 
 def make_scheduler(
-    settings: SchedulerSettings, prompts: TokenizedPrompts, plan: Plan | None
+    cfg: SchedulerConfig, kv: KVLayout, prompts: TokenizedPrompts, plan: Plan | None
 ) -> Scheduler:
-    """The scheduler of ``settings.policy``. batchllm without a plan: groups of one, file order."""
-    if settings.policy == "batchllm":
-        return BatchLLMScheduler(settings, prompts, plan)
-    if settings.policy == "baseline":
-        return BaselineScheduler(settings, prompts)
+    """The scheduler of ``cfg.policy``. batchllm without a plan: groups of one, file order."""
+    if cfg.policy == "batchllm":
+        return BatchLLMScheduler(cfg, kv, prompts, plan)
+    if cfg.policy == "baseline":
+        return BaselineScheduler(cfg, kv, prompts)
+    # unreachable for a loaded config: SchedulerConfig checks the name against the same list
     raise ValueError(
-        f"unknown scheduling policy {settings.policy!r} (use {', '.join(SCHEDULING_POLICIES)})"
+        f"unknown scheduling policy {cfg.policy!r} (use {', '.join(SCHEDULING_POLICIES)})"
     )

@@ -39,8 +39,8 @@ class Sequence:
         self,
         seq_id: int,
         prompt: np.ndarray,
+        max_tokens: int,  # this request's decode limit (the row's, else sampling.max_tokens)
         own_start: int = 0,
-        max_tokens: int = 0,
         group: int = -1,
         chunk_group: int = -1,
     ) -> None:
