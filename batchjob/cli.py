@@ -28,7 +28,7 @@ import click
 from batchjob import __version__
 from batchjob.config import JobConfig, load_job, parse_assignments
 from batchjob.errors import EXIT_INTERRUPTED, BatchJobError
-from batchjob.tokenize import parallelism_disabled
+from batchjob.tokenizer import parallelism_disabled
 
 log = logging.getLogger("batchjob")
 
@@ -124,7 +124,8 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     from batchjob.plan.build import build_plan
     from batchjob.plan.plan_io import write_plan
     from batchjob.summary import summarize
-    from batchjob.tokenize import StageTiming, load_prompts
+    from batchjob.timing import StageTiming
+    from batchjob.tokenize import load_prompts
 
     data, info = load_prompts(job)
     log.info("read %d rows, %d tokens", data.num_rows, len(data.prompts.tokens))
@@ -136,14 +137,12 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_plan(plan, path)
     stages = (data.read, data.tokenize, StageTiming("plan", plan_s, len(data.prompts), logical))
-    kv_dtype = job.model.dtype if job.model.dtype != "auto" else (info.dtype if info else None)
     summary = summarize(
         plan,
         data.prompts,
         data.rejected,
         stages,
-        kv_bytes_per_token=info.kv_bytes_per_token(job.model.dtype) if info else None,
-        kv_dtype=kv_dtype or "bfloat16 (assumed)",
+        model=info,
         plan_path=str(path),
     )
     if as_json:

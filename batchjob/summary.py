@@ -12,18 +12,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchjob.io import RejectedRows
+from batchjob.model_info import ModelInfo
 from batchjob.plan.plan import Plan, PlanStats
 from batchjob.plan.stats import PlanSummary, group_kv_tokens, summarize_plan
 from batchjob.prompts import TokenizedPrompts
-from batchjob.tokenize import StageTiming
+from batchjob.timing import StageTiming
 
 SHARE_BUCKETS = (("1", 1, 1), ("2-4", 2, 4), ("5-16", 5, 16), ("17+", 17, None))
 
 
 @dataclass(frozen=True)
 class KvEstimate:
-    bytes_per_token: int  # 2 * layers * kv_heads * head_dim * dtype bytes
-    dtype: str
+    bytes_per_token: int  # 2 * layers * kv_heads * head_dim * dtype bytes: as the engine's
+    dtype: str  # resolved for the device, as the backend will run it
+    device: str
     largest_group: int  # plan group index (execution order)
     largest_group_size: int  # its members
     largest_group_tokens: int  # prefix once + every member's distinct tokens + max_tokens
@@ -87,7 +89,8 @@ class PlanReport:
         else:
             k = self.kv
             lines.append(
-                f"KV estimate   {_bytes(k.bytes_per_token)}/token ({k.dtype}); largest group "
+                f"KV estimate   {_bytes(k.bytes_per_token)}/token ({k.dtype} on {k.device}); "
+                f"largest group "
                 f"#{k.largest_group}: {k.largest_group_size} requests, "
                 f"{k.largest_group_tokens} tokens incl. max_tokens"
                 f" = {_bytes(k.largest_group_bytes)}"
@@ -126,27 +129,32 @@ def summarize(
     prompts: TokenizedPrompts,
     rejected: RejectedRows,
     stages: tuple[StageTiming, ...] = (),
-    kv_bytes_per_token: int | None = None,
-    kv_dtype: str = "auto",
+    model: ModelInfo | None = None,
     plan_path: str | None = None,
 ) -> PlanReport:
-    """Report on a plan built from ``prompts`` (the ``rejected`` rows were left out)."""
+    """Report on a plan built from ``prompts`` (the ``rejected`` rows were left out).
+
+    The KV estimate uses the job's ``model`` (its dtype resolved for its device, so the bytes
+    per token are the backend's); None without a model folder.
+    """
     sizes = np.diff(plan.group_offsets)  # [G] members per group
     buckets = {
         name: int(((sizes >= lo) & (sizes <= (hi or np.inf))).sum())
         for name, lo, hi in SHARE_BUCKETS
     }
     kv = None
-    if kv_bytes_per_token is not None and plan.num_groups:
+    if model is not None and plan.num_groups:
         tokens = group_kv_tokens(plan, prompts)  # [G]
         g = int(np.argmax(tokens))
+        per_token = model.kv_bytes_per_token
         kv = KvEstimate(
-            bytes_per_token=kv_bytes_per_token,
-            dtype=kv_dtype,
+            bytes_per_token=per_token,
+            dtype=model.dtype,
+            device=model.device,
             largest_group=g,
             largest_group_size=int(sizes[g]),
             largest_group_tokens=int(tokens[g]),
-            largest_group_bytes=int(tokens[g]) * kv_bytes_per_token,
+            largest_group_bytes=int(tokens[g]) * per_token,
         )
     return PlanReport(
         requests=len(prompts) + len(rejected),

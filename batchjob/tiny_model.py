@@ -67,6 +67,42 @@ def _config(family: str, **kw):
     return cls(**kw)
 
 
+def write_random_weights(folder: str | Path, config: dict, seed: int = 0) -> Path:
+    """``folder/model.safetensors`` for a Llama ``config`` (a config.json dict), random values.
+
+    Without ``transformers``: for model folders written by hand (tests of reading and
+    planning); the tensors have the names and shapes the native loader expects.
+    """
+    from safetensors.torch import save_file
+
+    h, v, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    d = config.get("head_dim") or h // heads
+    dtype = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "float32")
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (v, h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (heads * d, h),
+            p + "self_attn.k_proj.weight": (kv * d, h),
+            p + "self_attn.v_proj.weight": (kv * d, h),
+            p + "self_attn.o_proj.weight": (h, heads * d),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {k: (torch.randn(s, generator=gen) * 0.1).to(dtype) for k, s in shapes.items()}
+    out = Path(folder) / "model.safetensors"
+    save_file(tensors, out, metadata={"format": "pt"})
+    return out
+
+
 def make_tiny_model(
     out_dir: str | Path,
     family: str = "llama",

@@ -1,31 +1,21 @@
 """Batched tokenization: Parquet prompt batches -> ``TokenizedPrompts`` (+ rejected rows).
 
-Text columns go through Hugging Face ``tokenizers`` (``encode_batch_fast``, parallel over
-cores in Rust); token-id columns are taken straight from the Arrow list offsets and values.
-Python work is per row at most, never per token.
-
-Special tokens follow ``transformers`` (5.x) ``tokenizer(text)``: add_special_tokens=True,
-and the post-processor saved in tokenizer.json alone decides BOS/EOS (transformers ignores
-``add_bos_token`` / ``add_eos_token`` of tokenizer_config.json when tokenizer.json exists;
-``save_pretrained`` bakes them into the post-processor). tokenizer_config.json only names
-the BOS/EOS tokens. No chat template is applied: the prompt column is the exact model input.
+Text columns go through the model's tokenizer (``batchjob.tokenizer``: Hugging Face
+``tokenizers``, ``encode_batch_fast``, parallel over cores in Rust); token-id columns are
+taken straight from the Arrow list offsets and values. Python work is per row at most, never
+per token. Rows are checked against the model (``batchjob.model_info``): token ids below its
+vocab size, prompt + 1 within its context length.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from tokenizers import Tokenizer
 
 from batchjob.config import JobConfig
 from batchjob.errors import ModelError
@@ -40,156 +30,13 @@ from batchjob.io import (
     RejectedRows,
     open_dataset,
 )
+from batchjob.model_info import ModelInfo, model_info_for_job
 from batchjob.prompts import TokenizedPrompts
+from batchjob.timing import StageTiming
+from batchjob.tokenizer import PromptTokenizer, load_tokenizer, parallelism_disabled
 
 log = logging.getLogger(__name__)
 _INT32_MAX = 2**31 - 1
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-
-# ---------------------------------------------------------------------------------------
-# the model folder
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What planning needs from a model's config.json (no weights are read)."""
-
-    path: Path
-    vocab_size: int | None
-    max_position_embeddings: int | None
-    num_layers: int | None
-    num_kv_heads: int | None
-    head_dim: int | None
-    dtype: str | None  # checkpoint dtype (config.json torch_dtype / dtype)
-
-    def kv_bytes_per_token(self, dtype: str = "auto") -> int | None:
-        """2 (K and V) * layers * kv_heads * head_dim * bytes per element; None if unknown."""
-        name = self.dtype if dtype == "auto" else dtype
-        nbytes = _DTYPE_BYTES.get(name or "", 2)
-        if None in (self.num_layers, self.num_kv_heads, self.head_dim):
-            return None
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * nbytes
-
-
-def read_model_info(path: str | Path) -> ModelInfo:
-    """Read ``config.json`` of a local HF model folder (ModelError if missing or invalid)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not path.is_dir():
-        raise ModelError(f"model.path: {path} is not a directory")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise ModelError(f"{cfg_file}: missing (model.path must be a HF model folder)") from None
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{cfg_file}: unreadable: {e}") from None
-    cfg = {**cfg.get("text_config", {}), **cfg}  # multimodal configs nest the LM's numbers
-    heads = cfg.get("num_attention_heads")
-    head_dim = cfg.get("head_dim")
-    if head_dim is None and heads and cfg.get("hidden_size"):
-        head_dim = cfg["hidden_size"] // heads
-    return ModelInfo(
-        path=path,
-        vocab_size=cfg.get("vocab_size"),
-        max_position_embeddings=cfg.get("max_position_embeddings"),
-        num_layers=cfg.get("num_hidden_layers"),
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# the tokenizer
-
-
-@dataclass(frozen=True)
-class PromptTokenizer:
-    """A ``tokenizers.Tokenizer`` set up to encode prompts as the model expects."""
-
-    tokenizer: Tokenizer
-    bos_token_id: int | None
-    eos_token_id: int | None
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """-> (tokens int32 [sum L], lengths int64 [len(texts)]); one Rust call, parallel."""
-        encs = self.tokenizer.encode_batch_fast(texts, add_special_tokens=True)
-        ids = [e.ids for e in encs]
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        tokens = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
-        return tokens, lengths
-
-
-def _token_str(v: object) -> str | None:
-    if isinstance(v, dict):  # AddedToken serialised as {"content": ...}
-        v = v.get("content")
-    return v if isinstance(v, str) else None
-
-
-def load_tokenizer(model_path: str | Path) -> PromptTokenizer:
-    """Load ``tokenizer.json`` (+ ``tokenizer_config.json``) from a local model folder."""
-    folder = Path(model_path)
-    tok_file = folder / "tokenizer.json"
-    if not tok_file.is_file():
-        raise ModelError(
-            f"{tok_file}: missing; a text prompt column needs the model's tokenizer.json "
-            "(or give token ids in a list<int> column)"
-        )
-    try:
-        tok = Tokenizer.from_file(str(tok_file))
-    except Exception as e:  # tokenizers raises a bare Exception on parse errors
-        raise ModelError(f"{tok_file}: cannot load: {e}") from None
-    cfg_file = folder / "tokenizer_config.json"
-    cfg: dict = {}
-    if cfg_file.is_file():
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except ValueError as e:
-            raise ModelError(f"{cfg_file}: invalid JSON: {e}") from None
-    bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
-    bos_id = tok.token_to_id(bos) if bos else None
-    eos_id = tok.token_to_id(eos) if eos else None
-    return PromptTokenizer(tok, bos_id, eos_id)
-
-
-def detokenize(
-    tokenizer: PromptTokenizer | Tokenizer,
-    seqs: Sequence[np.ndarray | list[int]],
-    skip_special_tokens: bool = True,
-) -> list[str]:
-    """Decode many token sequences in one batched (parallel) call."""
-    tok = tokenizer.tokenizer if isinstance(tokenizer, PromptTokenizer) else tokenizer
-    lists = [s.tolist() if isinstance(s, np.ndarray) else list(s) for s in seqs]
-    return tok.decode_batch(lists, skip_special_tokens=skip_special_tokens)
-
-
-def parallelism_disabled() -> bool:
-    """True when TOKENIZERS_PARALLELISM turns the Rust thread pool off."""
-    v = os.environ.get("TOKENIZERS_PARALLELISM")
-    return v is not None and v.strip().lower() in ("", "0", "f", "false", "n", "no", "off")
-
-
-# ---------------------------------------------------------------------------------------
-# batches -> TokenizedPrompts
-
-
-@dataclass(frozen=True)
-class StageTiming:
-    """Wall time of one pipeline stage and how much it processed."""
-
-    name: str
-    seconds: float
-    rows: int
-    tokens: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
 
 
 @dataclass(frozen=True)
@@ -370,26 +217,28 @@ def tokenize_dataset(
     )
 
 
-def load_prompts(job: JobConfig) -> tuple[TokenizedInput, ModelInfo | None]:
-    """Open the job's input and model folder and tokenize everything (plan and run use it)."""
+def load_prompts(
+    job: JobConfig, tokenizer: PromptTokenizer | None = None
+) -> tuple[TokenizedInput, ModelInfo | None]:
+    """Open the job's input and model folder and tokenize everything (plan and run use it).
+
+    The model folder is read once (``ModelInfo``, None without model.path) and returned for
+    the later stages. ``tokenizer``: the job's, when the caller has loaded it already (run
+    needs it to decode outputs too); else it is loaded here if the prompts are text.
+    """
     dataset = open_dataset(job.input)
-    info = read_model_info(job.model.path) if job.model.path is not None else None
-    tokenizer = None
-    if dataset.prompt_is_text:
+    info = model_info_for_job(job)
+    if dataset.prompt_is_text and tokenizer is None:
         if job.model.path is None:
             raise ModelError(
                 f"model.path: required because column {dataset.prompt_column!r} is text"
             )
         tokenizer = load_tokenizer(job.model.path)
-    max_len = job.model.max_model_len or (info.max_position_embeddings if info else None)
-    vocab = info.vocab_size if info and info.vocab_size else None
-    if vocab is None and tokenizer is not None:
-        vocab = tokenizer.vocab_size
     result = tokenize_dataset(
         dataset,
         tokenizer,
         default_max_tokens=job.sampling.max_tokens,
-        max_model_len=max_len,
-        vocab_size=vocab,
+        max_model_len=info.max_model_len if info else job.model.max_model_len,
+        vocab_size=info.vocab_size if info else None,
     )
     return result, info

@@ -16,6 +16,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from batchjob.tiny_model import write_random_weights
 from batchjob.workloads import WORDS
 
 # Two xdist workers on two cores: one torch thread each, or tiny matmuls oversubscribe.
@@ -54,7 +55,7 @@ def write_model_folder(
     tokenizer_config: dict | None = None,
     max_len: int = TINY_MAX_LEN,
 ) -> Path:
-    """A HF-style folder: config.json (tiny Llama numbers) + tokenizer files, no weights."""
+    """A HF-style folder: config.json (tiny Llama numbers), random weights, tokenizer files."""
     folder.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -71,6 +72,7 @@ def write_model_folder(
         "eos_token_id": 2,
     }
     (folder / "config.json").write_text(json.dumps(config))
+    write_random_weights(folder, config)  # plan checks the weights as run does
     if tokenizer is not None:
         tokenizer.save(str(folder / "tokenizer.json"))
         tc = {
@@ -92,7 +94,7 @@ def tiny_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Tokenizer) -> Path:
     """Model folder: config.json (vocab 3000, context 4096, 2 layers, 2 KV heads of 16 dims,
-    float32) + tokenizer.json (BOS prepended) + tokenizer_config.json."""
+    float32), random weights + tokenizer.json (BOS prepended) + tokenizer_config.json."""
     return write_model_folder(tmp_path_factory.mktemp("tiny-model"), tiny_tokenizer)
 
 

@@ -9,15 +9,19 @@ from batchjob.backends.names import BACKENDS
 if TYPE_CHECKING:
     from batchjob.backends.base import Backend, Detokenize
     from batchjob.config import JobConfig
+    from batchjob.model_info import ModelInfo
 
 
-def open_backend(job: JobConfig, detokenize: Detokenize) -> Backend:
-    """The backend of ``job.engine.backend``, loaded and ready to ``run``."""
+def open_backend(job: JobConfig, detokenize: Detokenize, model: ModelInfo | None = None) -> Backend:
+    """The backend of ``job.engine.backend``, loaded and ready to ``run``.
+
+    ``model``: the job's model folder as ``load_prompts`` read it (read here if None).
+    """
     name = job.engine.backend
     if name == "native":
         from batchjob.backends.native.backend import NativeBackend
 
-        return NativeBackend(job, detokenize)
+        return NativeBackend(job, detokenize, model)
     if name == "vllm":
         from batchjob.backends.vllm.backend import VllmBackend
 

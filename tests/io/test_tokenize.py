@@ -19,13 +19,9 @@ from batchjob.io import (
     STATUS_PROMPT_TOO_LONG,
     open_dataset,
 )
-from batchjob.tokenize import (
-    detokenize,
-    load_prompts,
-    load_tokenizer,
-    read_model_info,
-    tokenize_dataset,
-)
+from batchjob.model_info import read_model_info
+from batchjob.tokenize import load_prompts, tokenize_dataset
+from batchjob.tokenizer import detokenize, load_tokenizer
 from batchjob.workloads import WORDS
 from tests.conftest import TINY_MAX_LEN, TINY_VOCAB, write_model_folder, write_parquet
 
@@ -182,18 +178,20 @@ def test_id_column_is_copied_exactly(
 
 def test_load_prompts_from_job(tmp_path: Path, tiny_model_dir: Path) -> None:
     p = write_parquet(pa.table({"prompt": ["a b c", "d"]}), tmp_path / "in.parquet")
-    job = load_job(
-        None,
-        {
-            "input.path": str(p),
-            "output.path": str(tmp_path / "o"),
-            "model.path": str(tiny_model_dir),
-        },
-    )
+    job_keys = {
+        "input.path": str(p),
+        "output.path": str(tmp_path / "o"),
+        "model.path": str(tiny_model_dir),
+    }
+    job = load_job(None, job_keys)
     res, info = load_prompts(job)
     assert len(res.prompts) == 2 and info is not None and info.vocab_size == TINY_VOCAB
-    assert info.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4  # K+V, layers, kv heads, dim, fp32
-    assert info.kv_bytes_per_token("bfloat16") == 2 * 2 * 2 * 16 * 2
+    assert info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K+V, layers, kv heads, dim, fp32
+    assert info.max_model_len == TINY_MAX_LEN and info.dtype == "float32"
+    bf16 = load_job(None, {**job_keys, "model.dtype": "bfloat16", "model.max_model_len": "9"})
+    res16, info16 = load_prompts(bf16, load_tokenizer(tiny_model_dir))
+    assert info16.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 and info16.max_model_len == 9
+    assert res16.prompts.row_ids.tolist() == res.prompts.row_ids.tolist()
     no_model = load_job(None, {"input.path": str(p), "output.path": str(tmp_path / "o")})
     with pytest.raises(ModelError, match=r"model\.path"):
         load_prompts(no_model)
