@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchjob.tokenize import load_tokenizer
+from batchjob.tokenizer import load_tokenizer
 from batchjob.workloads import MICRO, WORDS, WORKLOADS, make_workload
 from examples.generate_workloads import main as generate
 
