@@ -18,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 
+from batchjob.config import SchedulerConfig
 from batchjob.plan.order import group_order
 from batchjob.plan.plan import Plan
 from batchjob.plan.prefix_tree import PrefixTree, build_prefix_tree
@@ -49,8 +50,8 @@ def planning_tree(lengths: np.ndarray, srt: SortedSequences) -> PrefixTree:
 def build_plan(
     prompts: TokenizedPrompts,
     *,
-    enlarge: bool = True,
-    order: bool = True,
+    enlarge: bool = SchedulerConfig.enlarge,  # defaults: scheduler.enlarge / .reorder
+    order: bool = SchedulerConfig.reorder,
     algorithm: Algorithm = "optimal",
     on_stage: Callable[[str], None] | None = None,
 ) -> Plan:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchjob.backends.native.kv_cache import BlockPool, hash_block
+from batchjob.backends.native.kv_cache import BlockPool, KVLayout, hash_block
 
 
 def h(*tokens: int, parent: bytes | None = None) -> bytes:
@@ -133,3 +133,11 @@ def test_matches_reference_model(ops: list[tuple[int, int]]) -> None:
         assert pool.num_free == len(free) and pool.num_used == n - len(free)
         assert [pool.ref_count(b) for b in range(n)] == ref
         assert pool.num_cached == len(cached)
+
+
+def test_kv_layout_from_budget() -> None:
+    """The engine's derived KV geometry: whole blocks of the budget, at least two."""
+    kv = KVLayout.from_budget(budget_bytes=10_000, block_size=16, bytes_per_token=64)
+    assert (kv.num_blocks, kv.block_size) == (9, 16)  # 10000 // (16 * 64)
+    with pytest.raises(ValueError, match="holds 1 blocks of 16 tokens"):
+        KVLayout.from_budget(budget_bytes=2047, block_size=16, bytes_per_token=64)

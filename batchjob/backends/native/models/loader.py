@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from batchjob.backends.native.models.llama import LlamaForCausalLM
+from batchjob.config import EngineConfig
 from batchjob.errors import ModelError
 from batchjob.hf_config import SUPPORTED_ARCHITECTURES
 from batchjob.model_info import ModelInfo, read_model_info
@@ -73,7 +74,7 @@ def load_model(
     model: str | Path | ModelInfo,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
-    attention: str = "auto",
+    attention: str = EngineConfig.attention,  # the one default, engine.attention's
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model, ready for ``forward``, from a ``ModelInfo`` or a model folder.
 
