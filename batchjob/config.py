@@ -261,20 +261,23 @@ class OutputConfig:
         """Results go to one file when ``path`` ends in .parquet, else into a directory."""
         return self.path.suffix == ".parquet"
 
-    def _sibling(self, suffix: str) -> Path:
-        if self.is_file:
-            return self.path.with_name(self.path.stem + "." + suffix)
-        return self.path / suffix
+    @property
+    def meta_dir(self) -> Path:
+        """Everything but results (plan, report, manifest, unfinished parts, lock) goes to a
+        sibling folder: ``out/results.parquet`` -> ``out/results.meta/``; the results folder
+        ``out/day1`` -> ``out/day1.meta/`` (so the results folder is a plain dataset)."""
+        name = self.path.stem if self.is_file else self.path.name
+        return self.path.with_name(name + ".meta")
 
     @property
     def report_file(self) -> Path:
-        """``out/results.parquet`` -> ``out/results.report.json``; dir -> ``dir/report.json``."""
-        return self.report_path or self._sibling("report.json")
+        """Default ``<meta_dir>/report.json``."""
+        return self.report_path or self.meta_dir / "report.json"
 
     @property
     def plan_file(self) -> Path:
-        """``out/results.parquet`` -> ``out/results.plan.parquet``; dir -> ``dir/plan.parquet``."""
-        return self.plan_path or self._sibling("plan.parquet")
+        """Default ``<meta_dir>/plan.parquet``."""
+        return self.plan_path or self.meta_dir / "plan.parquet"
 
 
 _SECTIONS: dict[str, type] = {

@@ -12,6 +12,8 @@ EXIT_USAGE = 2  # bad command line (click's own code)
 EXIT_CONFIG = 3  # the job file or a flag is invalid
 EXIT_INPUT = 4  # the input dataset is invalid (missing/mistyped column, corrupt file, empty)
 EXIT_MODEL = 5  # the model folder is missing, incomplete or unsupported
+EXIT_ALL_REJECTED = 6  # every input row was rejected (see the per-row reasons): fix the data
+EXIT_LOCKED = 75  # another run holds this output (sysexits EX_TEMPFAIL): wait, do not race it
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM: written results are intact, rerun resumes
 
 
@@ -37,3 +39,15 @@ class ModelError(BatchJobError):
     """The model folder is missing, incomplete, or of an unsupported architecture."""
 
     exit_code = EXIT_MODEL
+
+
+class AllRowsRejectedError(BatchJobError):
+    """No input row can run (every row has a per-row error); nothing is written."""
+
+    exit_code = EXIT_ALL_REJECTED
+
+
+class LockedError(BatchJobError):
+    """Another run is writing the same output; this one started no work."""
+
+    exit_code = EXIT_LOCKED

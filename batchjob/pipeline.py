@@ -1,7 +1,10 @@
 """One job end to end: read -> tokenize -> plan -> execute -> write results and report.
 
-``run(job)`` is the Python API under ``batchjob run``. Results stream to atomic part files
-as requests finish; a rerun of an interrupted job skips the rows already written.
+``run(job)`` is the Python API under ``batchjob run``. Before any work it checks the output
+path, takes the output's lock and compares the job's manifest with what the output holds
+(``manifest``): a rerun of the same interrupted job skips the rows already written; another
+job's results or parts are refused unless ``output.overwrite``, and even then replaced only at
+commit, once the new results are complete (``results``).
 """
 
 from __future__ import annotations
@@ -17,13 +20,18 @@ from tqdm import tqdm
 from batchjob.backends import open_backend
 from batchjob.backends.base import FinishedRequest
 from batchjob.config import JobConfig
-from batchjob.io import STATUS_OK
+from batchjob.errors import AllRowsRejectedError, ConfigError
+from batchjob.io import STATUS_OK, open_dataset
+from batchjob.lock import output_lock
+from batchjob.manifest import difference, manifest, read_manifest
+from batchjob.output_layout import OutputLayout
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan_io import write_plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.report import RunSummary, summarize, write_report
-from batchjob.results import ResultRow, ResultSink, output_file
-from batchjob.tokenize import detokenize, load_prompts, load_tokenizer
+from batchjob.results import ResultRow, ResultSink
+from batchjob.tokenize import load_prompts
+from batchjob.tokenizer import detokenize, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -33,16 +41,34 @@ class JobResult:
     summary: RunSummary | None  # None when the job was already complete
 
 
-def _remove_results(path: Path) -> None:
-    """Delete earlier results of this job (output.overwrite): the file or our files in the dir."""
-    if path.suffix == ".parquet":
-        path.unlink(missing_ok=True)
-        shutil.rmtree(path.with_name(path.name + ".parts"), ignore_errors=True)
-        return
-    for f in path.glob("results-*.parquet"):
-        f.unlink()
-    (path / "_SUCCESS").unlink(missing_ok=True)
-    shutil.rmtree(path / "_parts", ignore_errors=True)
+def _foreign(layout: OutputLayout, what: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"output.path: {layout.output} {what} of another job: {why}. To replace them rerun "
+        "with --set output.overwrite=true (they stay until the new results are complete); "
+        "to keep them choose another output.path"
+    )
+
+
+def _resume_or_start(layout: OutputLayout, this: dict, overwrite: bool) -> bool:
+    """False when the output already holds this job's complete results; True to run (resuming
+    this job's parts if any). Another job's output: ConfigError, or with ``overwrite`` its
+    parts are dropped and its results kept until the commit replaces them."""
+    if layout.has_parts():
+        why = difference(this, read_manifest(layout.parts_manifest))
+        if why is None:
+            return True  # resume: an interrupted overwrite run keeps its progress too
+        if not overwrite:
+            raise _foreign(layout, "holds unfinished parts", why)
+    if layout.parts.exists():  # another job's parts, or a manifest with no rows yet
+        shutil.rmtree(layout.trash, ignore_errors=True)
+        layout.parts.rename(layout.trash)
+        shutil.rmtree(layout.trash)
+    if layout.complete() and not overwrite:
+        why = difference(this, read_manifest(layout.manifest_file))
+        if why is None:
+            return False
+        raise _foreign(layout, "holds results", why)
+    return True
 
 
 def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts:
@@ -62,17 +88,36 @@ def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts
 def run(job: JobConfig, progress: bool = True) -> JobResult:
     """Run ``job``; returns where results and report went and the summary."""
     t_job = time.perf_counter()
-    done_marker = output_file(job.output.path)
-    if job.output.overwrite:
-        _remove_results(Path(job.output.path))
-    elif done_marker.exists():
-        return JobResult(done_marker, {}, None)  # complete already: idempotent for schedulers
+    layout = OutputLayout.of(job.output)
+    dataset = open_dataset(job.input)  # metadata only: files and row count for the manifest
+    layout.check(job.input.path, dataset.files)
+    layout.prepare()
+    with output_lock(layout.lock_file, layout.output):
+        layout.clean_stale()
+        this = manifest(job, dataset.files, dataset.num_rows)
+        if not _resume_or_start(layout, this, job.output.overwrite):
+            return JobResult(layout.output, {}, None)  # complete already: idempotent
+        return _run_locked(job, layout, this, progress, t_job)
+
+
+def _rejected_summary(loaded) -> str:
+    counts = ", ".join(f"{k}: {v}" for k, v in sorted(loaded.rejected.counts().items()))
+    first = loaded.rejected.message[0] if len(loaded.rejected) else ""
+    return f"every one of the {loaded.num_rows} input rows was rejected ({counts}); first: {first}"
+
+
+def _run_locked(
+    job: JobConfig, layout: OutputLayout, this: dict, progress: bool, t_job: float
+) -> JobResult:
     stage: dict[str, float] = {}
 
-    loaded, _ = load_prompts(job)
+    tokenizer = load_tokenizer(job.model.path)  # once: encodes text prompts, decodes outputs
+    loaded, model = load_prompts(job, tokenizer)  # model: the folder, read once
     stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
+    if len(loaded.prompts) == 0:
+        raise AllRowsRejectedError(_rejected_summary(loaded))  # nothing written: fix the data
     sink = ResultSink(
-        job.output.path, flush_rows=job.output.flush_rows, rows_per_file=job.output.rows_per_file
+        layout, this, flush_rows=job.output.flush_rows, rows_per_file=job.output.rows_per_file
     )
     done = sink.done_row_ids()
     prompts = select_rows(loaded.prompts, ~np.isin(loaded.prompts.row_ids, done))
@@ -97,8 +142,7 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
     stage["plan_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    tokenizer = load_tokenizer(job.model.path)
-    backend = open_backend(job, lambda ids: detokenize(tokenizer, [ids])[0])
+    backend = open_backend(job, lambda ids: detokenize(tokenizer, [ids])[0], model)
     backend.check_fits(prompts, plan)
     stage["load_s"] = time.perf_counter() - t0
 
@@ -160,4 +204,5 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
         results=results_path,
     )
     paths = write_report(summary, run_info, job.output.report_file)
+    sink.cleanup()  # after the report: a kill before here re-commits and re-reports on rerun
     return JobResult(results_path, paths, summary)

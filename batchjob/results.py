@@ -1,10 +1,15 @@
-"""Results output: incremental, atomic, resumable.
+"""Results output: incremental, atomic, resumable, committed only when complete.
 
-Finished rows are buffered and flushed as numbered part files into ``<output>.parts/``, each
-written atomically (temp file + rename). A job killed at any point leaves only whole parts;
-rerun with the same arguments, it reads the row_ids already in the parts and skips them.
+Finished rows are buffered and flushed as numbered part files into ``<meta>/parts/`` (see
+``output_layout``), each written atomically (temp file + rename), the job's manifest first.
+A job killed at any point leaves only whole parts; rerun as the same job (same manifest), it
+reads the row_ids already in the parts and skips them.
+
 When every row is done, ``finalize`` joins the parts with the pass-through input columns,
-sorts by row_id and writes the final file atomically, then removes the parts.
+sorts by row_id and writes the final files into ``<meta>/staging/``; ``commit`` then moves
+them over the output (earlier results stay untouched until this point) and records the
+manifest beside them; ``cleanup`` removes the parts. A crash anywhere from staging to
+cleanup leaves the parts and their manifest, so a rerun commits again (rolls forward).
 
 Exactly one result row per input row: the parts never hold a row twice (resumed runs skip
 done rows), and ``finalize`` checks the count against the input before it commits.
@@ -12,16 +17,22 @@ done rows), and ``finalize`` checks the count against the input before it commit
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.io import ROW_ID, write_parquet_atomic
+from batchjob.atomic import fsync_dir, write_parquet_atomic, write_text_atomic
+from batchjob.faults import fault_point
+from batchjob.io import ROW_ID
+from batchjob.manifest import write_manifest
+from batchjob.output_layout import RESULT_GLOB, SUCCESS, OutputLayout
 
 RESULT_SCHEMA = pa.schema(
     [
@@ -34,6 +45,14 @@ RESULT_SCHEMA = pa.schema(
         ("status", pa.string()),
         ("message", pa.string()),
     ]
+)
+
+_LEGACY_META = (
+    "report.json",
+    "report.iterations.parquet",
+    "report.summary.parquet",
+    "report.timeline.png",
+    "plan.parquet",
 )
 
 
@@ -51,30 +70,24 @@ class ResultRow:
     message: str | None
 
 
-def output_file(path: str | Path) -> Path:
-    """What marks a finished job: the results file, or ``_SUCCESS`` in a results directory."""
-    p = Path(path)
-    return p if p.suffix == ".parquet" else p / "_SUCCESS"
-
-
 class ResultSink:
     """Buffers finished rows and flushes them as atomic part files.
 
-    ``path`` ending in .parquet: one final file. Otherwise a directory of
-    ``results-NNNNN.parquet`` files of ``rows_per_file`` rows each, then ``_SUCCESS``.
+    Single-file layout: one final file. Otherwise a folder of ``results-NNNNN.parquet`` files
+    of ``rows_per_file`` rows each, then ``_SUCCESS``.
     """
 
     def __init__(
         self,
-        path: str | Path,
+        layout: OutputLayout,
+        manifest: dict[str, Any],
         flush_rows: int = 4096,
         flush_seconds: float = 30.0,
         rows_per_file: int = 100_000,
     ):
-        p = Path(path)
-        self.single_file = p.suffix == ".parquet"
-        self.final = output_file(p)
-        self.parts_dir = p.with_name(p.name + ".parts") if self.single_file else p / "_parts"
+        self.layout = layout
+        self.manifest = manifest
+        self.parts_dir = layout.parts
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.rows_per_file = rows_per_file
@@ -85,7 +98,7 @@ class ResultSink:
         self._next_part = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
 
     def done_row_ids(self) -> np.ndarray:
-        """row_ids already written by earlier (interrupted) runs."""
+        """row_ids already written by earlier (interrupted) runs of the same job."""
         parts = sorted(self.parts_dir.glob("part-*.parquet"))
         if not parts:
             return np.zeros(0, dtype=np.int64)
@@ -101,6 +114,9 @@ class ResultSink:
     def flush(self) -> None:
         if not self._buffer:
             return
+        if not self.layout.parts_manifest.exists():  # the job's identity before its first row
+            write_manifest(self.manifest, self.layout.parts_manifest)
+            fault_point("manifest")
         rows = self._buffer
         table = pa.table(
             {
@@ -118,14 +134,21 @@ class ResultSink:
             },
             schema=RESULT_SCHEMA,
         )
+        fault_point("part")
         write_parquet_atomic(table, self.parts_dir / f"part-{self._next_part:06d}.parquet")
         self._next_part += 1
         self._buffer = []
         self._last_flush = time.monotonic()
 
     def finalize(self, passthrough: pa.Table, expected_rows: int) -> Path:
-        """Join parts with pass-through columns, write the final file, remove the parts."""
+        """Join parts with pass-through columns, stage the final files, commit them."""
         self.flush()
+        results = self._joined(passthrough, expected_rows)
+        staged = self._stage(results)
+        self._commit(staged)
+        return self.layout.output
+
+    def _joined(self, passthrough: pa.Table, expected_rows: int) -> pa.Table:
         parts = sorted(self.parts_dir.glob("part-*.parquet"))
         results = (
             pa.concat_tables([pq.read_table(p, schema=RESULT_SCHEMA) for p in parts])
@@ -154,12 +177,62 @@ class ResultSink:
             for name in taken.column_names:
                 if name != ROW_ID:
                     results = results.append_column(taken.schema.field(name), taken[name])
-        if self.single_file:
-            write_parquet_atomic(results, self.final)
+        return results
+
+    def _stage(self, results: pa.Table) -> list[Path]:
+        """Write the final files into staging/; nothing at the output changes yet."""
+        staging = self.layout.staging
+        shutil.rmtree(staging, ignore_errors=True)
+        if self.layout.single_file:
+            files = [staging / self.layout.output.name]
+            write_parquet_atomic(results, files[0])
+            fault_point("stage")
+            return files
+        files = []
+        for i, start in enumerate(range(0, max(results.num_rows, 1), self.rows_per_file)):
+            files.append(staging / f"results-{i:05d}.parquet")
+            write_parquet_atomic(results.slice(start, self.rows_per_file), files[-1])
+            fault_point("stage")
+        write_text_atomic(f"{results.num_rows} rows\n", staging / SUCCESS)
+        return files
+
+    def _commit(self, staged: list[Path]) -> None:
+        """Swap the staged files in, then record the manifest of what is now committed."""
+        layout = self.layout
+        layout.manifest_file.unlink(missing_ok=True)  # the old results lose their voucher
+        fault_point("commit")
+        if layout.single_file:
+            layout.output.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged[0], layout.output)
+            fsync_dir(layout.output.parent)
         else:
-            for i, start in enumerate(range(0, max(results.num_rows, 1), self.rows_per_file)):
-                piece = results.slice(start, self.rows_per_file)
-                write_parquet_atomic(piece, self.final.parent / f"results-{i:05d}.parquet")
-            self.final.write_text(f"{results.num_rows} rows\n")
-        shutil.rmtree(self.parts_dir, ignore_errors=True)
-        return self.final if self.single_file else self.final.parent
+            out = layout.output
+            out.mkdir(parents=True, exist_ok=True)
+            (out / SUCCESS).unlink(missing_ok=True)
+            names = {f.name for f in staged}
+            for f in staged:
+                os.replace(f, out / f.name)
+                fault_point("commit_file")
+            for old in out.glob(RESULT_GLOB):
+                if old.name not in names:
+                    old.unlink()  # a previous, longer run's extra files
+            for name in _LEGACY_META:  # metadata that older versions wrote into the folder
+                (out / name).unlink(missing_ok=True)
+            shutil.rmtree(out / "_parts", ignore_errors=True)
+            fsync_dir(out)
+            os.replace(layout.staging / SUCCESS, out / SUCCESS)
+            fsync_dir(out)
+        write_manifest(self.manifest, layout.manifest_file)
+        fault_point("committed")
+        shutil.rmtree(layout.staging, ignore_errors=True)
+
+    def cleanup(self) -> None:
+        """Remove the parts of a committed job: renamed away first (one atomic step), then
+        deleted, so a kill leaves either the whole parts folder or none of it."""
+        layout = self.layout
+        if not layout.parts.exists():
+            return
+        shutil.rmtree(layout.trash, ignore_errors=True)
+        os.replace(layout.parts, layout.trash)
+        fault_point("cleanup")
+        shutil.rmtree(layout.trash, ignore_errors=True)

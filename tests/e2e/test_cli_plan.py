@@ -58,7 +58,7 @@ def test_plan_case1_prints_summary_and_writes_plan(
         assert word in r.stdout
     assert "multi-level" in r.stdout and "single-level plan" in r.stdout
     assert "tok/s" in r.stdout and "KV estimate" in r.stdout
-    plan_file = tmp_path / "out" / "results.plan.parquet"  # default: next to output.path
+    plan_file = tmp_path / "out" / "results.meta" / "plan.parquet"  # default: metadata folder
     assert str(plan_file) in r.stdout and plan_file.is_file()
 
     # round trip: the file holds the plan the planner builds for these prompts
@@ -110,7 +110,7 @@ def test_plan_overrides_and_rejects(tmp_path: Path, case1_data: dict[str, Path])
     r = invoke("plan", "--input", str(data), "--output", str(tmp_path / "o"), "--json")
     s = json.loads(r.stdout)
     assert s["requests"] == 4 and s["ok"] == 3 and s["rejected"] == {"empty_prompt": 1}
-    assert (tmp_path / "o" / "plan.parquet").is_file()
+    assert (tmp_path / "o.meta" / "plan.parquet").is_file()
     r = invoke(
         "plan",
         "--input",

@@ -104,7 +104,7 @@ def test_full_file_values_and_relative_paths(tmp_path: Path) -> None:
     assert o.path == Path("/abs/out/results.parquet") and o.report_path == d / "report.json"
     assert o.overwrite is True and o.rows_per_file == 10
     assert o.report_file == d / "report.json"
-    assert o.plan_file == Path("/abs/out/results.plan.parquet")
+    assert o.plan_file == Path("/abs/out/results.meta/plan.parquet")
     assert job.source == (tmp_path / "jobs" / "job.toml").resolve()
     assert job.to_dict()["sampling"]["stop_token_ids"] == [2, 5]
 
@@ -121,8 +121,8 @@ def test_defaults(tmp_path: Path) -> None:
     assert job.engine.block_size == 16 and job.engine.attention == "auto"
     assert job.output.overwrite is False and job.output.rows_per_file == 100000
     out = (tmp_path / "jobs" / "out").resolve()
-    assert job.output.report_file == out / "report.json"
-    assert job.output.plan_file == out / "plan.parquet"
+    assert job.output.report_file == out.with_name("out.meta") / "report.json"
+    assert job.output.plan_file == out.with_name("out.meta") / "plan.parquet"
     with pytest.raises(AttributeError):
         job.sampling.max_tokens = 3  # type: ignore[misc]
 
