@@ -77,6 +77,18 @@ def test_device_checks_pass_what_can_run(tmp_path: Path, monkeypatch: pytest.Mon
     assert job.engine.attention == "triton"
 
 
+def test_unavailable_cuda_device_is_a_config_error_at_backend_open(tiny_model_dir) -> None:
+    """What needs the machine is checked when the backend opens, before the model loads."""
+    import torch
+
+    from batchjob.backends.native.backend import NativeBackend
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    job = load_job(None, {**BASE, "model.path": str(tiny_model_dir), "model.device": f"cuda:{n}"})
+    with pytest.raises(ConfigError, match=rf"^model\.device: 'cuda:{n}' is not available"):
+        NativeBackend(job, lambda ids: "")
+
+
 def test_names_come_from_one_registry_list() -> None:
     """Validation, its message and dispatch use the tuples of batchjob/backends/names.py."""
     from batchjob.backends.native.kv_cache import KVLayout

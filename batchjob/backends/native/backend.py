@@ -20,6 +20,15 @@ from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 
 
+def check_device(device: str) -> None:
+    """``model.device`` names a CUDA device this machine has (``load_job`` checked the form)."""
+    if not device.startswith("cuda"):
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(device.partition(":")[2] or 0) >= count:
+        raise ConfigError(f"model.device: {device!r} is not available ({count} CUDA devices here)")
+
+
 class NativeBackend:
     """batchjob's own engine: paged KV, BatchLLM scheduler, prefix-shared attention."""
 
@@ -28,6 +37,7 @@ class NativeBackend:
     def __init__(
         self, job: JobConfig, detokenize: Detokenize, info: ModelInfo | None = None
     ) -> None:
+        check_device(job.model.device)
         if job.engine.threads:
             torch.set_num_threads(job.engine.threads)
         self.job = job
