@@ -239,9 +239,11 @@ def read_tensor_files(folder: Path) -> dict[str, Path]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelError(f"{index}: no weight_map")
         files = {name: folder / str(shard) for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
+        shards = sorted(set(files.values()))
+        for shard in shards:
             if not shard.is_file():
                 raise ModelError(f"{index} lists shard {shard.name}, which is missing")
+        for shard in shards:
             held = set(safetensors_tensor_names(shard))
             lost = [n for n, f in files.items() if f == shard and n not in held]
             if lost:

@@ -19,7 +19,6 @@ from batchjob.io import (
     STATUS_PROMPT_TOO_LONG,
     open_dataset,
 )
-from batchjob.model_info import read_model_info
 from batchjob.tokenize import load_prompts, tokenize_dataset
 from batchjob.tokenizer import detokenize, load_tokenizer
 from batchjob.workloads import WORDS
@@ -200,8 +199,6 @@ def test_load_prompts_from_job(tmp_path: Path, tiny_model_dir: Path) -> None:
 def test_model_folder_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match=r"tokenizer\.json"):
         load_tokenizer(write_model_folder(tmp_path / "m", None))
-    with pytest.raises(ModelError, match="not a directory"):
-        read_model_info(tmp_path / "nowhere")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelError, match=r"config\.json"):
-        read_model_info(tmp_path / "empty")
+    with pytest.raises(ModelError, match=r"model\.path: required"):
+        load_tokenizer(None)
+    # the model folder itself: tests/io/test_model_info.py
