@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from batchjob.backends.native.models import SUPPORTED_ARCHITECTURES, load_model
 from batchjob.errors import EXIT_MODEL, ModelError
+from batchjob.kernels.reference import SeqSpec, build_metadata
 from batchjob.tiny_model import make_tiny_model
-from tests.engine.test_attention_torch import SeqSpec, build_meta
 
 pytest.importorskip("transformers")
 
@@ -35,7 +35,7 @@ def model_copy(models, tmp_path):
 
 def _logits(model, info, ids: list[int]) -> torch.Tensor:
     cache = torch.zeros(info.kv_cache_shape(8, 4), dtype=info.torch_dtype)
-    meta = build_meta([SeqSpec(len(ids), len(ids), [3, 1, 6])], [], 4)
+    meta = build_metadata([SeqSpec(len(ids), len(ids), blocks=(3, 1, 6))], 4)
     t = len(ids)
     return model(torch.tensor(ids), torch.arange(t), cache, meta, torch.arange(t))
 

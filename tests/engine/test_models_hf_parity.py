@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from batchjob.backends.native.models import load_model
+from batchjob.kernels.reference import SeqSpec, build_metadata
 from batchjob.tiny_model import make_tiny_model
-from tests.engine.test_attention_torch import GroupSpec, SeqSpec, build_meta
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,9 +100,8 @@ class MiniEngine:
             offset = self.groups[seq.group].cached if seq.group >= 0 else 0
             ids += seq.tokens[seq.cached : kv]
             pos += range(offset + seq.cached, offset + kv)
-            specs.append(SeqSpec(n, kv, seq.blocks, seq.group))
-        groups = [GroupSpec(g.cached, g.blocks) for g in self.groups]
-        meta = build_meta(specs, groups, self.bs)
+            specs.append(SeqSpec(n, kv, seq.group, tuple(seq.blocks)))
+        meta = build_metadata(specs, self.bs, [(g.cached, g.blocks) for g in self.groups])
         t = len(ids)
         logits = self.model(torch.tensor(ids), torch.tensor(pos), self.cache, meta, torch.arange(t))
         for seq, n in items:
@@ -182,7 +181,7 @@ def test_logits_index_selects_rows(tiny_models):
     engine = MiniEngine(model, info, block_size=16)
     seq = Seq(list(ids))
     seq.blocks.append(engine.free.pop())
-    meta = build_meta([SeqSpec(9, 9, seq.blocks)], [], 16)
+    meta = build_metadata([SeqSpec(9, 9, blocks=tuple(seq.blocks))], 16)
     idx = torch.tensor([8, 2])
     some = model(torch.tensor(ids), torch.arange(9), engine.cache, meta, idx)
     assert some.shape == (2, info.vocab_size) and some.dtype == torch.float32

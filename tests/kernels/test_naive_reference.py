@@ -1,51 +1,22 @@
-"""The naive reference against torch SDPA on dense K/V, and the batch builder's invariants."""
+"""The paged naive reference against the dense SDPA one, and the batch builder's invariants."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.kernels.reference import (
     BatchSpec,
-    PagedBatch,
     SeqSpec,
     build_batch,
+    build_metadata,
+    dense_reference,
     naive_prefix_shared_attention,
     naive_write_kv,
     random_spec,
 )
-
-
-def sdpa_dense(batch: PagedBatch) -> torch.Tensor:
-    """Per sequence: SDPA over the builder's dense prefix + own K/V (never the paged cache)."""
-    spec, q = batch.spec, batch.q.float()
-    out = torch.empty_like(q)
-    gqa = spec.num_q_heads // spec.num_kv_heads
-    a = 0
-    for s, sq in enumerate(spec.seqs):
-        k, v = batch.own_k[s].float(), batch.own_v[s].float()  # [N, Hkv, D]
-        p = 0
-        if sq.group >= 0:
-            p = spec.prefix_lens[sq.group]
-            k = torch.cat([batch.prefix_k[sq.group].float(), k])
-            v = torch.cat([batch.prefix_v[sq.group].float(), v])
-        q_pos = sq.kv_len - sq.q_len + torch.arange(sq.q_len)  # own position of each query
-        key_pos = torch.arange(p + sq.kv_len) - p  # prefix keys get negative positions
-        mask = key_pos[None, :] <= q_pos[:, None]  # [L, P + N]
-        o = F.scaled_dot_product_attention(
-            q[a : a + sq.q_len].transpose(0, 1)[None],  # [1, Hq, L, D]
-            k.transpose(0, 1)[None],  # [1, Hkv, P + N, D]
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=batch.scale,
-            enable_gqa=gqa > 1,
-        )
-        out[a : a + sq.q_len] = o[0].transpose(0, 1)
-        a += sq.q_len
-    return out
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -55,7 +26,7 @@ def test_reference_matches_sdpa(seed: int, hq: int, hkv: int) -> None:
     ref = naive_prefix_shared_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale
     )
-    torch.testing.assert_close(ref, sdpa_dense(batch), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref.double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
@@ -66,7 +37,7 @@ def test_reference_matches_sdpa_random(seed: int, block_size: int) -> None:
     ref = naive_prefix_shared_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.meta, batch.scale
     )
-    torch.testing.assert_close(ref, sdpa_dense(batch), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref.double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
 
 
 def test_prefix_changes_the_output() -> None:
@@ -128,3 +99,31 @@ def test_naive_write_kv_skips_negative_slots() -> None:
     k = torch.ones(2, 1, 2)
     naive_write_kv(k_cache, v_cache, k, 2 * k, torch.tensor([5, -1]))
     assert k_cache.sum() == 2 and k_cache[1, 1].sum() == 2 and v_cache[1, 1].sum() == 4
+
+
+def test_explicit_block_ids_are_used_and_padding_never_read() -> None:
+    spec = BatchSpec(
+        seqs=(SeqSpec(2, 6, 0, blocks=(7, 3)), SeqSpec(1, 1, blocks=(9,))),
+        prefix_lens=(5,),
+        prefix_blocks=((4, 1),),
+        block_size=4,
+        head_dim=16,
+    )
+    batch = build_batch(spec, 1)
+    meta = batch.meta
+    assert meta.block_table.tolist() == [[7, 3], [9, 10]]  # 10: a NaN block pads the table
+    assert meta.prefix_block_table.tolist() == [[4, 1]]
+    assert meta.slot_mapping.tolist() == [3 * 4 + 0, 3 * 4 + 1, 9 * 4]
+    assert torch.isnan(batch.k_cache[[0, 2, 5, 6, 8, 10]]).all()
+    again = build_metadata(spec.seqs, 4, [(5, (4, 1))])
+    assert again.block_table.tolist() == [[7, 3], [9, 0]]
+    assert torch.equal(again.slot_mapping, meta.slot_mapping)
+    ref = naive_prefix_shared_attention(batch.q, batch.k_cache, batch.v_cache, meta, batch.scale)
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(ref.double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_block_ids_for_some_sequences_only_are_refused() -> None:
+    spec = BatchSpec(seqs=(SeqSpec(1, 2, blocks=(0,)), SeqSpec(1, 1)), prefix_lens=())
+    with pytest.raises(AssertionError, match="every sequence"):
+        build_batch(spec)
