@@ -36,6 +36,9 @@ ROW_ID = "row_id"
 
 
 def _is_text(t: pa.DataType) -> bool:
+    """string / large_string, or a dictionary of them (a pandas categorical column)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
@@ -206,6 +209,8 @@ class InputDataset:
         row_ids = np.arange(start, start + n, dtype=np.int64)
         table = pa.Table.from_batches([rb])
         prompts = table.column(self.prompt_column).combine_chunks()
+        if pa.types.is_dictionary(prompts.type):
+            prompts = prompts.dictionary_decode()
         max_tokens = max_tokens_null = None
         if self.max_tokens_column is not None:
             col = table.column(self.max_tokens_column).combine_chunks()
@@ -224,12 +229,40 @@ class InputDataset:
         )
 
 
+_DEFAULT_MAX_TOKENS_COLUMN = InputConfig.__dataclass_fields__["max_tokens_column"].default
+
+
+def _unify(acc: pa.Schema | None, schema: pa.Schema, f: str, first: str) -> pa.Schema:
+    """The schema every file so far can be read as; files typing a column differently
+    (int in one, string in another) cannot be one dataset."""
+    if acc is None:
+        return schema
+    try:
+        return pa.unify_schemas([acc, schema], promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        for field in schema:
+            if field.name in acc.names:
+                try:
+                    pa.unify_schemas(
+                        [pa.schema([acc.field(field.name)]), pa.schema([field])],
+                        promote_options="permissive",
+                    )
+                except (pa.ArrowTypeError, pa.ArrowInvalid):
+                    raise InputDataError(
+                        f"{f}: column {field.name!r} has type {field.type}, but "
+                        f"{acc.field(field.name).type} in earlier files (e.g. {first}); "
+                        "every input file must type a column the same way"
+                    ) from None
+        raise InputDataError(f"{f}: schema does not match earlier files (e.g. {first})") from None
+
+
 def open_dataset(cfg: InputConfig) -> InputDataset:
     """Resolve and validate the input (schema of every file); reads no row data."""
     files = resolve_files(cfg.path)
     rows: list[int] = []
     kinds: set[bool] = set()
     has_max_tokens: set[bool] = set()
+    schemas: list[pa.Schema] = []
     for f in files:
         try:
             meta = pq.read_metadata(f)
@@ -237,6 +270,7 @@ def open_dataset(cfg: InputConfig) -> InputDataset:
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
             raise InputDataError(f"{f}: not a readable Parquet file ({e})") from None
         rows.append(meta.num_rows)
+        schemas.append(schema)
         names = schema.names
         if cfg.prompt_column not in names:
             raise InputDataError(
@@ -269,6 +303,14 @@ def open_dataset(cfg: InputConfig) -> InputDataset:
     if len(has_max_tokens) > 1:
         raise InputDataError(
             f"column {cfg.max_tokens_column!r} exists in some input files but not in others"
+        )
+    unified = None
+    for f, schema in zip(files, schemas, strict=True):
+        unified = _unify(unified, schema, f, files[0])
+    if cfg.max_tokens_column != _DEFAULT_MAX_TOKENS_COLUMN and True not in has_max_tokens:
+        raise InputDataError(
+            f"{files[0]}: column {cfg.max_tokens_column!r} (input.max_tokens_column) not found; "
+            f"available columns: {', '.join(schemas[0].names)}"
         )
     if sum(rows) == 0:
         raise InputDataError(f"input.path: {cfg.path!r} has 0 rows ({len(files)} file(s))")

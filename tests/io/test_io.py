@@ -203,3 +203,35 @@ def test_write_parquet_atomic(tmp_path: Path) -> None:
         write_parquet_atomic(Boom(), p)  # type: ignore[arg-type]
     assert pq.read_table(p)["a"].to_pylist() == [3]
     assert sorted(os.listdir(p.parent)) == ["out.parquet"]
+
+
+# ---------------------------------------------------------------------------------------
+# issue 11: input defects that used to be a traceback or silently wrong
+
+
+def test_files_typing_a_column_differently_is_an_input_error(tmp_path: Path) -> None:
+    d = tmp_path / "mixed"
+    write_parquet(pa.table({"prompt": ["a", "b"], "x": [1, 2]}), d / "a.parquet")
+    write_parquet(pa.table({"prompt": ["c", "d"], "x": ["s", "t"]}), d / "b.parquet")
+    with pytest.raises(InputDataError, match=r"b\.parquet.*'x'"):
+        open_dataset(InputConfig(path=str(d)))
+
+
+def test_misspelled_max_tokens_column_is_an_error_only_the_default_may_be_absent(
+    tmp_path: Path,
+) -> None:
+    f = write_parquet(ids_table(0, 3), tmp_path / "a.parquet")
+    with pytest.raises(InputDataError, match=r"'max_tokns'.*input.max_tokens_column"):
+        open_dataset(InputConfig(path=str(f), max_tokens_column="max_tokns"))
+    g = write_parquet(ids_table(0, 3).drop_columns(["max_tokens"]), tmp_path / "b.parquet")
+    assert open_dataset(InputConfig(path=str(g))).max_tokens_column is None  # default: optional
+
+
+def test_dictionary_encoded_prompt_column_is_text(tmp_path: Path) -> None:
+    words = pa.array(["one two", "three", "one two", None]).dictionary_encode()
+    f = write_parquet(pa.table({"prompt": words}), tmp_path / "cat.parquet")
+    ds_ = open_dataset(InputConfig(path=str(f)))
+    assert ds_.prompt_is_text
+    batch = next(ds_.batches())
+    assert batch.prompts.to_pylist() == ["one two", "three", "one two", None]
+    assert pa.types.is_string(batch.prompts.type)
