@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from batchjob.config import JobConfig
     from batchjob.pipeline import JobResult
 
-__version__ = "0.1.0"
+from batchjob.version import __version__ as __version__
 
 
 def run(job: JobConfig | str | Path, progress: bool = False) -> JobResult:

@@ -25,10 +25,10 @@ from typing import Any
 
 import click
 
-from batchjob import __version__
 from batchjob.config import JobConfig, load_job, parse_assignments
 from batchjob.errors import EXIT_INTERRUPTED, BatchJobError
 from batchjob.tokenizer import parallelism_disabled
+from batchjob.version import __version__
 
 log = logging.getLogger("batchjob")
 

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchjob import __version__
 from batchjob.atomic import write_json_atomic
 from batchjob.config import JobConfig
+from batchjob.version import __version__
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
