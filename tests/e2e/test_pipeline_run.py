@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.errors import EXIT_INTERRUPTED
+from batchjob.intmath import cdiv
 from batchjob.tiny_model import make_tiny_model
 from batchjob.workloads import WORDS, make_workload
 
@@ -105,7 +106,7 @@ def test_directory_output_split_by_rows_per_file(tmp_path, model_dir, dataset):
     assert res.exit_code == 0, res.output
     files = sorted((tmp_path / "outdir").glob("results-*.parquet"))
     n = pq.read_metadata(dataset).num_rows
-    assert len(files) == -(-n // 7)
+    assert len(files) == cdiv(n, 7)
     ids = np.concatenate([pq.read_table(f)["row_id"].to_numpy() for f in files])
     assert ids.tolist() == list(range(n))
     assert (tmp_path / "outdir" / "_SUCCESS").exists()

@@ -34,10 +34,6 @@ def hash_block(parent: BlockHash | None, tokens: np.ndarray) -> BlockHash:
     return h.digest()
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
 class KVLayout:
     """The paged KV cache the scheduler allocates from: derived by the engine, not configured

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from batchjob.backends.native.kv_cache import BlockPool, KVLayout, cdiv
+from batchjob.backends.native.kv_cache import BlockPool, KVLayout
 from batchjob.backends.native.scheduler.output import (
     ScheduledChunk,
     ScheduledPrefix,
@@ -33,6 +33,7 @@ from batchjob.backends.native.scheduler.output import (
 )
 from batchjob.backends.native.scheduler.sequence import FINISHED, RUNNING, WAITING, Sequence
 from batchjob.config import SchedulerConfig
+from batchjob.intmath import cdiv
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 
@@ -75,8 +76,8 @@ def check_kv_budget(kv: KVLayout, prompts: TokenizedPrompts, prefix_len: np.ndar
         return
     own = lengths - prefix_len
     mt = prompts.max_tokens.astype(np.int64)
-    prefix_blocks = -(-prefix_len // bs)
-    own_blocks = -(-(own + mt - 1) // bs)  # the last sampled token never gets KV
+    prefix_blocks = cdiv(prefix_len, bs)
+    own_blocks = cdiv(own + mt - 1, bs)  # the last sampled token never gets KV
     need = prefix_blocks + own_blocks
     i = int(np.argmax(need))
     if need[i] > nb:

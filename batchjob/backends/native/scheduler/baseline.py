@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from batchjob.backends.native.kv_cache import KVLayout, cdiv
+from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.base import Scheduler, check_kv_budget
 from batchjob.backends.native.scheduler.output import ScheduledChunk
 from batchjob.backends.native.scheduler.sequence import RUNNING, WAITING, Sequence
 from batchjob.config import SchedulerConfig
+from batchjob.intmath import cdiv
 from batchjob.prompts import TokenizedPrompts
 
 

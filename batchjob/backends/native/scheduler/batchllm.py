@@ -43,7 +43,7 @@ from collections import deque
 
 import numpy as np
 
-from batchjob.backends.native.kv_cache import KVLayout, cdiv
+from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.base import (
     Scheduler,
     check_kv_budget,
@@ -57,6 +57,7 @@ from batchjob.backends.native.scheduler.output import (
 )
 from batchjob.backends.native.scheduler.sequence import FINISHED, NEW, RUNNING, WAITING, Sequence
 from batchjob.config import SchedulerConfig
+from batchjob.intmath import cdiv
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 
