@@ -340,13 +340,44 @@ def test_settings_are_checked_at_load_time() -> None:
     assert s.kv_cap_blocks == 9
 
 
-def test_scheduler_modules_do_not_import_torch() -> None:
+def test_scheduler_runs_to_the_end_without_torch() -> None:
+    """Importing is not enough: plan, then run every policy to the last token on numpy
+    alone, in a fresh process; torch must never have been imported (lazy imports too)."""
     import subprocess
     import sys
+    import textwrap
 
-    code = (
-        "import sys; import batchjob.backends.native.scheduler.registry, "
-        "batchjob.backends.native.kv_cache, batchjob.config; "
-        "assert 'torch' not in sys.modules"
+    from batchjob.backends.names import SCHEDULING_POLICIES
+
+    code = textwrap.dedent(
+        """
+        import sys
+        from batchjob.backends.names import SCHEDULING_POLICIES
+        from batchjob.backends.native.kv_cache import KVLayout
+        from batchjob.backends.native.scheduler.registry import make_scheduler
+        from batchjob.config import SchedulerConfig
+        from batchjob.plan.build import build_plan
+        from batchjob.prompts import TokenizedPrompts
+
+        rows = [[1, 2, 3, 4, 9], [1, 2, 3, 4, 8], [1, 2, 3, 7], [5, 6]]
+        prompts = TokenizedPrompts.from_lists(rows, max_tokens=3)
+        plan = build_plan(prompts)
+        for policy in SCHEDULING_POLICIES:
+            cfg = SchedulerConfig(policy=policy, chunk_size=4)
+            s = make_scheduler(cfg, KVLayout(num_blocks=32, block_size=2), prompts, plan)
+            for _ in range(200):
+                if not s.has_unfinished():
+                    break
+                out = s.schedule()
+                sampled = {c.seq_id: 50 for c in out.chunks if c.samples}
+                done = {i for i in sampled if len(s.output_tokens(i)) == 2}
+                s.update(out, sampled, done)
+            assert not s.has_unfinished(), policy
+            assert [s.output_tokens(i) for i in range(4)] == [[50] * 3] * 4, policy
+        assert "torch" not in sys.modules, "the scheduler or planner imported torch"
+        print("ok", len(SCHEDULING_POLICIES))
+        """
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["ok", str(len(SCHEDULING_POLICIES))]
