@@ -1,7 +1,13 @@
 /* Prefix-shared paged attention for the CPU, reading KV blocks in place (float32).
 
-   Built and loaded by batchjob/engine/cpu_kernel.py (gcc -O3 -march=native -fopenmp); the
-   Python side (batchjob/engine/attention_cpu.py) turns AttentionMetadata into work units.
+   One source, compiled once per ISA by kernels/cpu/build.py (never -march=native):
+     avx512   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma: 16 lanes, 32 registers
+     avx2     -mavx2 -mfma:                                      8 lanes, 16 registers
+     generic  no ISA flags (SSE2 / NEON):                        4 lanes
+   The lane count L, the register budget ACC of a tile and MAX_ROWS follow from the ISA
+   macros the compiler defines; the Python side (batchjob/backends/native/attention/cpu.py)
+   reads them back (batchjob_kernel_lanes / _max_rows) and turns AttentionMetadata into
+   work units.
 
    A work unit is `nq` consecutive query tokens x the R query heads of one KV head against
    one key sequence (a block-table row of `nkeys` keys): the own KV of a sequence (causal)
@@ -12,21 +18,37 @@
 
    Layout: q [T, H, D]; k/v cache [num_blocks, BS, Hkv, D]; out/pout [T, H, D];
    lse [2, T, H] (natural log; row 1: prefix, -inf where a token has no prefix).
-   Requires D % 16 == 0, BS % 16 == 0 and rows = nq * R <= MAX_ROWS. */
+   Requires D % L == 0, D <= 256, BS % 16 == 0 and rows = nq * R <= MAX_ROWS. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define L 16        /* keys per chunk = float lanes of one vector */
-#define MAX_ROWS 64 /* query rows (tokens x heads) of one unit */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define L 16   /* float lanes of one vector */
+#define ACC 16 /* accumulator vectors of a register tile (32 zmm in all) */
+#define ISA_NAME "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define L 8
+#define ACC 8 /* 16 ymm: 8 accumulators + operands */
+#define ISA_NAME "avx2"
+#else
+#define L 4
+#define ACC 8
+#define ISA_NAME "generic"
+#endif
+
+#define CH 16            /* keys per chunk: block sizes are multiples of it */
+#define MAX_ROWS (4 * L) /* query rows (tokens x heads) of one unit: 4 row vectors */
 #define MAX_D 256
 #define SC 256 /* keys per softmax span: one rescale of the accumulators per span */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef float vfu __attribute__((vector_size(4 * L), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
 
 enum { U_Q0, U_NQ, U_NKEYS, U_BLK, U_CAUSAL, U_DST, U_KVH, U_FIELDS };
 
@@ -38,144 +60,195 @@ typedef struct {
     float qscale; /* softmax scale * log2(e) */
 } args_t;
 
-static inline v16 ld(const float *p) { return *(const v16u *)p; }
-static inline void st(float *p, v16 x) { *(v16u *)p = x; }
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#define INLINE static inline __attribute__((always_inline))
 
-static inline v16 select16(i16 m, v16 a, v16 b) { /* m ? a : b, m lanes all-ones or zero */
-    return (v16)(((i16)a & m) | ((i16)b & ~m));
+INLINE vf ld(const float *p) { return *(const vfu *)p; }
+INLINE void st(float *p, vf x) { *(vfu *)p = x; }
+INLINE vf splat(float x) { return (vf){0} + x; }
+INLINE vi lanes(void) {
+    vi x = {0};
+    for (int i = 0; i < L; i++) x[i] = i;
+    return x;
+}
+
+INLINE vf select_v(vi m, vf a, vf b) { /* m ? a : b, m lanes all-ones or zero */
+    return (vf)(((vi)a & m) | ((vi)b & ~m));
 }
 
 /* 2**x for x <= 0 (relative error ~2e-7); lanes below -126 give ~1e-38, callers mask. */
-static inline v16 exp2v(v16 x) {
-    const v16 lo = splat(-126.0f);
-    x = select16(x < lo, lo, x);
-    i16 xi = __builtin_convertvector(x, i16); /* trunc toward zero */
-    xi += (i16)(__builtin_convertvector(xi, v16) > x); /* -1 where trunc > x: floor */
-    v16 f = x - __builtin_convertvector(xi, v16); /* [0, 1) */
-    v16 p = splat(1.5403530e-4f);
+INLINE vf exp2v(vf x) {
+    const vf lo = splat(-126.0f);
+    x = select_v(x < lo, lo, x);
+    vi xi = __builtin_convertvector(x, vi);            /* trunc toward zero */
+    xi += (vi)(__builtin_convertvector(xi, vf) > x);   /* -1 where trunc > x: floor */
+    vf f = x - __builtin_convertvector(xi, vf);        /* [0, 1) */
+    vf p = splat(1.5403530e-4f);
     p = p * f + 1.3333558e-3f;
     p = p * f + 9.6181291e-3f;
     p = p * f + 5.5504109e-2f;
     p = p * f + 2.4022651e-1f;
     p = p * f + 6.9314718e-1f;
     p = p * f + 1.0f;
-    return (v16)((i16)p + ((xi) << 23));
+    return (vf)((vi)p + (xi << 23));
 }
 
-static inline float hmax(v16 x) {
+INLINE float hmax(vf x) {
     float m = x[0];
     for (int i = 1; i < L; i++) m = x[i] > m ? x[i] : m;
     return m;
 }
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
+INLINE float hsum(vf x) { /* pairwise tree */
+    for (int w = L / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) x[i] += x[i + w];
+    return x[0];
+}
 
-static inline float hsum(v16 x) { /* tree reduction: halves, then lanes */
-    v8 a, b;
-    memcpy(&a, &x, 32);
-    memcpy(&b, (char *)&x + 32, 32);
-    a += b;
-    v4 c, e;
-    memcpy(&c, &a, 16);
-    memcpy(&e, (char *)&a + 16, 16);
-    c += e;
-    return (c[0] + c[2]) + (c[1] + c[3]);
+/* out[i] = sum of the lanes of a[i], i < L: L dot products finished with a shuffle tree
+   (about 3 instructions per key instead of a horizontal sum each). */
+#if L == 8 || L == 16
+INLINE __m256 reduce8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+INLINE vf reduce_keys(const vf *a) {
+#if L == 16
+    __m256 h[16];
+    for (int i = 0; i < 16; i++) {
+        const __m512 x = (__m512)a[i];
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+        h[i] = _mm256_add_ps(_mm512_castps512_ps256(x), hi);
+    }
+    const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(reduce8(h)));
+    return (vf)_mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(reduce8(h + 8)), 1));
+#elif L == 8
+    return (vf)reduce8((const __m256 *)a);
+#else
+    vf r = splat(0);
+    for (int i = 0; i < L; i++) r[i] = hsum(a[i]);
+    return r;
+#endif
+}
+
+/* The largest divisor of n that is <= cap (a compile-time constant once D is). */
+INLINE int div_le(int n, int cap) {
+    for (int c = cap; c > 1; c--)
+        if (n % c == 0) return c;
+    return 1;
 }
 
 typedef struct {
-    float qs[MAX_ROWS * MAX_D]; /* scaled queries; rows past the unit's are zero */
-    float o[MAX_ROWS * MAX_D];  /* unnormalised output accumulators */
-    float s[MAX_ROWS * SC];     /* scores, then probabilities, of one span of keys */
-    float kv[L * MAX_D];        /* one chunk of K or V rows, contiguous: [16][D] */
+    float qs[MAX_ROWS * MAX_D];  /* scaled queries; rows past the unit's are zero */
+    float o[MAX_ROWS * MAX_D];   /* unnormalised output accumulators */
+    float s[MAX_ROWS * SC];      /* scores, then probabilities, of one span of keys */
+    float kv[CH * MAX_D];        /* one chunk of K or V rows, contiguous: [16][D] */
     float qtk[MAX_D * MAX_ROWS]; /* key-major tiles: query rows transposed, [D][RP] */
     float m[MAX_ROWS], l[MAX_ROWS];
 } scratch_t;
 
-#define INLINE static inline __attribute__((always_inline))
-
-/* Few rows (decode): s[r * SC + j] = q_r . k_j along D, for nv <= 16 keys. */
+/* Few rows (decode): s[r * SC + j] = q_r . k_j for the nv <= 16 keys of a chunk, L keys at
+   a time (L independent accumulators, reduced together). Keys past nv in the chunk are in
+   the same block (BS % 16 == 0): computed, then masked by the softmax. */
 INLINE void scores_dot(const float *qs, float *s, int rows, int64_t D, const float *K,
                        int64_t ks, int nv) {
     for (int r = 0; r < rows; r++) {
         const float *qr = qs + r * D;
-        for (int j = 0; j < L; j++) {
-            v16 a = splat(0);
-            if (j < nv)
-                for (int64_t d = 0; d < D; d += L) a += ld(qr + d) * ld(K + j * ks + d);
-            s[r * SC + j] = hsum(a);
+        for (int j0 = 0; j0 < nv; j0 += L) {
+            vf a[L];
+            for (int i = 0; i < L; i++) a[i] = splat(0);
+            for (int64_t d = 0; d < D; d += L) {
+                const vf qd = ld(qr + d);
+                for (int i = 0; i < L; i++) a[i] += qd * ld(K + (j0 + i) * ks + d);
+            }
+            st(s + r * SC + j0, reduce_keys(a));
         }
     }
 }
 
-/* o[r] += sum_j p[r * SC + j] v_j over nv keys: 4 rows x 4 vectors of D per step (16
-   accumulators), then single vectors and single rows. */
-INLINE void accumulate(float *obase, const float *p, int64_t prs, int64_t pks, int rows,
-                       int64_t D, const float *V, int64_t ks, int nv) {
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        const float *p0 = p + r * prs, *p1 = p0 + prs, *p2 = p1 + prs, *p3 = p2 + prs;
-        float *o0 = obase + r * D, *o1 = o0 + D, *o2 = o1 + D, *o3 = o2 + D;
-        int64_t d = 0;
-        for (; d + 4 * L <= D; d += 4 * L) {
-            v16 acc[4][4];
-            for (int i = 0; i < 4; i++) {
-                acc[0][i] = ld(o0 + d + i * L), acc[1][i] = ld(o1 + d + i * L);
-                acc[2][i] = ld(o2 + d + i * L), acc[3][i] = ld(o3 + d + i * L);
+/* Few rows: o_r += sum_j p[r * SC + j] v_j, o_r held in registers (AV vectors of D at a
+   time) and the keys split over KS accumulator sets, so KS * AV FMA chains run at once. */
+INLINE void accumulate_rows(float *obase, const float *p, int rows, int64_t D, const float *V,
+                            int64_t ks, int nv) {
+    const int AV = div_le((int)(D / L), ACC / 2), KS = ACC / AV < 4 ? ACC / AV : 4;
+    for (int r = 0; r < rows; r++) {
+        const float *pr = p + r * SC;
+        float *o = obase + r * D;
+        for (int64_t d = 0; d < D; d += AV * L) {
+            vf a[4][ACC / 2];
+            for (int v = 0; v < AV; v++) {
+                a[0][v] = ld(o + d + v * L);
+                for (int s = 1; s < KS; s++) a[s][v] = splat(0);
             }
-            for (int j = 0; j < nv; j++) {
-                const float *vj = V + j * ks + d;
-                const float c0 = p0[j * pks], c1 = p1[j * pks], c2 = p2[j * pks];
-                const float c3 = p3[j * pks];
-                for (int i = 0; i < 4; i++) {
-                    const v16 x = ld(vj + i * L);
-                    acc[0][i] += c0 * x, acc[1][i] += c1 * x;
-                    acc[2][i] += c2 * x, acc[3][i] += c3 * x;
+            int j = 0;
+            for (; j + KS <= nv; j += KS)
+                for (int s = 0; s < KS; s++) {
+                    const float c = pr[j + s];
+                    const float *vj = V + (j + s) * ks + d;
+                    for (int v = 0; v < AV; v++) a[s][v] += c * ld(vj + v * L);
                 }
+            for (; j < nv; j++)
+                for (int v = 0; v < AV; v++) a[0][v] += pr[j] * ld(V + j * ks + d + v * L);
+            for (int v = 0; v < AV; v++) {
+                for (int s = 1; s < KS; s++) a[0][v] += a[s][v];
+                st(o + d + v * L, a[0][v]);
             }
-            for (int i = 0; i < 4; i++) {
-                st(o0 + d + i * L, acc[0][i]), st(o1 + d + i * L, acc[1][i]);
-                st(o2 + d + i * L, acc[2][i]), st(o3 + d + i * L, acc[3][i]);
-            }
-        }
-        for (; d < D; d += L) {
-            v16 a0 = ld(o0 + d), a1 = ld(o1 + d), a2 = ld(o2 + d), a3 = ld(o3 + d);
-            for (int j = 0; j < nv; j++) {
-                const v16 x = ld(V + j * ks + d);
-                a0 += p0[j * pks] * x, a1 += p1[j * pks] * x;
-                a2 += p2[j * pks] * x, a3 += p3[j * pks] * x;
-            }
-            st(o0 + d, a0), st(o1 + d, a1), st(o2 + d, a2), st(o3 + d, a3);
         }
     }
-    for (; r < rows; r++) { /* decode rows */
-        const float *pr = p + r * prs;
+}
+
+/* Key-major tiles: o[r] += sum_j p[j * RP + r] v_j over nv keys, 4 rows x AV vectors of D
+   per step (4 * AV accumulators), then single rows. V rows are packed: [nv][D]. */
+INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_t D,
+                          const float *V, int nv) {
+    const int AV = div_le((int)(D / L), ACC / 4);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        float *o0 = obase + r * D;
+        for (int64_t d = 0; d < D; d += AV * L) {
+            vf acc[4][ACC / 4];
+            for (int i = 0; i < 4; i++)
+                for (int v = 0; v < AV; v++) acc[i][v] = ld(o0 + i * D + d + v * L);
+            for (int j = 0; j < nv; j++) {
+                const float *vj = V + j * D + d, *pj = p + j * RP + r;
+                for (int v = 0; v < AV; v++) {
+                    const vf x = ld(vj + v * L);
+                    for (int i = 0; i < 4; i++) acc[i][v] += pj[i] * x;
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int v = 0; v < AV; v++) st(o0 + i * D + d + v * L, acc[i][v]);
+        }
+    }
+    for (; r < rows; r++) {
         float *o = obase + r * D;
         for (int64_t d = 0; d < D; d += L) {
-            v16 acc = ld(o + d);
-            for (int j = 0; j < nv; j++) acc += pr[j * pks] * ld(V + j * ks + d);
+            vf acc = ld(o + d);
+            for (int j = 0; j < nv; j++) acc += p[j * RP + r] * ld(V + j * D + d);
             st(o + d, acc);
         }
     }
 }
 
-/* Key-major tiles (4..64 rows): rows live in NV vectors of 16 (w->qt: [D][NV*16]), each
-   K element is broadcast, so K needs no transpose; scores land key-major,
-   sk[j * RP + r] (RP = NV * 16), and stay so for the softmax and P.V. */
+/* Key-major tiles (4..MAX_ROWS rows): rows live in NV vectors of L (w->qtk: [D][NV*L]),
+   each K element is broadcast against them (NV x KB = ACC accumulators), so K needs no
+   transpose; scores land key-major, sk[j * RP + r] (RP = NV * L), and stay so for the
+   softmax and P.V. */
 INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, int64_t D, const float *K,
                          int nv) {
-    const int RP = NV * L, KB = 16 / NV; /* keys per step: NV x KB = 16 accumulators */
+    const int RP = NV * L, KB = ACC / NV; /* KB divides CH: rows past nv are scratch */
     for (int j0 = 0; j0 < nv; j0 += KB) {
-        const float *k[16];
-        for (int i = 0; i < KB; i++) k[i] = K + (j0 + i < nv ? j0 + i : 0) * D; /* pad: key 0 */
-        v16 a[16];
-        for (int i = 0; i < 16; i++) a[i] = splat(0);
+        const float *k = K + j0 * D; /* one base pointer: key i at k + i * D */
+        vf a[ACC];
+        for (int i = 0; i < ACC; i++) a[i] = splat(0);
         for (int64_t d = 0; d < D; d++) {
-            v16 qv[4];
+            vf qv[4];
             for (int v = 0; v < NV; v++) qv[v] = ld(w->qtk + d * RP + v * L);
             for (int i = 0; i < KB; i++) {
-                const float kd = k[i][d];
+                const float kd = k[i * D + d];
                 for (int v = 0; v < NV; v++) a[i * NV + v] += kd * qv[v];
             }
         }
@@ -197,25 +270,25 @@ INLINE void softmax_km(scratch_t *w, int rows, int NV, int64_t R, int64_t D, int
                        int64_t kb, int n) {
     const int RP = NV * L;
     for (int v = 0; v < NV; v++) {
-        i16 lim; /* row r sees span keys j < lim[r] (0 for padding rows) */
+        vi lim; /* row r sees span keys j < lim[r] (0 for padding rows) */
         for (int i = 0; i < L; i++) {
             const int r = v * L + i;
             int64_t x = r < rows ? causal + r / R - kb + 1 : 0;
             lim[i] = (int32_t)(x < 0 ? 0 : (x > n ? n : x));
         }
-        v16 mx = splat(-INFINITY);
+        vf mx = splat(-INFINITY);
         for (int j = 0; j < n; j++) {
-            const v16 x = select16(lim > j, ld(w->s + j * RP + v * L), splat(-INFINITY));
-            mx = select16(x > mx, x, mx);
+            const vf x = select_v(lim > j, ld(w->s + j * RP + v * L), splat(-INFINITY));
+            mx = select_v(x > mx, x, mx);
         }
-        const v16 mold = ld(w->m + v * L);
-        const v16 mnew = select16(mx > mold, mx, mold);
-        const i16 none = mnew == splat(-INFINITY); /* no key seen yet: keep zeros */
-        const v16 alpha = select16(none, splat(1.0f), exp2v(mold - mnew));
-        v16 sum = splat(0);
+        const vf mold = ld(w->m + v * L);
+        const vf mnew = select_v(mx > mold, mx, mold);
+        const vi none = mnew == splat(-INFINITY); /* no key seen yet: keep zeros */
+        const vf alpha = select_v(none, splat(1.0f), exp2v(mold - mnew));
+        vf sum = splat(0);
         for (int j = 0; j < n; j++) {
             float *sj = w->s + j * RP + v * L;
-            const v16 p = select16(lim > j, exp2v(ld(sj) - mnew), splat(0));
+            const vf p = select_v(lim > j, exp2v(ld(sj) - mnew), splat(0));
             st(sj, p);
             sum += p;
         }
@@ -233,26 +306,26 @@ INLINE void softmax_km(scratch_t *w, int rows, int NV, int64_t R, int64_t D, int
    running max/sum updated, accumulators rescaled once per row. */
 INLINE void softmax_span(scratch_t *w, int rows, int rh, int64_t R, int64_t D, int64_t causal,
                          int64_t kb, int n) {
-    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi lane = lanes();
     for (int r = 0; r < rows; r++) {
         float *s = w->s + r * SC;
         int64_t lim = causal + (r % rh) / R - kb + 1; /* visible keys of this span: j < lim */
         if (lim > n) lim = n;
         if (lim <= 0) { /* nothing visible here (nor later): adds nothing */
-            memset(s, 0, sizeof(float) * ((n + L - 1) / L) * L);
+            memset(s, 0, sizeof(float) * ((n + CH - 1) / CH) * CH);
             continue;
         }
-        v16 vmax = splat(-INFINITY);
+        vf vmax = splat(-INFINITY);
         for (int j = 0; j < lim; j += L) {
-            const v16 x = select16(lane < (int32_t)(lim - j), ld(s + j), splat(-INFINITY));
-            vmax = select16(x > vmax, x, vmax);
+            const vf x = select_v(lane < (int32_t)(lim - j), ld(s + j), splat(-INFINITY));
+            vmax = select_v(x > vmax, x, vmax);
         }
         const float mx = hmax(vmax), mold = w->m[r];
         const float mnew = mx > mold ? mx : mold;
-        v16 sum = splat(0);
+        vf sum = splat(0);
         for (int j = 0; j < n; j += L) {
-            const i16 vis = lane < (int32_t)(lim - j);
-            const v16 pj = select16(vis, exp2v(ld(s + j) - mnew), splat(0));
+            const vi vis = lane < (int32_t)(lim - j);
+            const vf pj = select_v(vis, exp2v(ld(s + j) - mnew), splat(0));
             st(s + j, pj);
             sum += pj;
         }
@@ -297,8 +370,8 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 #define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
     for (int64_t kb = 0; kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
-        for (int c = 0; c < n; c += L) {
-            const int nv = n - c < L ? n - c : L;
+        for (int c = 0; c < n; c += CH) {
+            const int nv = n - c < CH ? n - c : CH;
             const float *K = a->k + KV_AT(kb + c);
             if (few)
                 for (int64_t hh = 0; hh < nh; hh++)
@@ -311,16 +384,15 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
             softmax_span(w, rows, rh, R, D, causal, kb, n);
         else
             softmax_km(w, rows, NV, R, D, causal, kb, n);
-        for (int c = 0; c < n; c += L) {
+        for (int c = 0; c < n; c += CH) {
             const float *V = a->v + KV_AT(kb + c);
-            const int nv = n - c < L ? n - c : L;
+            const int nv = n - c < CH ? n - c : CH;
             if (few)
                 for (int64_t hh = 0; hh < nh; hh++)
-                    accumulate(w->o + hh * rh * D, w->s + hh * rh * SC + c, SC, 1, rh, D,
-                               V + hh * D, ks, nv);
+                    accumulate_rows(w->o + hh * rh * D, w->s + hh * rh * SC + c, rh, D,
+                                    V + hh * D, ks, nv);
             else
-                accumulate(w->o, w->s + c * RP, 1, RP, rows, D, pack(w->kv, V, nv, D, ks), D,
-                           nv);
+                accumulate_km(w->o, w->s + c * RP, RP, rows, D, pack(w->kv, V, nv, D, ks), nv);
         }
     }
 #undef KV_AT
@@ -338,13 +410,24 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 /* One clone per common head dim, so D is a compile-time constant in the inner loops. */
 static void run_unit(const args_t *a, const int64_t *u, scratch_t *w) {
     switch (a->D) {
+    case 32: run_unit_d(a, u, w, 32); break;
     case 64: run_unit_d(a, u, w, 64); break;
     case 80: run_unit_d(a, u, w, 80); break;
     case 96: run_unit_d(a, u, w, 96); break;
     case 128: run_unit_d(a, u, w, 128); break;
+    case 256: run_unit_d(a, u, w, 256); break;
     default: run_unit_d(a, u, w, a->D);
     }
 }
+
+/* What this build is: the Python side sizes its work units by these. */
+const char *batchjob_kernel_isa(void) { return ISA_NAME; }
+int batchjob_kernel_lanes(void) { return L; }
+int batchjob_kernel_max_rows(void) { return MAX_ROWS; }
+
+/* Per-thread scratch, allocated on a thread's first call and kept (OpenMP threads persist):
+   no allocation per call. */
+static __thread scratch_t *tls_scratch;
 
 /* Returns 0, or a negative code for arguments the kernel does not support. */
 int batchjob_paged_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -352,7 +435,7 @@ int batchjob_paged_attention(const float *q, const float *k_cache, const float *
                              int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
                              float scale, float *out, float *pout, float *lse,
                              int n_threads) {
-    if (D % L || D > MAX_D || BS % L || Hkv <= 0 || H % Hkv) return -1;
+    if (D % L || D > MAX_D || BS % CH || Hkv <= 0 || H % Hkv) return -1;
     for (int64_t i = 0; i < n_units; i++) {
         const int64_t rh = units[i * U_FIELDS + U_NQ] * (H / Hkv);
         const int all = units[i * U_FIELDS + U_KVH] < 0;
@@ -363,7 +446,9 @@ int batchjob_paged_attention(const float *q, const float *k_cache, const float *
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
     {
-        scratch_t *w = aligned_alloc(64, sizeof(scratch_t));
+        if (!tls_scratch && (tls_scratch = aligned_alloc(64, sizeof(scratch_t))))
+            memset(tls_scratch, 0, sizeof(scratch_t)); /* padding rows read, never used */
+        scratch_t *w = tls_scratch;
         if (!w) {
 #pragma omp atomic write
             failed = 1;
@@ -385,7 +470,6 @@ int batchjob_paged_attention(const float *q, const float *k_cache, const float *
             for (int64_t d = 0; d < D; d++) o[d] = (o[d] * wo + p[d] * wp) * inv;
             lse[i] = mx + logf(wo + wp);
         }
-        free(w);
     }
     return failed ? -3 : 0;
 }

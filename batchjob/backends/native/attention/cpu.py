@@ -1,13 +1,19 @@
 """The CPU attention backend: prefix-shared paged attention read in place by a C kernel.
 
-``CpuAttention`` turns ``AttentionMetadata`` into work units for csrc/paged_attention.c
-(once per batch; every layer reuses them): each unit is a tile of up to ``MAX_ROWS`` query
+``CpuAttention`` turns ``AttentionMetadata`` into work units for kernels/cpu/paged_attention.c
+(once per batch; every layer reuses them): each unit is a tile of up to ``max_rows`` query
 rows (tokens x the query heads of one KV head) against one key sequence, either a
 sequence's own KV (causal) or its group's shared prefix (all the group's queries at once).
 Unlike the torch path it never copies KV out of the cache: a decode step reads each shared
-prefix once per group and each own KV once. Cases the kernel does not take (non-float32
-caches, head dims or block sizes not multiples of 16, no C compiler) go to
-``TorchAttention``.
+prefix once per group and each own KV once.
+
+The kernel is built per ISA (kernels/cpu/build.py: avx512, avx2, generic; ``isa`` or
+``$BATCHJOB_CPU_ISA`` forces a narrower one). Per shape class (head dim, GQA ratio, decode /
+prefill / prefix) a first-use calibration (calibrate.py, cached on disk) times the kernel
+against ``TorchAttention`` and the faster one takes that class's batches, so the backend is
+never slower than its own fallback. Cases the kernel does not take (non-float32 caches, head
+dims not a multiple of the ISA's vector width or over 256, block sizes not multiples of 16,
+no C compiler) go to ``TorchAttention``.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ import ctypes
 import numpy as np
 import torch
 
+from batchjob.backends.native.attention import calibrate as calib
 from batchjob.backends.native.attention.base import BatchMemo
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.intmath import cdiv
-from batchjob.kernels.cpu.build import load_kernel
+from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
-MAX_ROWS = 64  # must match csrc/paged_attention.c
+MAX_ROWS = 64  # the widest build's (avx512) rows per unit; each build reports its own
 # unit fields, in the kernel's order
 Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH = range(7)
 
@@ -37,13 +44,15 @@ def _tiles(starts: np.ndarray, lens: np.ndarray, tile: int):
     return owner, starts[owner] + off, np.minimum(tile, lens[owner] - off), off
 
 
-def build_units(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, np.ndarray]:
+def build_units(
+    meta: AttentionMetadata, h: int, hkv: int, max_rows: int = MAX_ROWS
+) -> tuple[np.ndarray, np.ndarray]:
     """(units int64 [U, 7], blocks int32): the kernel's work for one batch, costliest first.
 
     A unit's KVH is one KV head, or -1 for all of them (decode tiles: under 4 query rows per
     head), so a decode reads each KV block as one contiguous stream."""
     r = h // hkv
-    tile = max(1, MAX_ROWS // r)
+    tile = max(1, max_rows // r)
     cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
     q_len = np.diff(cu_q)
     kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
@@ -65,7 +74,7 @@ def build_units(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, 
         parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1]))
     u = np.concatenate(parts, axis=1).T  # [n, 6]
     # decode-like tiles (< 4 rows per head) take all KV heads in one unit: whole blocks stream
-    whole = (u[:, NQ] * r < 4) & (u[:, NQ] * r * hkv <= MAX_ROWS)
+    whole = (u[:, NQ] * r < 4) & (u[:, NQ] * r * hkv <= max_rows)
     per_head = np.repeat(u[~whole], hkv, axis=0)
     units = np.empty((int(whole.sum()) + len(per_head), 7), dtype=np.int64)
     units[: len(per_head), :6] = per_head
@@ -78,54 +87,104 @@ def build_units(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, 
     return np.ascontiguousarray(units), np.concatenate([table.ravel(), p_table.ravel()])
 
 
-def _work(meta: AttentionMetadata, h: int, hkv: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    units, blocks = build_units(meta, h, hkv)
+def _work(
+    meta: AttentionMetadata, h: int, hkv: int, max_rows: int
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    units, blocks = build_units(meta, h, hkv, max_rows)
     return units, blocks, bool(units[:, DST].any())
 
 
 class CpuAttention:
-    """Paged prefix-shared attention on the CPU via the C kernel (see module docstring)."""
+    """Paged prefix-shared attention on the CPU via the C kernel (see module docstring).
+
+    ``isa``: the kernel build (``avx512|avx2|generic|auto``; default ``$BATCHJOB_CPU_ISA``
+    or auto). ``calibrate``: pick kernel or torch path per shape class by a cached first-use
+    measurement (default: ``$BATCHJOB_CPU_CALIBRATE`` != 0); False: the kernel takes every
+    batch it supports."""
 
     name = "cpu"
 
-    def __init__(self) -> None:
-        self.lib = load_kernel()
+    def __init__(self, isa: str | None = None, calibrate: bool | None = None) -> None:
+        self.kernel: CpuKernel | None = load_kernel(isa)
         self.fallback = TorchAttention()
+        self.calibrate = calibrate if calibrate is not None else calib.mode() != "0"
         self._work = BatchMemo()  # (units, blocks, has_prefix) of the current batch
+        self._use = BatchMemo()  # kernel or torch path for the current batch
 
     @property
     def available(self) -> bool:
-        return self.lib is not None
+        return self.kernel is not None
+
+    @property
+    def isa(self) -> str | None:
+        return self.kernel.isa if self.kernel else None
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         self.fallback.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         _, bs, hkv, d = k_cache.shape
+        kn = self.kernel
         return (
-            self.lib is not None
+            kn is not None
             and q.device.type == "cpu"
             and q.dtype == torch.float32
             and k_cache.dtype == torch.float32
-            and d % 16 == 0
+            and d % kn.lanes == 0
             and d <= 256
             and bs % 16 == 0
-            and q.shape[1] // hkv <= MAX_ROWS
+            and q.shape[1] // hkv <= kn.max_rows
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
         )
 
-    def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def shape_class(self, q, k_cache, meta: AttentionMetadata) -> calib.ShapeClass:
+        _, bs, hkv, d = k_cache.shape
+        assert self.kernel is not None
+        return calib.ShapeClass(
+            self.kernel.isa,
+            d,
+            q.shape[1] // hkv,
+            hkv,
+            bs,
+            torch.get_num_threads(),
+            calib.batch_kind(meta),
+        )
+
+    def _measure(self, cls: calib.ShapeClass) -> calib.Decision:
+        kernel_only = CpuAttention(cls.isa, calibrate=False)
+        return calib.measure(cls, kernel_only.attend, TorchAttention().attend)
+
+    def decision(self, q, k_cache, meta: AttentionMetadata) -> calib.Decision:
+        """Kernel or torch path for this batch's shape class (calibrated on first use)."""
+        assert self.kernel is not None
+        cal = calib.calibration_for(self.kernel.path)
+        return cal.decide(self.shape_class(q, k_cache, meta), self._measure)
+
+    def uses_kernel(self, q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
         if not self.supports(q, k_cache, v_cache):
+            return False
+        if not self.calibrate:
+            return True
+        return self._use.get(
+            meta, tuple(k_cache.shape[1:]), lambda: self.decision(q, k_cache, meta).use_kernel
+        )
+
+    def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        if not self.uses_kernel(q, k_cache, v_cache, meta):
             return self.fallback.attend(q, k_cache, v_cache, meta, scale)
+        kn = self.kernel
+        assert kn is not None
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape
-        units, blocks, has_prefix = self._work.get(meta, (h, hkv), lambda: _work(meta, h, hkv))
+        units, blocks, has_prefix = self._work.get(
+            meta, (h, hkv, kn.max_rows), lambda: _work(meta, h, hkv, kn.max_rows)
+        )
         q = q.contiguous()
         out = torch.empty(t, h, d, dtype=torch.float32)
         pout = torch.empty(t, h, d, dtype=torch.float32) if has_prefix else out
         lse = torch.empty(2, t, h, dtype=torch.float32)
-        rc = self.lib.batchjob_paged_attention(
+        rc = kn.fn(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),

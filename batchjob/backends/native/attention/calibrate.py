@@ -1,0 +1,177 @@
+"""First-use calibration: per shape class, is the C kernel or the torch path faster here?
+
+A shape class is (ISA, head dim, GQA ratio, KV heads, block size, threads, kind), the kind
+being what dominates a batch's query-key pairs: ``decode`` (one-token queries),
+``prefill`` (chunks over their own KV) or ``prefix`` (chunks over a group's shared prefix).
+On a class's first batch both backends run a small synthetic batch of that kind (one
+warm-up, then ``REPS`` alternating timed calls each, medians compared); the winner is cached
+in a JSON file beside the kernel library, written atomically, so later processes reuse it.
+
+``$BATCHJOB_CPU_CALIBRATE``: ``1`` (default) calibrate once and cache; ``0`` no calibration
+(the kernel takes every batch it supports); ``fresh`` re-measure and overwrite the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from batchjob.atomic import write_json_atomic
+from batchjob.backends.native.attention.meta import AttentionMetadata
+from batchjob.kernels import reference as ref
+from batchjob.kernels.cpu.build import cache_dir, cpu_model
+
+log = logging.getLogger(__name__)
+
+ENV = "BATCHJOB_CPU_CALIBRATE"
+KINDS = ("decode", "prefill", "prefix")
+REPS = 5
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    isa: str
+    head_dim: int
+    gqa: int  # query heads per KV head
+    kv_heads: int
+    block_size: int
+    threads: int
+    kind: str  # one of KINDS
+
+    @property
+    def key(self) -> str:
+        return (
+            f"{self.isa}/d{self.head_dim}/r{self.gqa}/kv{self.kv_heads}/bs{self.block_size}"
+            f"/t{self.threads}/{self.kind}"
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    use_kernel: bool
+    kernel_ms: float
+    torch_ms: float
+
+
+def mode() -> str:
+    m = os.environ.get(ENV, "1").strip().lower()
+    if m not in ("0", "1", "fresh"):
+        raise ValueError(f"{ENV}={m!r}: use 1 (calibrate once), 0 (off) or fresh")
+    return m
+
+
+def batch_kind(meta: AttentionMetadata) -> str:
+    """The kind whose query-key pairs dominate the batch."""
+    cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
+    q_len = np.diff(cu_q)
+    kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
+    group = meta.seq_group.cpu().numpy().astype(np.int64)
+    p_len = meta.prefix_len.cpu().numpy().astype(np.int64)
+    prefix = np.where(group >= 0, p_len[np.maximum(group, 0)] if len(p_len) else 0, 0)
+    dec = q_len == 1
+    pairs = {
+        "decode": float(((kv_len + prefix) * dec).sum()),
+        "prefill": float((q_len * kv_len * ~dec).sum()),
+        "prefix": float((q_len * prefix * ~dec).sum()),
+    }
+    return max(KINDS, key=lambda k: pairs[k])
+
+
+def synthetic_batch(cls: ShapeClass) -> ref.PagedBatch:
+    """A small batch of the class's kind (a few ms per call at most)."""
+    if cls.kind == "decode":  # 4 groups x 8 members, prefix 192, own 32-95 keys
+        seqs = tuple(ref.SeqSpec(1, 32 + 9 * i, group=g) for g in range(4) for i in range(8))
+        prefixes: tuple[int, ...] = (192,) * 4
+    elif cls.kind == "prefix":  # 8 members x 24 new tokens over a 192-token prefix
+        seqs = tuple(ref.SeqSpec(24, 24, group=0) for _ in range(8))
+        prefixes = (192,)
+    else:  # one 192-token causal chunk
+        seqs, prefixes = (ref.SeqSpec(192, 192),), ()
+    spec = ref.BatchSpec(
+        seqs,
+        prefixes,
+        num_q_heads=cls.gqa * cls.kv_heads,
+        num_kv_heads=cls.kv_heads,
+        head_dim=cls.head_dim,
+        block_size=cls.block_size,
+    )
+    return ref.build_batch(spec, seed=0)
+
+
+def measure(
+    cls: ShapeClass, kernel: Callable[..., torch.Tensor], fallback: Callable[..., torch.Tensor]
+) -> Decision:
+    """Median ms of ``kernel`` and ``fallback`` (``attend``-like callables) on the class's
+    synthetic batch, timed alternately so a load change hits both."""
+    b = synthetic_batch(cls)
+    args = (b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    times: tuple[list[float], list[float]] = ([], [])
+    for fn in (kernel, fallback):
+        fn(*args)  # warm-up: per-batch work, caches
+    for _ in range(REPS):
+        for fn, ts in zip((kernel, fallback), times, strict=True):
+            t = time.perf_counter()
+            fn(*args)
+            ts.append(time.perf_counter() - t)
+    k_ms, t_ms = (statistics.median(ts) * 1e3 for ts in times)
+    return Decision(k_ms <= t_ms, k_ms, t_ms)
+
+
+class Calibration:
+    """Decisions per shape class for one kernel library, cached in ``<stem>.calibration.json``
+    beside it (in ``cache_dir()``), shared by every backend of the process."""
+
+    def __init__(self, library: Path) -> None:
+        self.path = cache_dir() / f"{library.stem}.calibration.json"
+        self._decisions: dict[str, Decision] | None = None
+
+    def _read(self) -> dict[str, Decision]:
+        try:
+            raw = json.loads(self.path.read_text())
+            if raw.get("torch") != torch.__version__ or raw.get("cpu") != cpu_model():
+                return {}
+            return {k: Decision(**v) for k, v in raw["classes"].items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}
+
+    def decide(self, cls: ShapeClass, run: Callable[[ShapeClass], Decision]) -> Decision:
+        """The cached decision for ``cls``, else ``run(cls)``, stored."""
+        fresh = mode() == "fresh"
+        if self._decisions is None:
+            self._decisions = {} if fresh else self._read()
+        if cls.key in self._decisions:
+            return self._decisions[cls.key]
+        d = run(cls)
+        log.info("attention calibration %s: kernel %.2f ms, torch %.2f ms", cls.key,
+                 d.kernel_ms, d.torch_ms)  # fmt: skip
+        self._decisions[cls.key] = d
+        merged = {**({} if fresh else self._read()), **self._decisions}  # other processes'
+        doc = {
+            "cpu": cpu_model(),
+            "torch": torch.__version__,
+            "classes": {k: v.__dict__ for k, v in sorted(merged.items())},
+        }
+        try:
+            write_json_atomic(doc, self.path)
+        except OSError as e:
+            log.warning("could not cache the attention calibration at %s: %s", self.path, e)
+        return d
+
+
+_CALIBRATIONS: dict[Path, Calibration] = {}
+
+
+def calibration_for(library: Path) -> Calibration:
+    key = cache_dir() / library.name
+    if key not in _CALIBRATIONS:
+        _CALIBRATIONS[key] = Calibration(library)
+    return _CALIBRATIONS[key]
