@@ -35,16 +35,8 @@ class TritonAttention:
         self._meta: AttentionMetadata | None = None
         self._order: torch.Tensor | None = None
 
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """k, v: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping."""
-        write_kv(k_cache, v_cache, k, v, slot_mapping)
+    # k, v: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping
+    write_kv = staticmethod(write_kv)
 
     def attend(
         self,
