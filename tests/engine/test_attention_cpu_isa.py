@@ -1,0 +1,144 @@
+"""Every ISA build of the C kernel this CPU runs, against the naive reference; ISA selection;
+the first-use calibration (kernel vs torch path per shape class) and its on-disk cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from batchjob.backends.native.attention import calibrate as calib
+from batchjob.backends.native.attention.cpu import CpuAttention
+from batchjob.backends.native.attention.torch_path import TorchAttention
+from batchjob.kernels import reference as ref
+from batchjob.kernels.cpu import build
+
+ISAS = build.cpu_isas()
+pytestmark = pytest.mark.skipif(not CpuAttention(calibrate=False).available, reason="no gcc")
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("case", range(4))
+def test_isa_path_matches_naive_reference(isa, head_dim, case):
+    seed = HEAD_DIMS.index(head_dim) * 4 + case
+    ratio = (1, 2, 4, 8)[case]  # GQA
+    spec = ref.random_spec(
+        seed,
+        num_q_heads=2 * ratio,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=(16, 32)[seed % 2],
+        max_prefix=150,  # prefixes ending mid-block, over several 16-key chunks
+        max_chunk=70,  # prefill chunks longer than one tile of query rows
+        prefill_prob=0.0 if case == 0 else 0.6,  # case 0: decode-only batch
+    )
+    b = ref.build_batch(spec, seed=seed)
+    backend = CpuAttention(isa, calibrate=False)
+    assert backend.isa == isa
+    assert backend.supports(b.q, b.k_cache, b.v_cache)
+    out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_isa_path_many_decodes_over_one_prefix(isa):
+    """More decode rows than one tile holds, 8 KV heads (whole-block decode units)."""
+    seqs = tuple(ref.SeqSpec(1, 1 + 5 * i % 37, group=0) for i in range(40))
+    spec = ref.BatchSpec(seqs, (83,), num_q_heads=8, num_kv_heads=8, head_dim=32)
+    b = ref.build_batch(spec, seed=3)
+    out = CpuAttention(isa, calibrate=False).attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+
+
+def test_isa_selection(monkeypatch):
+    assert build.cpu_isas(frozenset())[-1] == "generic"
+    if build.platform.machine() == "x86_64":
+        assert build.cpu_isas(frozenset({"avx2", "fma"})) == ("avx2", "generic")
+        assert build.cpu_isas(frozenset({"avx2"})) == ("generic",)  # AVX2 without FMA
+    assert build.select_isa("auto") == ISAS[0]
+    assert build.select_isa("generic") == "generic"
+    monkeypatch.setenv(build.ISA_ENV, "generic")
+    assert CpuAttention(calibrate=False).isa == "generic"
+    monkeypatch.setenv(build.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="BATCHJOB_CPU_ISA"):
+        build.select_isa()
+
+
+def test_batch_kind():
+    def kind(seqs, prefixes):
+        return calib.batch_kind(ref.build_batch(ref.BatchSpec(tuple(seqs), prefixes)).meta)
+
+    assert kind([ref.SeqSpec(1, 40, group=0)] * 3 + [ref.SeqSpec(1, 9)], (100,)) == "decode"
+    assert kind([ref.SeqSpec(30, 30, group=0)] * 2 + [ref.SeqSpec(1, 9)], (100,)) == "prefix"
+    assert kind([ref.SeqSpec(64, 64), ref.SeqSpec(1, 90)], ()) == "prefill"
+
+
+def _decode_batch() -> ref.PagedBatch:
+    seqs = tuple(ref.SeqSpec(1, 20 + i, group=i % 2) for i in range(6))
+    seqs = tuple(sorted(seqs, key=lambda s: s.group))
+    spec = ref.BatchSpec(seqs, (40, 50), num_q_heads=4, num_kv_heads=2, head_dim=32)
+    return ref.build_batch(spec, seed=1)
+
+
+def test_calibration_picks_a_backend_and_reuses_its_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHJOB_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv(calib.ENV, "1")
+    b = _decode_batch()
+    backend = CpuAttention()
+    assert backend.calibrate
+    out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+    cls = backend.shape_class(b.q, b.k_cache, b.meta)
+    assert cls.kind == "decode" and cls.head_dim == 32 and cls.gqa == 2
+    files = list(tmp_path.glob("*.calibration.json"))
+    assert len(files) == 1 and files[0].stem.startswith(backend.kernel.path.stem)
+    doc = json.loads(files[0].read_text())
+    got = doc["classes"][cls.key]
+    assert got["kernel_ms"] > 0 and got["torch_ms"] > 0
+    assert got["use_kernel"] == (got["kernel_ms"] <= got["torch_ms"])  # the faster one
+    assert backend.uses_kernel(b.q, b.k_cache, b.v_cache, b.meta) == got["use_kernel"]
+
+    # a new process (fresh in-memory state) reads the file and measures nothing
+    monkeypatch.setattr(calib, "_CALIBRATIONS", {})
+
+    def no_measure(_cls):
+        raise AssertionError("calibrated again despite the cache")
+
+    again = CpuAttention()
+    monkeypatch.setattr(again, "_measure", no_measure)
+    assert again.decision(b.q, b.k_cache, b.meta) == calib.Decision(**got)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_cached_decision_routes_the_batch(monkeypatch, tmp_path, use_kernel):
+    """Whatever the cache says for the class decides which path computes the batch."""
+    monkeypatch.setenv("BATCHJOB_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(calib, "_CALIBRATIONS", {})
+    b = _decode_batch()
+    backend = CpuAttention(calibrate=True)
+    cls = backend.shape_class(b.q, b.k_cache, b.meta)
+    doc = {
+        "cpu": build.cpu_model(),
+        "torch": torch.__version__,
+        "classes": {cls.key: {"use_kernel": use_kernel, "kernel_ms": 1.0, "torch_ms": 1.0}},
+    }
+    (tmp_path / f"{backend.kernel.path.stem}.calibration.json").write_text(json.dumps(doc))
+    out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    kernel = CpuAttention(calibrate=False).attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch_out = TorchAttention().attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    assert torch.equal(out, kernel if use_kernel else torch_out)
+    assert not torch.equal(kernel, torch_out)  # the two paths are distinguishable
+
+
+def test_calibration_env(monkeypatch):
+    monkeypatch.setenv(calib.ENV, "0")
+    assert not CpuAttention().calibrate
+    monkeypatch.setenv(calib.ENV, "maybe")
+    with pytest.raises(ValueError, match=calib.ENV):
+        CpuAttention()
