@@ -5,8 +5,8 @@ Every command that takes a job gets the same options through ``@job_options``: a
 ``--output`` and ``--model``; the command receives a validated ``JobConfig`` as ``job``.
 
 Errors: a ``BatchJobError`` prints one line ``error: ...`` on stderr and exits with its
-exit code (batchjob.errors); Ctrl-C or SIGTERM exits with 130. Anything else is a bug and
-keeps its traceback (exit 1).
+exit code (batchjob.errors); Ctrl-C or SIGTERM exits with 130; an ``OSError`` (disk full, lost
+mount) prints one line and exits 1. Anything else is a bug and keeps its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from batchjob.config import JobConfig, load_job, parse_assignments
-from batchjob.errors import EXIT_INTERRUPTED, BatchJobError
+from batchjob.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, BatchJobError
 from batchjob.tokenizer import parallelism_disabled
 from batchjob.version import __version__
 
@@ -45,6 +45,9 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
+        except OSError as e:  # disk full, a lost mount: the machine's problem, retry may help
+            click.echo(f"error: {e}; rows written so far are kept: rerun to resume", err=True)
+            ctx.exit(EXIT_RUNTIME)
 
 
 def _sigterm(signum: int, frame: object) -> None:
@@ -168,7 +171,10 @@ def run_cmd(job: JobConfig, no_progress: bool, as_json: bool) -> None:
 
     result = run(job, progress=not no_progress and sys.stderr.isatty())
     if result.summary is None:
-        click.echo(f"{result.results_path}: already complete (set output.overwrite to rerun)")
+        if as_json:
+            click.echo(json.dumps({"results": str(result.results_path), "already_complete": True}))
+        else:
+            click.echo(f"{result.results_path}: already complete (set output.overwrite to rerun)")
         return
     s = result.summary
     if as_json:

@@ -9,6 +9,7 @@ commit, once the new results are complete (``results``).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from dataclasses import dataclass
@@ -85,6 +86,15 @@ def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts
     )
 
 
+def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPrompts:
+    """Per-row max_tokens cut to what the context leaves after the prompt: generation stops
+    at the model's context with finish_reason "length", as in vLLM (prompts that leave no
+    room were rejected as prompt_too_long)."""
+    room = np.maximum(max_model_len - prompts.lengths, 1)
+    capped = np.minimum(prompts.max_tokens.astype(np.int64), room).astype(np.int32)
+    return dataclasses.replace(prompts, max_tokens=capped)
+
+
 def run(job: JobConfig, progress: bool = True) -> JobResult:
     """Run ``job``; returns where results and report went and the summary."""
     t_job = time.perf_counter()
@@ -121,6 +131,8 @@ def _run_locked(
     )
     done = sink.done_row_ids()
     prompts = select_rows(loaded.prompts, ~np.isin(loaded.prompts.row_ids, done))
+    if model is not None:
+        prompts = cap_to_context(prompts, model.max_model_len)
     rejected = loaded.rejected
     for i in np.flatnonzero(~np.isin(rejected.row_ids, done)):
         sink.add(

@@ -1,0 +1,256 @@
+"""Issue 11 items 5-7: every documented error is its exit code with a one-line message and no
+traceback; context length caps generation; a job that can run no row fails.
+
+``test_every_documented_error`` walks the README's exit-code table: each case is a real bad
+input (file, folder, flag) run through the CLI in this process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchjob import errors
+from batchjob.config import load_job
+from batchjob.lock import output_lock
+from batchjob.output_layout import OutputLayout
+from tests.e2e.jobkit import cli, read_results, write_job
+
+
+def _one_line_error(res, code: int) -> str:
+    assert res.exit_code == code, (res.exit_code, res.output, res.exception)
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory, run_model) -> dict[str, Path]:
+    """Bad inputs and model folders, each made the way a user would make it."""
+    d = tmp_path_factory.mktemp("bad")
+    out: dict[str, Path] = {}
+    (d / "mixed").mkdir()
+    pq.write_table(pa.table({"prompt": ["a b", "c"], "x": [1, 2]}), d / "mixed" / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["a b", "c"], "x": ["s", "t"]}), d / "mixed" / "b.parquet")
+    out["mixed"] = d / "mixed"
+    out["nocol"] = d / "nocol.parquet"
+    pq.write_table(pa.table({"text": ["a b"]}), out["nocol"])
+    out["corrupt"] = d / "corrupt.parquet"
+    out["corrupt"].write_bytes(b"PAR1 this is not parquet")
+    out["empty"] = d / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), out["empty"])
+    out["ids"] = d / "ids.parquet"
+    pq.write_table(
+        pa.table({"prompt": pa.array([[5, 6, 7], [8, 9]], pa.list_(pa.int32()))}), out["ids"]
+    )
+    out["oov"] = d / "oov.parquet"  # every id outside the model's vocabulary
+    pq.write_table(
+        pa.table({"prompt": pa.array([[99999, 5], [70000]], pa.list_(pa.int32()))}), out["oov"]
+    )
+    out["text"] = d / "text.parquet"
+    pq.write_table(pa.table({"prompt": ["alpha beta", "gamma"]}), out["text"])
+    trunc = d / "trunc-model"
+    trunc.mkdir()
+    for f in run_model.iterdir():
+        data = f.read_bytes()
+        (trunc / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    out["trunc_model"] = trunc
+    (d / "afile").write_text("not a folder")
+    out["afile"] = d / "afile"
+    return out
+
+
+def _cases(bad: dict[str, Path], model: Path, tmp: Path):
+    o = str(tmp / "o.parquet")
+    m = ["--model", str(model), "--set", "model.device=cpu"]
+    E = errors
+    return {
+        "bad command line": (["run", "--no-such-flag"], E.EXIT_USAGE, "no-such-flag"),
+        "job file missing": (["run", str(tmp / "nope.toml")], E.EXIT_CONFIG, "not found"),
+        "unknown key": (
+            ["run", "--input", str(bad["text"]), "--output", o, "--set", "sampling.tempreature=1"],
+            E.EXIT_CONFIG,
+            "sampling.tempreature",
+        ),
+        "output is the input": (
+            ["run", "--input", str(bad["text"]), "--output", str(bad["text"]), *m],
+            E.EXIT_CONFIG,
+            "output.path",
+        ),
+        "output under a file": (
+            ["run", "--input", str(bad["text"]), "--output", str(bad["afile"] / "r.parquet"), *m],
+            E.EXIT_CONFIG,
+            "output.path",
+        ),
+        "cuda without a GPU": (
+            [
+                "run",
+                "--input",
+                str(bad["text"]),
+                "--output",
+                o,
+                "--model",
+                str(model),
+                "--set",
+                "model.device=cuda",
+            ],
+            E.EXIT_CONFIG,
+            "model.device",
+        ),
+        "files type a column differently": (
+            ["run", "--input", str(bad["mixed"]), "--output", o, *m],
+            E.EXIT_INPUT,
+            "'x'",
+        ),
+        "missing prompt column": (
+            ["run", "--input", str(bad["nocol"]), "--output", o, *m],
+            E.EXIT_INPUT,
+            "'prompt'",
+        ),
+        "misspelled max_tokens_column": (
+            [
+                "run",
+                "--input",
+                str(bad["text"]),
+                "--output",
+                o,
+                *m,
+                "--set",
+                "input.max_tokens_column=mt",
+            ],
+            E.EXIT_INPUT,
+            "input.max_tokens_column",
+        ),
+        "corrupt parquet": (
+            ["run", "--input", str(bad["corrupt"]), "--output", o, *m],
+            E.EXIT_INPUT,
+            "corrupt.parquet",
+        ),
+        "empty dataset": (
+            ["run", "--input", str(bad["empty"]), "--output", o, *m],
+            E.EXIT_INPUT,
+            "0 rows",
+        ),
+        "model folder missing": (
+            [
+                "run",
+                "--input",
+                str(bad["text"]),
+                "--output",
+                o,
+                "--model",
+                str(tmp / "nomodel"),
+                "--set",
+                "model.device=cpu",
+            ],
+            E.EXIT_MODEL,
+            "nomodel",
+        ),
+        "truncated safetensors": (
+            [
+                "run",
+                "--input",
+                str(bad["text"]),
+                "--output",
+                o,
+                "--model",
+                str(bad["trunc_model"]),
+                "--set",
+                "model.device=cpu",
+            ],
+            E.EXIT_MODEL,
+            "safetensors",
+        ),
+        "token ids, model.path none": (
+            ["run", "--input", str(bad["ids"]), "--output", o, "--set", "model.path=none"],
+            E.EXIT_MODEL,
+            "model.path",
+        ),
+        "every row rejected": (
+            ["run", "--input", str(bad["oov"]), "--output", o, *m],
+            E.EXIT_ALL_REJECTED,
+            "invalid_tokens: 2",
+        ),
+    }
+
+
+CASES = [
+    "bad command line", "job file missing", "unknown key", "output is the input",
+    "output under a file", "cuda without a GPU", "files type a column differently",
+    "missing prompt column", "misspelled max_tokens_column", "corrupt parquet", "empty dataset",
+    "model folder missing", "truncated safetensors", "token ids, model.path none",
+    "every row rejected",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_documented_error(case, bad, run_model, tmp_path):
+    args, code, words = _cases(bad, run_model, tmp_path)[case]
+    if code == errors.EXIT_USAGE:  # click's own usage error: not an 'error: ' line of ours
+        res = cli(*args)
+        assert res.exit_code == code and "Traceback" not in res.output and words in res.output
+        return
+    line = _one_line_error(cli(*args), code)
+    assert words in line
+    assert not (tmp_path / "o.parquet").exists()  # nothing pretends to be results
+
+
+def test_locked_output_exits_75_without_work(tmp_path, run_model, run_data):
+    job = write_job(tmp_path, run_model, run_data, "out/results.parquet")
+    layout = OutputLayout.of(load_job(job).output)
+    layout.prepare()
+    with output_lock(layout.lock_file, layout.output):  # as another run would hold it
+        line = _one_line_error(cli("run", job), errors.EXIT_LOCKED)
+    assert "another batchjob run" in line and str(os.getpid()) in line
+    assert not layout.parts.exists() and not layout.output.exists()
+
+
+def test_disk_full_is_one_line_exit_1_and_resumes(tmp_path, run_model, run_data, monkeypatch):
+    job = write_job(tmp_path, run_model, run_data, "out/results.parquet", flush_rows="4")
+    monkeypatch.setenv("BATCHJOB_FAULT_POINT", "part:3:ENOSPC")  # the 3rd part write fails
+    line = _one_line_error(cli("run", job), errors.EXIT_RUNTIME)
+    assert "No space left on device" in line and "rerun" in line
+    monkeypatch.delenv("BATCHJOB_FAULT_POINT")
+    res = cli("run", job)
+    assert res.exit_code == 0, res.output
+    n = pq.read_metadata(run_data).num_rows
+    assert read_results(tmp_path / "out" / "results.parquet")["row_id"].to_pylist() == list(
+        range(n)
+    )
+
+
+def test_generation_stops_at_the_model_context(tmp_path, run_model, run_data):
+    first = write_job(tmp_path, run_model, run_data, "full/r.parquet")
+    assert cli("run", first, "--set", "sampling.ignore_eos=true").exit_code == 0
+    full = read_results(tmp_path / "full" / "r.parquet")
+    lengths = sorted(full["num_prompt_tokens"].to_pylist())
+    ctx = lengths[len(lengths) // 2] + 3  # half the rows have room for < 6 new tokens
+    job = write_job(tmp_path, run_model, run_data, "ctx/r.parquet")
+    res = cli(
+        "run", job, "--set", f"model.max_model_len={ctx}", "--set", "sampling.ignore_eos=true"
+    )
+    assert res.exit_code == 0, res.output
+    out = [
+        r for r in read_results(tmp_path / "ctx" / "r.parquet").to_pylist() if r["status"] == "ok"
+    ]
+    assert out and all(r["num_prompt_tokens"] + r["num_output_tokens"] <= ctx for r in out)
+    cut = [r for r in out if r["num_prompt_tokens"] + 6 > ctx]
+    assert cut and all(r["finish_reason"] == "length" for r in cut)
+    assert all(r["num_output_tokens"] == ctx - r["num_prompt_tokens"] for r in cut)
+
+
+def test_run_json_when_already_complete(tmp_path, run_model, run_data):
+    import json
+
+    job = write_job(tmp_path, run_model, run_data, "out/results.parquet")
+    assert cli("run", job).exit_code == 0
+    res = cli("run", job, "--json")
+    assert res.exit_code == 0
+    got = json.loads(res.stdout)
+    assert got["already_complete"] is True and got["results"].endswith("results.parquet")
