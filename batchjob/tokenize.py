@@ -111,7 +111,7 @@ def tokenize_batch(
     bad_ids |= _per_row_any((vals < 0) | (vals >= hi), lengths)
     empty |= lengths == 0
     too_long = lengths > max_model_len - 1 if max_model_len is not None else np.zeros(n, dtype=bool)
-    if batch.max_tokens is None:
+    if batch.max_tokens is None or batch.max_tokens_null is None:
         mt = np.full(n, default_max_tokens, dtype=np.int64)
     else:
         mt = np.where(batch.max_tokens_null, default_max_tokens, batch.max_tokens)

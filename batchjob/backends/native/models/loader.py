@@ -3,8 +3,8 @@
 The model is built on the ``meta`` device (no memory), then each parameter is filled from
 the safetensors files opened lazily with ``safe_open`` straight onto the target device: one
 checkpoint tensor is in flight at a time, the full state dict never exists twice.
-dtype "auto" is the checkpoint's dtype on CUDA and float32 on CPU (bf16/fp16 matmuls on CPU
-are many times slower than fp32 there).
+What to build (architecture, dtype, device) comes from ``batchjob.model_info.ModelInfo``, the
+one reader of the folder; its tensor-name -> file map comes from the safetensors headers.
 """
 
 from __future__ import annotations
