@@ -1,4 +1,4 @@
-"""Parquet input (streamed with pyarrow.dataset); ``write_parquet_atomic`` is batchjob.atomic's.
+"""Parquet input, streamed with pyarrow.dataset (output is written by batchjob.atomic).
 
 Row ids: every row's ``row_id`` is its global index in the dataset, files taken in sorted
 path order, so the same input gives the same ids on every run (resume relies on it).
@@ -22,7 +22,6 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from batchjob.atomic import write_parquet_atomic as write_parquet_atomic  # re-export
 from batchjob.config import InputConfig
 from batchjob.errors import InputDataError
 
@@ -31,6 +30,7 @@ STATUS_EMPTY_PROMPT = "empty_prompt"
 STATUS_PROMPT_TOO_LONG = "prompt_too_long"
 STATUS_INVALID_TOKENS = "invalid_tokens"
 STATUS_INVALID_MAX_TOKENS = "invalid_max_tokens"
+STATUS_KV_BUDGET = "kv_budget_exceeded"  # cannot fit the KV cache even alone (set by run)
 
 ROW_ID = "row_id"
 

@@ -24,10 +24,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from batchjob.atomic import write_parquet_atomic  # noqa: E402
 from batchjob.backends.native.engine import Engine  # noqa: E402
 from batchjob.backends.native.models.loader import load_model  # noqa: E402
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig  # noqa: E402
-from batchjob.io import write_parquet_atomic  # noqa: E402
 from batchjob.plan.build import build_plan  # noqa: E402
 from batchjob.prompts import TokenizedPrompts  # noqa: E402
 from batchjob.tiny_model import make_tiny_model  # noqa: E402

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from batchjob.io import write_parquet_atomic  # noqa: E402
+from batchjob.atomic import write_parquet_atomic  # noqa: E402
 from batchjob.tiny_model import default_corpus, make_tiny_model  # noqa: E402
 from batchjob.workloads import make_workload  # noqa: E402
 

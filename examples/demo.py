@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from batchjob.io import write_parquet_atomic  # noqa: E402
+from batchjob.atomic import write_parquet_atomic  # noqa: E402
 from batchjob.tiny_model import make_tiny_model  # noqa: E402
 from batchjob.workloads import WORDS, make_workload  # noqa: E402
 

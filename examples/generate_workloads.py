@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from batchjob.io import write_parquet_atomic
+from batchjob.atomic import write_parquet_atomic
 from batchjob.workloads import DEFAULT_VOCAB_LO, WORKLOADS, make_workload
 
 

@@ -116,3 +116,20 @@ def test_overwrite_takes_the_umask_not_the_old_mode(tmp_path, umask_027):
 def test_bad_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         atomic_open(tmp_path / "x", "a")
+
+
+def test_write_parquet_atomic_overwrites_and_survives_a_non_table(tmp_path) -> None:
+    """(moved from tests/io/test_io.py)"""
+    p = tmp_path / "sub" / "out.parquet"
+    write_parquet_atomic(pa.table({"a": [1, 2]}), p)
+    assert pq.read_table(p)["a"].to_pylist() == [1, 2]
+    write_parquet_atomic(pa.table({"a": [3]}), p)
+    assert pq.read_table(p)["a"].to_pylist() == [3]
+
+    class Boom:  # a failing write leaves the previous file and no temp file
+        schema = None
+
+    with pytest.raises(Exception):  # noqa: B017 - whatever pyarrow raises
+        write_parquet_atomic(Boom(), p)  # type: ignore[arg-type]
+    assert pq.read_table(p)["a"].to_pylist() == [3]
+    assert names(p.parent) == ["out.parquet"]

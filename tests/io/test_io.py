@@ -5,7 +5,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from batchjob.config import InputConfig
@@ -16,7 +15,6 @@ from batchjob.io import (
     RejectedRows,
     open_dataset,
     resolve_files,
-    write_parquet_atomic,
 )
 from tests.conftest import write_parquet
 
@@ -187,22 +185,6 @@ def test_rejected_rows_concat_sorted() -> None:
     assert c.row_ids.tolist() == [1, 3, 5] and c.status == ("y", "z", "x")
     assert c.message == ("m1", "m3", "m5") and c.counts() == {"x": 1, "y": 1, "z": 1}
     assert c.to_arrow().column_names == [ROW_ID, "status", "message"]
-
-
-def test_write_parquet_atomic(tmp_path: Path) -> None:
-    p = tmp_path / "sub" / "out.parquet"
-    write_parquet_atomic(pa.table({"a": [1, 2]}), p)
-    assert pq.read_table(p)["a"].to_pylist() == [1, 2]
-    write_parquet_atomic(pa.table({"a": [3]}), p)
-    assert pq.read_table(p)["a"].to_pylist() == [3]
-
-    class Boom:  # a failing write leaves the previous file and no temp file
-        schema = None
-
-    with pytest.raises(Exception):  # noqa: B017 - whatever pyarrow raises
-        write_parquet_atomic(Boom(), p)  # type: ignore[arg-type]
-    assert pq.read_table(p)["a"].to_pylist() == [3]
-    assert sorted(os.listdir(p.parent)) == ["out.parquet"]
 
 
 # ---------------------------------------------------------------------------------------
