@@ -224,9 +224,14 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (any size >= 1: the kernels index by // and %)
     attention: str = "auto"  # auto | torch | cpu (C kernel) | triton (CUDA)
     threads: int | None = None  # torch CPU threads
+    vllm: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine arguments (vllm only)
 
     def __post_init__(self) -> None:
         _str("engine.backend", self.backend, BACKENDS)
+        if not isinstance(self.vllm, dict):
+            _fail("engine.vllm", "must be a table of vLLM engine arguments", self.vllm)
+        if self.vllm and self.backend != "vllm":
+            _fail("engine.vllm", 'is for engine.backend = "vllm"', self.vllm)
         if self.kv_cache_bytes is not None:
             try:
                 object.__setattr__(self, "kv_cache_bytes", parse_bytes(self.kv_cache_bytes))

@@ -25,5 +25,5 @@ def open_backend(job: JobConfig, detokenize: Detokenize, model: ModelInfo | None
     if name == "vllm":
         from batchjob.backends.vllm.backend import VllmBackend
 
-        return VllmBackend(job, detokenize)
+        return VllmBackend(job, detokenize, model)
     raise ValueError(f"unknown backend {name!r} (use {', '.join(BACKENDS)})")

@@ -1,0 +1,225 @@
+"""vLLM behind the ``Backend`` interface: the plan executed by vLLM's offline engine.
+
+The engine starts in ``check_fits`` (its ``max_model_len`` defaults to the job's longest
+request, so a small KV budget still starts) with its engine core in this process and the
+model in a worker process. ``run`` submits requests group by group in plan order (Eq. 4),
+whole groups at a time while fewer than ``window`` requests are in flight, steps the engine,
+and hands each request to ``on_finish`` as soon as it finishes (results stream to disk);
+the scheduler class (``scheduler.py``) records every step for ``on_iteration``. One engine
+serves any number of ``run`` calls; the prefix cache is reset before each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
+from batchjob.backends.vllm.engine_args import EngineSettings, engine_settings, environment
+from batchjob.backends.vllm.requests import OutputTracker, plan_order
+from batchjob.backends.vllm.scheduler import scheduler_class_path
+from batchjob.config import JobConfig
+from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
+from batchjob.model_info import ModelInfo, model_info_for_job
+from batchjob.plan.plan import Plan
+from batchjob.prompts import TokenizedPrompts
+
+
+class VllmError(BatchJobError):
+    """vLLM failed to start or to run (a runtime failure: retrying may help)."""
+
+    exit_code = EXIT_RUNTIME
+
+
+def _key_for(message: str) -> str:
+    """The job key a vLLM start-up error is most likely about."""
+    m = message.lower()
+    if "max_model_len" in m or "max model len" in m or "max seq len" in m:
+        return "model.max_model_len"
+    if "kv cache" in m or "memory" in m or "num_gpu_blocks" in m:
+        return "engine.kv_cache_bytes"
+    if "block_size" in m or "block size" in m:
+        return "engine.block_size"
+    if "max_num_batched_tokens" in m:
+        return "scheduler.chunk_size"
+    if "dtype" in m:
+        return "model.dtype"
+    return "engine.vllm"
+
+
+class VllmBackend:
+    """vLLM's engine running batchjob's plan (``scheduler.policy``: batchllm | baseline)."""
+
+    name = "vllm"
+
+    def __init__(self, job: JobConfig, detokenize: Detokenize, model: ModelInfo | None = None):
+        self.job = job
+        self.detokenize = detokenize
+        self.model = model or model_info_for_job(job)
+        if self.model is None:
+            raise ConfigError('model.path: required with engine.backend = "vllm"')
+        self.device = "cpu"
+        self.engine = None
+        self.scheduler = None
+        self.window = 0
+        self._runs = 0
+        # fail on settings before any data is touched (vLLM itself starts in check_fits)
+        engine_settings(job, self.model.dtype, 2)
+
+    # --- start-up ---------------------------------------------------------------------
+    def _start(self, longest: int, longest_row: int) -> None:
+        s = engine_settings(self.job, self.model.dtype, longest)
+        with environment(s.env):
+            self._start_engine(s, longest, longest_row)
+        self.device = "cpu" if s.on_cpu else "cuda:0"
+        self.window = max(2 * self.engine.vllm_config.scheduler_config.max_num_seqs, 256)
+
+    def _start_engine(self, s: EngineSettings, longest: int, longest_row: int) -> None:
+        import vllm.envs as envs
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        if hasattr(envs.__getattr__, "cache_clear"):  # an earlier engine cached the env
+            envs.__getattr__.cache_clear()
+        hint = f" (the longest request, row_id {longest_row}, needs {longest} tokens)"
+        try:
+            config = EngineArgs(**s.kwargs).create_engine_config()
+        except Exception as e:  # vLLM validates with ValueError, TypeError, pydantic errors
+            msg = " ".join(str(e).split())
+            raise ConfigError(f"{_key_for(msg)}: vLLM refused the settings: {msg}{hint}") from None
+        sc = config.scheduler_config
+        policy = self.job.scheduler.policy
+        sc.scheduler_cls = scheduler_class_path(policy, bool(sc.async_scheduling))
+        try:
+            self.engine = LLMEngine(
+                vllm_config=config,
+                executor_class=Executor.get_class(config),
+                log_stats=False,
+                multiprocess_mode=False,
+            )
+        except Exception as e:
+            msg = " ".join(str(e).split())
+            key = _key_for(msg)
+            if key == "engine.kv_cache_bytes":
+                raise ConfigError(f"{key}: vLLM could not start: {msg}{hint}") from None
+            raise VllmError(f"vLLM failed to start: {msg}") from e
+        self.scheduler = self.engine.engine_core.engine_core.scheduler
+        if self.job.scheduler.policy == "batchllm":
+            self.scheduler.bj_kv_threshold = self.job.scheduler.kv_threshold
+
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1  # null block
+
+    @property
+    def block_bytes(self) -> int:
+        kv = self.scheduler.kv_cache_config
+        return sum(t.size for t in kv.kv_cache_tensors) // max(kv.num_blocks, 1)
+
+    def check_fits(self, prompts: TokenizedPrompts, plan: Plan) -> None:
+        if len(prompts) == 0:
+            return
+        need = prompts.lengths + prompts.max_tokens
+        i = int(need.argmax())
+        if self.engine is None:
+            self._start(int(need[i]), int(prompts.row_ids[i]))
+        max_len = self.engine.vllm_config.model_config.max_model_len
+        if need[i] > max_len:
+            raise ConfigError(
+                f"model.max_model_len: row_id {int(prompts.row_ids[i])} needs {int(need[i])} "
+                f"tokens (prompt + max_tokens), the engine's limit is {max_len}"
+            )
+        blocks = -(-int(need[i]) // self.block_size)
+        if blocks > self.num_blocks:
+            raise ConfigError(
+                f"engine.kv_cache_bytes: row_id {int(prompts.row_ids[i])} needs {blocks} KV "
+                f"blocks, the cache holds {self.num_blocks}"
+            )
+
+    # --- running ----------------------------------------------------------------------
+    def run(
+        self,
+        prompts: TokenizedPrompts,
+        plan: Plan,
+        on_finish: OnFinish,
+        on_iteration: OnIteration | None = None,
+    ) -> BackendRun:
+        self.check_fits(prompts, plan)
+        engine, counters = self.engine, self.scheduler.bj
+        if not engine.reset_prefix_cache():  # no run reuses another's prefixes
+            raise VllmError("vLLM could not reset its prefix cache (requests still running)")
+        self._runs += 1
+        sampling, eos = self.job.sampling, self.model.config.eos_token_ids
+        tag = f"r{self._runs}"
+        groups = plan_order(prompts, plan, sampling, eos, tag, seeded=self.device != "cpu")
+        tracker = OutputTracker(prompts, sampling, eos, self.detokenize)
+        positions: dict[str, int] = {}
+        first_step, first_prefill, first_preempt = (
+            counters.steps,
+            counters.prefill_tokens,
+            counters.preemptions,
+        )
+        counters.peak_blocks = 0
+        seen = len(counters.records)
+        records = []
+        block_bytes = self.block_bytes
+        pending = True
+        t0 = time.perf_counter()
+        from vllm.inputs import TokensPrompt
+
+        while True:
+            while pending and len(positions) < self.window:  # whole groups, in plan order
+                subs = next(groups, None)
+                if subs is None:
+                    pending = False
+                    break
+                for sub in subs:
+                    positions[sub.request_id] = sub.position
+                    prompt = TokensPrompt(prompt_token_ids=sub.tokens)
+                    engine.add_request(sub.request_id, prompt, sub.params)
+            if not positions:
+                break
+            try:
+                outputs = engine.step()
+            except Exception as e:
+                raise VllmError(f"vLLM failed while running: {e}") from e
+            for out in outputs:
+                done, abort = tracker.update(out, positions[out.request_id])
+                if abort:
+                    engine.abort_request([out.request_id])
+                if done is not None:
+                    del positions[out.request_id]
+                    on_finish(done)
+            for rec in counters.records[seen:]:
+                rec = dataclasses.replace(
+                    rec,
+                    iteration=rec.iteration - first_step,
+                    kv_bytes_used=rec.kv_blocks_used * block_bytes,
+                )
+                records.append(rec)
+                if on_iteration is not None:
+                    on_iteration(rec)
+            seen = len(counters.records)
+        wall = time.perf_counter() - t0
+        del counters.records[:]  # the run's records are in `records` now
+        computed = counters.prefill_tokens - first_prefill
+        first_time = int(prompts.lengths.sum()) - tracker.cached_tokens
+        return BackendRun(
+            iterations=records,
+            computed_prefill_tokens=computed,
+            recomputed_tokens=max(computed - first_time, 0),
+            preemptions=counters.preemptions - first_preempt,
+            peak_kv_bytes=counters.peak_blocks * block_bytes,
+            kv_budget_bytes=self.num_blocks * block_bytes,
+            wall_s=wall,
+        )
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.engine_core.shutdown()
+            self.engine = self.scheduler = None

