@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from batchjob.atomic import write_parquet_atomic  # noqa: E402
+from batchjob.atomic import save_figure_atomic, write_parquet_atomic  # noqa: E402
 from batchjob.tiny_model import default_corpus, make_tiny_model  # noqa: E402
 from batchjob.workloads import make_workload  # noqa: E402
 
@@ -415,7 +415,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("requests / s (start-up excluded)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -30,7 +30,7 @@ import torch
 
 # one workload loader for both peers (vllm_peer imports only the stdlib at import time);
 # the script's own folder is on sys.path when run as a script
-from vllm_peer import load_workload
+from vllm_peer import load_workload, write_json
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,11 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run(args)
-    out = Path(args.output_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(out)
+    write_json(result, Path(args.output_json))
     keys = ("num_requests", "prompt_tokens", "generated_tokens", "startup_s", "generate_s")
     keys += ("generate_cpu_s",)
     keys += ("requests_per_s", "total_tokens_per_s", "peak_rss_self_mib")
