@@ -8,6 +8,7 @@ naming the key, before the plan runs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
@@ -42,8 +43,11 @@ class NativeBackend:
             torch.set_num_threads(job.engine.threads)
         self.job = job
         self.detokenize = detokenize
+        source = info or job.model.path  # the job's ModelInfo, read once by load_prompts
+        if source is None:
+            raise ConfigError("model.path: required to run the native backend")
         model, self.info = load_model(
-            info or job.model.path,  # the job's ModelInfo, read once by load_prompts
+            source,
             dtype=job.model.dtype,
             device=job.model.device,
             attention=job.engine.attention,
@@ -59,6 +63,9 @@ class NativeBackend:
             self.engine.check_fits(prompts, plan)
         except ValueError as e:
             raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
+
+    def rows_over_budget(self, prompts: TokenizedPrompts, plan: Plan) -> np.ndarray:
+        return self.engine.rows_over_budget(prompts, plan)
 
     def run(
         self,
