@@ -22,7 +22,7 @@ from batchjob.backends import open_backend
 from batchjob.backends.base import FinishedRequest
 from batchjob.config import JobConfig
 from batchjob.errors import AllRowsRejectedError, ConfigError
-from batchjob.io import STATUS_OK, open_dataset
+from batchjob.io import STATUS_KV_BUDGET, STATUS_OK, open_dataset
 from batchjob.lock import output_lock
 from batchjob.manifest import difference, manifest, read_manifest
 from batchjob.output_layout import OutputLayout
@@ -95,6 +95,25 @@ def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPr
     return dataclasses.replace(prompts, max_tokens=capped)
 
 
+def _rows_over_budget(backend, prompts: TokenizedPrompts, plan) -> np.ndarray:
+    """bool [N]: rows the backend says cannot fit its KV budget even alone (none if it
+    cannot tell: then ``check_fits`` alone decides)."""
+    probe = getattr(backend, "rows_over_budget", None)
+    if probe is None or not len(prompts):
+        return np.zeros(len(prompts), dtype=bool)
+    return np.asarray(probe(prompts, plan), dtype=bool)
+
+
+def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> ResultRow:
+    n, mt = int(prompts.lengths[i]), int(prompts.max_tokens[i])
+    msg = (
+        f"row {int(prompts.row_ids[i])}: prompt of {n} tokens + max_tokens {mt} does not fit "
+        f"the KV cache (engine.kv_cache_bytes = {budget}) even alone; give the engine more "
+        "KV memory or lower the row's max_tokens"
+    )
+    return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
+
+
 def run(job: JobConfig, progress: bool = True) -> JobResult:
     """Run ``job``; returns where results and report went and the summary."""
     t_job = time.perf_counter()
@@ -150,12 +169,19 @@ def _run_locked(
 
     t0 = time.perf_counter()
     plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
-    write_plan(plan, job.output.plan_file)
     stage["plan_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     backend = open_backend(job, lambda ids: detokenize(tokenizer, [ids])[0], model)
+    over = _rows_over_budget(backend, prompts, plan)
+    n_over = int(over.sum()) if not over.all() else 0
+    if n_over:  # report those rows, run the rest (all: a config error)
+        for i in np.flatnonzero(over):
+            sink.add(_over_budget_row(prompts, int(i), job.engine.kv_cache_bytes))
+        prompts = select_rows(prompts, ~over)
+        plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
     backend.check_fits(prompts, plan)
+    write_plan(plan, job.output.plan_file)
     stage["load_s"] = time.perf_counter() - t0
 
     lengths = prompts.lengths
@@ -204,8 +230,8 @@ def _run_locked(
         requests_run=len(prompts),
         rows={
             "total": loaded.num_rows,
-            "ok": len(loaded.prompts),
-            "rejected": len(loaded.rejected),
+            "ok": len(loaded.prompts) - n_over,
+            "rejected": len(loaded.rejected) + n_over,
             "skipped": len(done),
         },
         plan_ratios=(plan.stats.saving_ratio_single_level, plan.stats.saving_ratio_multi_level),

@@ -71,6 +71,10 @@ class Backend(Protocol):
         """Raise ``ConfigError`` naming the row when a request cannot fit the KV budget."""
         ...
 
+    # Optional (the pipeline uses it when present): ``rows_over_budget(prompts, plan)`` ->
+    # bool [N], the requests that cannot fit the KV budget even alone. Those rows get status
+    # ``kv_budget_exceeded`` and the rest of the job runs; without it ``check_fits`` decides.
+
     def run(
         self,
         prompts: TokenizedPrompts,

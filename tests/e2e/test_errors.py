@@ -254,3 +254,23 @@ def test_run_json_when_already_complete(tmp_path, run_model, run_data):
     assert res.exit_code == 0
     got = json.loads(res.stdout)
     assert got["already_complete"] is True and got["results"].endswith("results.parquet")
+
+
+def test_row_over_the_kv_budget_gets_a_status_and_the_rest_runs(tmp_path, run_model):
+    from batchjob.workloads import WORDS
+
+    short = [" ".join(WORDS[i : i + 5]) for i in range(0, 30, 5)]
+    long = [" ".join(WORDS[i : i + 300]) for i in (100, 500)]
+    data = tmp_path / "mixed.parquet"
+    pq.write_table(pa.table({"prompt": short[:3] + long[:1] + short[3:] + long[1:]}), data)
+    job = write_job(tmp_path, run_model, data, "out/results.parquet")
+    # 80000 bytes: 8 blocks of 16 tokens here; a 300-word prompt needs more even alone
+    res = cli("run", job, "--set", "engine.kv_cache_bytes=80000")
+    assert res.exit_code == 0, res.output
+    out = read_results(tmp_path / "out" / "results.parquet").to_pylist()
+    assert [r["row_id"] for r in out] == list(range(8))
+    assert [r["status"] for r in out] == ["ok"] * 3 + ["kv_budget_exceeded"] + ["ok"] * 3 + [
+        "kv_budget_exceeded"
+    ]
+    assert all("engine.kv_cache_bytes" in r["message"] for r in out if r["message"])
+    assert all(r["num_output_tokens"] == 6 or r["finish_reason"] == "stop" for r in out[:3])

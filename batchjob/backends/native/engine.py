@@ -19,7 +19,11 @@ from batchjob.backends.base import FinishedRequest, IterationRecord
 from batchjob.backends.native.batch_builder import build_batch
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.sampling import check_stop, sample, truncate_at_stop
-from batchjob.backends.native.scheduler.base import check_kv_budget, request_prefix_len
+from batchjob.backends.native.scheduler.base import (
+    check_kv_budget,
+    kv_blocks_needed,
+    request_prefix_len,
+)
 from batchjob.backends.native.scheduler.output import SchedulerStats
 from batchjob.backends.native.scheduler.registry import make_scheduler
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
@@ -86,6 +90,12 @@ class Engine:
         batchllm = self.scheduler_cfg.policy == "batchllm"
         grouped = plan if batchllm else None  # baseline ignores groups
         check_kv_budget(self.kv, prompts, request_prefix_len(grouped, len(prompts)))
+
+    def rows_over_budget(self, prompts: TokenizedPrompts, plan: Plan | None) -> np.ndarray:
+        """bool [N]: requests that cannot fit the KV budget even alone."""
+        grouped = plan if self.scheduler_cfg.policy == "batchllm" else None
+        need = kv_blocks_needed(self.kv, prompts, request_prefix_len(grouped, len(prompts)))
+        return need > self.kv.num_blocks
 
     @torch.inference_mode()
     def run(

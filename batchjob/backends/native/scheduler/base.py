@@ -61,6 +61,13 @@ def request_prefix_len(plan: Plan | None, num_requests: int) -> np.ndarray:
     return per_req
 
 
+def kv_blocks_needed(kv: KVLayout, prompts: TokenizedPrompts, prefix_len: np.ndarray) -> np.ndarray:
+    """int64 [N]: blocks each request needs alone (group prefix + own prompt + outputs - 1)."""
+    own = prompts.lengths - prefix_len
+    mt = prompts.max_tokens.astype(np.int64)
+    return cdiv(prefix_len, kv.block_size) + cdiv(own + mt - 1, kv.block_size)
+
+
 def check_kv_budget(kv: KVLayout, prompts: TokenizedPrompts, prefix_len: np.ndarray) -> None:
     """Raise ValueError unless every request fits alone: its group prefix + own prompt + outputs.
 
@@ -78,7 +85,7 @@ def check_kv_budget(kv: KVLayout, prompts: TokenizedPrompts, prefix_len: np.ndar
     mt = prompts.max_tokens.astype(np.int64)
     prefix_blocks = cdiv(prefix_len, bs)
     own_blocks = cdiv(own + mt - 1, bs)  # the last sampled token never gets KV
-    need = prefix_blocks + own_blocks
+    need = kv_blocks_needed(kv, prompts, prefix_len)
     i = int(np.argmax(need))
     if need[i] > nb:
         raise ValueError(
