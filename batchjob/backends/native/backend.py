@@ -8,6 +8,7 @@ naming the key, before the plan runs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
@@ -62,6 +63,9 @@ class NativeBackend:
             self.engine.check_fits(prompts, plan)
         except ValueError as e:
             raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
+
+    def rows_over_budget(self, prompts: TokenizedPrompts, plan: Plan) -> np.ndarray:
+        return self.engine.rows_over_budget(prompts, plan)
 
     def run(
         self,
