@@ -1,18 +1,30 @@
-"""CPU attention backends side by side: the C kernel (CpuAttention) vs the torch path.
+"""CPU attention backends side by side: the C kernel (each ISA build) vs the torch path.
 
-    .venv/bin/python benchmarks/bench_cpu_attention.py [--threads 2] [--repeats 10]
+    .venv/bin/python benchmarks/bench_cpu_attention.py [--head-dims 32,64,128] [--isas all]
+        [--threads 2] [--repeats 10]
 
-Shapes of the peer benchmark's model (8 heads = 8 KV heads x 128, fp32, block 16): a decode
-batch (3 groups x 15 members, prefix 600, own 60-150 keys), a group prefill (16 members x 100
-distinct tokens over a 600-token prefix), one causal 2000-token prefill. Median ms per call
-and GFLOP/s (4 flops per query-key pair per head dim: QK^T and P.V), then an fp32 GEMM's
-GFLOP/s as the ceiling.
+Per head dim (8 query heads = 8 KV heads, fp32, block 16) four shapes: a small decode batch
+(3 groups x 15 members, prefix 600, own 60-150 keys), a larger one (32 groups x 8, prefix
+512, own 64-96), a group prefill (16 members x 100 distinct tokens over a 600-token prefix)
+and one causal 2000-token prefill; plus one GQA shape (32 query heads over 8 KV heads).
+
+Each ISA build this CPU runs (kernels/cpu/build.py) is measured in its own process in which
+torch is held to the same ISA (``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``,
+``ONEDNN_MAX_CPU_ISA``), so a narrower path is compared with the torch path a CPU of that
+ISA would run; the table also gives torch at this CPU's full ISA. Median wall ms per call,
+GFLOP/s of the kernel (4 flops per query-key pair per head dim: QK^T and P.V), the ratios
+(torch ms / kernel ms: above 1 the kernel is faster) and what the first-use calibration
+picks for that shape class (``kernel`` or ``torch``), then an fp32 GEMM's GFLOP/s.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import click
@@ -21,18 +33,39 @@ import torch
 from batchjob.backends.native.attention.cpu import CpuAttention
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels import reference as ref
+from batchjob.kernels.cpu import build
+
+# torch held to an ISA: its own vector kernels, MKL and oneDNN
+TORCH_ISA_ENV = {
+    "avx512": {},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+    "generic": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+    },
+}
 
 
-def shapes() -> dict[str, ref.BatchSpec]:
+def shapes(head_dim: int) -> dict[str, ref.BatchSpec]:
     rng = random.Random(0)
-    dims = dict(num_q_heads=8, num_kv_heads=8, head_dim=128)
+    dims = dict(num_q_heads=8, num_kv_heads=8, head_dim=head_dim)
     decode = [ref.SeqSpec(1, rng.randint(60, 150), group=g) for g in range(3) for _ in range(15)]
+    big = [ref.SeqSpec(1, rng.randint(64, 96), group=g) for g in range(32) for _ in range(8)]
     return {
         "decode 45 seqs, 3 prefixes of 600": ref.BatchSpec(tuple(decode), (600,) * 3, **dims),
+        "decode 256 seqs, 32 prefixes of 512": ref.BatchSpec(tuple(big), (512,) * 32, **dims),
         "prefill 16x100 over prefix 600": ref.BatchSpec(
             tuple(ref.SeqSpec(100, 100, group=0) for _ in range(16)), (600,), **dims
         ),
         "causal prefill 2000": ref.BatchSpec((ref.SeqSpec(2000, 2000),), (), **dims),
+        "GQA 32/8: decode 45 seqs": ref.BatchSpec(
+            tuple(decode), (600,) * 3, num_q_heads=32, num_kv_heads=8, head_dim=head_dim
+        ),
     }
 
 
@@ -45,29 +78,74 @@ def pairs(spec: ref.BatchSpec) -> float:
     return n
 
 
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def median_ms(fn, args, repeats: int) -> float:
+    fn(*args)  # warm-up: per-batch work units / plans
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def measure_isa(isa: str, head_dims: list[int], repeats: int) -> list[dict]:
+    """Rows for one ISA build (run in a process whose torch is held to that ISA)."""
+    rows = []
+    kernel = CpuAttention(isa, calibrate=False)
+    picker = CpuAttention(isa, calibrate=True)
+    for d in head_dims:
+        for name, spec in shapes(d).items():
+            b = ref.build_batch(spec, seed=0)
+            args = (b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+            t_ms = median_ms(TorchAttention().attend, args, repeats)
+            k_ms = median_ms(kernel.attend, args, repeats)
+            pick = "kernel" if picker.uses_kernel(b.q, b.k_cache, b.v_cache, b.meta) else "torch"
+            flops = pairs(spec) * spec.num_q_heads * d * 4
+            rows.append(dict(isa=isa, d=d, shape=name, torch=t_ms, kernel=k_ms, pick=pick,
+                             gflops=flops / k_ms / 1e6))  # fmt: skip
+    return rows
+
+
 @click.command()
+@click.option("--head-dims", default="32,64,128", show_default=True)
+@click.option("--isas", default="all", show_default=True, help="Comma list or 'all' (this CPU).")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--repeats", default=10, show_default=True)
-def main(threads: int, repeats: int) -> None:
+@click.option("--child", default="", hidden=True)
+def main(head_dims: str, isas: str, threads: int, repeats: int, child: str) -> None:
     torch.set_num_threads(threads)
-    print("| shape | torch ms | C kernel ms | torch GFLOP/s | C kernel GFLOP/s | speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, spec in shapes().items():
-        b = ref.build_batch(spec, seed=0)
-        flops = pairs(spec) * spec.num_q_heads * spec.head_dim * 4
-        ms = []
-        for backend in (TorchAttention(), CpuAttention()):
-            backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)  # warm-up, units
-            times = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
-                times.append(time.perf_counter() - t)
-            ms.append(statistics.median(times) * 1e3)
-        gf = [flops / (m / 1e3) / 1e9 for m in ms]
+    dims = [int(x) for x in head_dims.split(",")]
+    if child:  # one ISA, torch already held to it by the parent's environment
+        print(json.dumps(measure_isa(child, dims, repeats)))
+        return
+    todo = build.cpu_isas() if isas == "all" else tuple(isas.split(","))
+    print(f"CPU: {build.cpu_model()}; ISA builds: {', '.join(todo)}; threads {threads}")
+    print(f"load average before: {loadavg()}")
+    rows: list[dict] = []
+    for isa in todo:
+        env = {**os.environ, **TORCH_ISA_ENV.get(isa, {})}
+        cmd = [sys.executable, __file__, "--head-dims", head_dims, "--threads", str(threads)]
+        cmd += ["--repeats", str(repeats), "--child", isa]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        rows += json.loads(res.stdout.strip().splitlines()[-1])
+    native = {(r["d"], r["shape"]): r["torch"] for r in rows if r["isa"] == todo[0]}
+    print(
+        "\n| head dim | shape | ISA | torch ms (same ISA) | torch ms (full CPU) | kernel ms "
+        "| kernel GFLOP/s | torch / kernel (same ISA) | torch / kernel (full CPU) "
+        "| calibration picks |"
+    )
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in sorted(rows, key=lambda r: (r["d"], r["shape"], todo.index(r["isa"]))):
+        full = native.get((r["d"], r["shape"]), float("nan"))
         print(
-            f"| {name} | {ms[0]:.1f} | {ms[1]:.1f} | {gf[0]:.0f} | {gf[1]:.0f} | "
-            f"{ms[0] / ms[1]:.2f}x |"
+            f"| {r['d']} | {r['shape']} | {r['isa']} | {r['torch']:.2f} | {full:.2f} | "
+            f"{r['kernel']:.2f} | {r['gflops']:.0f} | {r['torch'] / r['kernel']:.2f}x | "
+            f"{full / r['kernel']:.2f}x | {r['pick']} |"
         )
     x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
     x @ y
@@ -76,6 +154,7 @@ def main(threads: int, repeats: int) -> None:
         x @ y
     gemm = 2 * 2048**3 * repeats / (time.perf_counter() - t) / 1e9
     print(f"\nfp32 GEMM 2048^3 (the ceiling for comparison): {gemm:.0f} GFLOP/s")
+    print(f"load average after: {loadavg()}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """First-use calibration: per shape class, is the C kernel or the torch path faster here?
 
-A shape class is (ISA, head dim, GQA ratio, KV heads, block size, threads, kind), the kind
-being what dominates a batch's query-key pairs: ``decode`` (one-token queries),
-``prefill`` (chunks over their own KV) or ``prefix`` (chunks over a group's shared prefix).
-On a class's first batch both backends run a small synthetic batch of that kind (one
-warm-up, then ``REPS`` alternating timed calls each, medians compared); the winner is cached
-in a JSON file beside the kernel library, written atomically, so later processes reuse it.
+A shape class is (ISA, torch's CPU capability, head dim, GQA ratio, KV heads, block size,
+kind), the kind being what dominates a batch's query-key pairs: ``decode`` (one-token
+queries), ``prefill`` (chunks over their own KV) or ``prefix`` (chunks over a group's shared
+prefix). On a class's first batch both backends run a small synthetic batch of that kind on
+one thread, timed in CPU time of that thread (one warm-up, then ``REPS`` alternating calls
+each, the fastest of each compared): other processes on a busy machine neither deschedule
+the measurement nor stall an OpenMP barrier, so the pick is stable where wall time is not.
+Both backends split work over threads alike, so the one-thread ratio carries over. The
+winner is cached in a JSON file beside the kernel library, written atomically, so later
+processes reuse it.
 
 ``$BATCHJOB_CPU_CALIBRATE``: ``1`` (default) calibrate once and cache; ``0`` no calibration
 (the kernel takes every batch it supports); ``fresh`` re-measure and overwrite the cache.
@@ -16,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,14 +47,14 @@ class ShapeClass:
     gqa: int  # query heads per KV head
     kv_heads: int
     block_size: int
-    threads: int
     kind: str  # one of KINDS
 
     @property
     def key(self) -> str:
+        cap = torch.backends.cpu.get_cpu_capability()  # the fallback's own ISA
         return (
-            f"{self.isa}/d{self.head_dim}/r{self.gqa}/kv{self.kv_heads}/bs{self.block_size}"
-            f"/t{self.threads}/{self.kind}"
+            f"{self.isa}/torch-{cap}/d{self.head_dim}/r{self.gqa}/kv{self.kv_heads}/bs{self.block_size}"
+            f"/{self.kind}"
         )
 
 
@@ -110,19 +113,24 @@ def synthetic_batch(cls: ShapeClass) -> ref.PagedBatch:
 def measure(
     cls: ShapeClass, kernel: Callable[..., torch.Tensor], fallback: Callable[..., torch.Tensor]
 ) -> Decision:
-    """Median ms of ``kernel`` and ``fallback`` (``attend``-like callables) on the class's
-    synthetic batch, timed alternately so a load change hits both."""
+    """Fastest one-thread CPU ms of ``kernel`` and ``fallback`` (``attend``-like callables)
+    over ``REPS`` alternating calls on the class's synthetic batch."""
     b = synthetic_batch(cls)
     args = (b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     times: tuple[list[float], list[float]] = ([], [])
-    for fn in (kernel, fallback):
-        fn(*args)  # warm-up: per-batch work, caches
-    for _ in range(REPS):
-        for fn, ts in zip((kernel, fallback), times, strict=True):
-            t = time.perf_counter()
-            fn(*args)
-            ts.append(time.perf_counter() - t)
-    k_ms, t_ms = (statistics.median(ts) * 1e3 for ts in times)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel takes its thread count from torch's
+    try:
+        for fn in (kernel, fallback):
+            fn(*args)  # warm-up: per-batch work, caches
+        for _ in range(REPS):
+            for fn, ts in zip((kernel, fallback), times, strict=True):
+                t = time.thread_time()
+                fn(*args)
+                ts.append(time.thread_time() - t)
+    finally:
+        torch.set_num_threads(threads)
+    k_ms, t_ms = (min(ts) * 1e3 for ts in times)
     return Decision(k_ms <= t_ms, k_ms, t_ms)
 
 

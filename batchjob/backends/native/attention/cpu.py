@@ -147,7 +147,6 @@ class CpuAttention:
             q.shape[1] // hkv,
             hkv,
             bs,
-            torch.get_num_threads(),
             calib.batch_kind(meta),
         )
 
