@@ -22,6 +22,7 @@ from batchjob.backends import open_backend
 from batchjob.backends.base import FinishedRequest
 from batchjob.config import JobConfig
 from batchjob.errors import AllRowsRejectedError, ConfigError
+from batchjob.faults import fault_point
 from batchjob.io import STATUS_KV_BUDGET, STATUS_OK, open_dataset
 from batchjob.lock import output_lock
 from batchjob.manifest import difference, manifest, read_manifest
@@ -241,6 +242,7 @@ def _run_locked(
         device=backend.device,
         results=results_path,
     )
+    fault_point("report")
     paths = write_report(summary, run_info, job.output.report_file)
     sink.cleanup()  # after the report: a kill before here re-commits and re-reports on rerun
     return JobResult(results_path, paths, summary)
