@@ -53,7 +53,10 @@ def unshare_kv(meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Te
         for r, p in zip(meta.prefix_block_table.tolist(), prefix_len, strict=True)
     ]
     copied = any(prefix_len[g] % page for g in set(seq_group) if g >= 0)
-    rows, lengths, new_k, new_v = [], [], [], []
+    rows: list[list[int]] = []
+    lengths: list[int] = []
+    new_k: list[torch.Tensor] = []
+    new_v: list[torch.Tensor] = []
     next_block = k_cache.shape[0]
     for s, g in enumerate(seq_group):
         p = prefix_len[g] if g >= 0 else 0

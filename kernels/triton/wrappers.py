@@ -94,9 +94,13 @@ class Workspace:
     """
 
     def __init__(self) -> None:
-        self._o = self._lse = self._cnt = None
+        self._o: torch.Tensor | None = None
+        self._lse: torch.Tensor | None = None
+        self._cnt: torch.Tensor | None = None
 
-    def get(self, dims: Dims, slots: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def get(
+        self, dims: Dims, slots: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ws_o fp32 [T, Hq, slots, D], ws_lse fp32 [T, Hq, slots], counters int32 [T, Hq]
         (flat, possibly longer)."""
         th = max(1, dims.num_tokens * dims.num_q_heads)
