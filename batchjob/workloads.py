@@ -17,6 +17,9 @@ Workloads (lengths in tokens, before ``len_scale``):
   max_tokens 50.
 - ``nosharing`` (continuous-batching article): 1000 requests of 512 random tokens; output
   lengths exponential with mean 128, capped at 1536, in ``max_tokens`` (run with ignore_eos).
+- ``natural-qa`` (questions about documents, multi-level): ~1000 requests; a 40-token
+  instruction shared by all rows, then a ~400-token document shared by ~8 rows (1 +
+  Poisson(7)), then a short question of 15-29 tokens per row; max_tokens 32.
 
 ``len_scale`` multiplies prompt and output lengths, ``scale`` the request count, so a
 workload can shrink to a 2-core CPU while keeping its shape.
@@ -38,7 +41,7 @@ import pyarrow as pa
 MICRO = [
     f"micro-{p}-{d}-s{s}" for p, d in ((2000, 200), (1000, 1000), (200, 2000)) for s in (4, 16)
 ]
-WORKLOADS = [*MICRO, "case1", "case2", "nosharing"]
+WORKLOADS = [*MICRO, "case1", "case2", "nosharing", "natural-qa"]
 DEFAULT_VOCAB_LO = 16  # ids below this are left to special tokens
 
 
@@ -155,6 +158,8 @@ def _build(name: str, g: _Gen, scale: float) -> _Rows:
         )
     if name == "nosharing":
         return _nosharing(g, count(1000), 1536, 128.0)
+    if name == "natural-qa":
+        return _grouped(g, count(1000), 8, False, 40, 400, 22, 0.32, 32, ("doc_id", "question_id"))
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
