@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import pyarrow.parquet as pq  # noqa: E402
 
 from batchjob.atomic import write_parquet_atomic  # noqa: E402
+from batchjob.config import load_job  # noqa: E402
 from batchjob.tiny_model import make_tiny_model  # noqa: E402
 from batchjob.workloads import WORDS, make_workload  # noqa: E402
 
@@ -59,7 +60,7 @@ def main() -> int:
             f"  row {row['row_id']}: {row['status']} {row['finish_reason']!s:6} "
             f"{row['num_prompt_tokens']} prompt tokens -> {row['output_text'][:60]!r}"
         )
-    report = json.loads((ROOT / "out" / "demo" / "results.report.json").read_text())
+    report = json.loads(load_job(JOB).output.report_file.read_text())
     print(
         f"saving ratio: planned {report['saving_ratio_planned']:.1%}, achieved "
         f"{report['saving_ratio_achieved']:.1%}; {report['generated_tokens_per_s']:.0f} "
