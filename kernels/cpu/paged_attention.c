@@ -75,13 +75,24 @@ INLINE vf select_v(vi m, vf a, vf b) { /* m ? a : b, m lanes all-ones or zero */
     return (vf)(((vi)a & m) | ((vi)b & ~m));
 }
 
-/* 2**x for x <= 0 (relative error ~2e-7); lanes below -126 give ~1e-38, callers mask. */
+INLINE vf vmax(vf a, vf b) {
+#if L == 16
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif L == 8
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    return select_v(a > b, a, b);
+#endif
+}
+
+/* 2**x for x <= 0 (relative error ~2e-7): x = n + f with n = round(x) by the 1.5 * 2**23
+   trick, f in [-0.5, 0.5], 2**f by its degree-6 Taylor polynomial, n added to the
+   exponent; lanes below -126 give ~1e-38, callers mask. */
 INLINE vf exp2v(vf x) {
-    const vf lo = splat(-126.0f);
-    x = select_v(x < lo, lo, x);
-    vi xi = __builtin_convertvector(x, vi);            /* trunc toward zero */
-    xi += (vi)(__builtin_convertvector(xi, vf) > x);   /* -1 where trunc > x: floor */
-    vf f = x - __builtin_convertvector(xi, vf);        /* [0, 1) */
+    const vf magic = splat(12582912.0f);
+    x = vmax(x, splat(-126.0f));
+    const vf t = x + magic;    /* n in the low mantissa bits */
+    const vf f = x - (t - magic); /* [-0.5, 0.5] */
     vf p = splat(1.5403530e-4f);
     p = p * f + 1.3333558e-3f;
     p = p * f + 9.6181291e-3f;
@@ -89,7 +100,7 @@ INLINE vf exp2v(vf x) {
     p = p * f + 2.4022651e-1f;
     p = p * f + 6.9314718e-1f;
     p = p * f + 1.0f;
-    return (vf)((vi)p + (xi << 23));
+    return (vf)((vi)p + (((vi)t - (vi)magic) << 23));
 }
 
 INLINE float hmax(vf x) {
@@ -276,22 +287,33 @@ INLINE void softmax_km(scratch_t *w, int rows, int NV, int64_t R, int64_t D, int
             int64_t x = r < rows ? causal + r / R - kb + 1 : 0;
             lim[i] = (int32_t)(x < 0 ? 0 : (x > n ? n : x));
         }
+        int all = 1; /* every real row of this vector sees all n keys: no masks */
+        for (int i = 0; i < L && v * L + i < rows; i++) all &= lim[i] == n;
         vf mx = splat(-INFINITY);
-        for (int j = 0; j < n; j++) {
-            const vf x = select_v(lim > j, ld(w->s + j * RP + v * L), splat(-INFINITY));
-            mx = select_v(x > mx, x, mx);
-        }
+        if (all) /* padding lanes hold finite scores of zero queries: harmless */
+            for (int j = 0; j < n; j++) mx = vmax(mx, ld(w->s + j * RP + v * L));
+        else
+            for (int j = 0; j < n; j++)
+                mx = vmax(mx, select_v(lim > j, ld(w->s + j * RP + v * L), splat(-INFINITY)));
         const vf mold = ld(w->m + v * L);
-        const vf mnew = select_v(mx > mold, mx, mold);
+        const vf mnew = vmax(mx, mold);
         const vi none = mnew == splat(-INFINITY); /* no key seen yet: keep zeros */
         const vf alpha = select_v(none, splat(1.0f), exp2v(mold - mnew));
         vf sum = splat(0);
-        for (int j = 0; j < n; j++) {
-            float *sj = w->s + j * RP + v * L;
-            const vf p = select_v(lim > j, exp2v(ld(sj) - mnew), splat(0));
-            st(sj, p);
-            sum += p;
-        }
+        if (all)
+            for (int j = 0; j < n; j++) {
+                float *sj = w->s + j * RP + v * L;
+                const vf p = exp2v(ld(sj) - mnew);
+                st(sj, p);
+                sum += p;
+            }
+        else
+            for (int j = 0; j < n; j++) {
+                float *sj = w->s + j * RP + v * L;
+                const vf p = select_v(lim > j, exp2v(ld(sj) - mnew), splat(0));
+                st(sj, p);
+                sum += p;
+            }
         st(w->l + v * L, ld(w->l + v * L) * alpha + sum);
         st(w->m + v * L, mnew);
         for (int i = 0; i < L && v * L + i < rows; i++)
@@ -315,12 +337,10 @@ INLINE void softmax_span(scratch_t *w, int rows, int rh, int64_t R, int64_t D, i
             memset(s, 0, sizeof(float) * ((n + CH - 1) / CH) * CH);
             continue;
         }
-        vf vmax = splat(-INFINITY);
-        for (int j = 0; j < lim; j += L) {
-            const vf x = select_v(lane < (int32_t)(lim - j), ld(s + j), splat(-INFINITY));
-            vmax = select_v(x > vmax, x, vmax);
-        }
-        const float mx = hmax(vmax), mold = w->m[r];
+        vf vm = splat(-INFINITY);
+        for (int j = 0; j < lim; j += L)
+            vm = vmax(vm, select_v(lane < (int32_t)(lim - j), ld(s + j), splat(-INFINITY)));
+        const float mx = hmax(vm), mold = w->m[r];
         const float mnew = mx > mold ? mx : mold;
         vf sum = splat(0);
         for (int j = 0; j < n; j += L) {

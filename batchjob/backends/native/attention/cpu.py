@@ -75,10 +75,11 @@ def build_units(
     u = np.concatenate(parts, axis=1).T  # [n, 6]
     # decode-like tiles (< 4 rows per head) take all KV heads in one unit: whole blocks stream
     whole = (u[:, NQ] * r < 4) & (u[:, NQ] * r * hkv <= max_rows)
-    per_head = np.repeat(u[~whole], hkv, axis=0)
+    # head-major: equal-cost units of one KV head run back to back, its KV stays in L2
+    per_head = np.tile(u[~whole], (hkv, 1))
     units = np.empty((int(whole.sum()) + len(per_head), 7), dtype=np.int64)
     units[: len(per_head), :6] = per_head
-    units[: len(per_head), KVH] = np.tile(np.arange(hkv), int((~whole).sum()))
+    units[: len(per_head), KVH] = np.repeat(np.arange(hkv), int((~whole).sum()))
     units[len(per_head) :, :6] = u[whole]
     units[len(per_head) :, KVH] = -1
     keys = np.minimum(units[:, NKEYS], units[:, CAUSAL] + units[:, NQ])
