@@ -129,18 +129,30 @@ def build(isa: str = "generic", compiler: str | None = None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    # The linker creates the file in a private temp folder beside the target (so its mode
+    # follows the umask); fsync, rename, fsync the folder; the temp folder goes on any error.
+    # (Same guarantees as batchjob.atomic, which kernels/ may not import.)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
+        tmp = os.path.join(tmp_dir, out.name)
         cmd = [cc, *flags, str(SOURCE), "-o", tmp, "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+        _fsync(tmp)
         os.replace(tmp, out)
+        _fsync(out.parent)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return out
+
+
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @cache
