@@ -167,9 +167,13 @@ def run_cmd(job: JobConfig, no_progress: bool, as_json: bool) -> None:
     """
     import dataclasses
 
+    from batchjob.heartbeat import interval_from_env
     from batchjob.pipeline import run
 
-    result = run(job, progress=not no_progress and sys.stderr.isatty())
+    tty = sys.stderr.isatty()
+    result = run(
+        job, progress=not no_progress and tty, heartbeat_s=None if tty else interval_from_env()
+    )
     if result.summary is None:
         if as_json:
             click.echo(json.dumps({"results": str(result.results_path), "already_complete": True}))

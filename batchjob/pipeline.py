@@ -23,6 +23,7 @@ from batchjob.backends.base import FinishedRequest
 from batchjob.config import JobConfig
 from batchjob.errors import AllRowsRejectedError, ConfigError
 from batchjob.faults import fault_point
+from batchjob.heartbeat import Heartbeat
 from batchjob.io import STATUS_KV_BUDGET, STATUS_OK, open_dataset
 from batchjob.lock import output_lock
 from batchjob.manifest import difference, manifest, read_manifest
@@ -115,8 +116,10 @@ def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> R
     return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
 
 
-def run(job: JobConfig, progress: bool = True) -> JobResult:
-    """Run ``job``; returns where results and report went and the summary."""
+def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None) -> JobResult:
+    """Run ``job``; returns where results and report went and the summary.
+
+    ``heartbeat_s``: print a progress line on stderr this often (the operator's log)."""
     t_job = time.perf_counter()
     layout = OutputLayout.of(job.output)
     dataset = open_dataset(job.input)  # metadata only: files and row count for the manifest
@@ -127,7 +130,7 @@ def run(job: JobConfig, progress: bool = True) -> JobResult:
         this = manifest(job, dataset.files, dataset.num_rows)
         if not _resume_or_start(layout, this, job.output.overwrite):
             return JobResult(layout.output, {}, None)  # complete already: idempotent
-        return _run_locked(job, layout, this, progress, t_job)
+        return _run_locked(job, layout, this, progress, t_job, heartbeat_s)
 
 
 def _rejected_summary(loaded) -> str:
@@ -137,7 +140,12 @@ def _rejected_summary(loaded) -> str:
 
 
 def _run_locked(
-    job: JobConfig, layout: OutputLayout, this: dict, progress: bool, t_job: float
+    job: JobConfig,
+    layout: OutputLayout,
+    this: dict,
+    progress: bool,
+    t_job: float,
+    heartbeat_s: float | None = None,
 ) -> JobResult:
     stage: dict[str, float] = {}
 
@@ -189,9 +197,12 @@ def _run_locked(
     generated = 0
     bar = tqdm(total=len(prompts), unit="row", disable=not progress, desc="batchjob")
 
+    finished = 0
+
     def on_finish(o: FinishedRequest) -> None:
-        nonlocal generated
+        nonlocal generated, finished
         generated += len(o.token_ids)
+        finished += 1
         text = o.text if o.text is not None else detokenize(tokenizer, [o.token_ids])[0]
         sink.add(
             ResultRow(
@@ -208,10 +219,18 @@ def _run_locked(
         bar.update(1)
 
     t_run = time.perf_counter()
+    hb = Heartbeat(len(prompts), heartbeat_s) if heartbeat_s else None
+    if hb:
+        hb.say(
+            f"{loaded.num_rows} rows: {len(prompts)} to run, {len(done)} done earlier, "
+            f"{len(loaded.rejected) + n_over} rejected -> {layout.output}"
+        )
 
     def on_iteration(_rec) -> None:
         if progress and _rec.iteration % 8 == 0:
             bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t_run, 1e-9):.0f}")
+        if hb:
+            hb.beat(finished, generated, _rec.kv_bytes_used, job.engine.kv_cache_bytes or 0)
 
     try:
         run_info = backend.run(prompts, plan, on_finish, on_iteration=on_iteration)

@@ -274,3 +274,19 @@ def test_row_over_the_kv_budget_gets_a_status_and_the_rest_runs(tmp_path, run_mo
     ]
     assert all("engine.kv_cache_bytes" in r["message"] for r in out if r["message"])
     assert all(r["num_output_tokens"] == 6 or r["finish_reason"] == "stop" for r in out[:3])
+
+
+def test_readme_exit_code_table_is_complete_and_tested(tmp_path, bad, run_model):
+    """Every code in the README's table is in errors.py and exercised by a test here (0: the
+    runs above, 1: disk full, 75: locked, 130: test_pipeline_run's interrupt)."""
+    import re
+
+    from tests.e2e.jobkit import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    table = {int(c) for c in re.findall(r"^  \| (\d+) \|", readme, flags=re.M)}
+    defined = {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
+    assert table == defined, (table, defined)
+    tested = {code for _, code, _ in _cases(bad, run_model, tmp_path).values()}
+    tested |= {errors.EXIT_OK, errors.EXIT_RUNTIME, errors.EXIT_LOCKED, errors.EXIT_INTERRUPTED}
+    assert table <= tested
