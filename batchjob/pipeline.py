@@ -10,6 +10,7 @@ commit, once the new results are complete (``results``).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import shutil
 import time
 from dataclasses import dataclass
@@ -116,11 +117,28 @@ def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> R
     return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
 
 
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _identity(this: dict, started: str) -> dict:
+    """The report's job identity: the manifest's description + version and times."""
+    return {
+        **this["job"],
+        "batchjob_version": this["fingerprint"]["batchjob.version"],
+        "input_files": len(this["fingerprint"]["input.files"]),
+        "num_rows": this["fingerprint"]["input.num_rows"],
+        "started_at": started,
+        "finished_at": _utc_now(),
+    }
+
+
 def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None) -> JobResult:
     """Run ``job``; returns where results and report went and the summary.
 
     ``heartbeat_s``: print a progress line on stderr this often (the operator's log)."""
     t_job = time.perf_counter()
+    started = _utc_now()
     layout = OutputLayout.of(job.output)
     dataset = open_dataset(job.input)  # metadata only: files and row count for the manifest
     layout.check(job.input.path, dataset.files)
@@ -130,7 +148,7 @@ def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None)
         this = manifest(job, dataset.files, dataset.num_rows)
         if not _resume_or_start(layout, this, job.output.overwrite):
             return JobResult(layout.output, {}, None)  # complete already: idempotent
-        return _run_locked(job, layout, this, progress, t_job, heartbeat_s)
+        return _run_locked(job, layout, this, progress, t_job, heartbeat_s, started)
 
 
 def _rejected_summary(loaded) -> str:
@@ -146,6 +164,7 @@ def _run_locked(
     progress: bool,
     t_job: float,
     heartbeat_s: float | None = None,
+    started: str = "",
 ) -> JobResult:
     stage: dict[str, float] = {}
 
@@ -261,6 +280,7 @@ def _run_locked(
         device=backend.device,
         results=results_path,
     )
+    summary = dataclasses.replace(summary, job=_identity(this, started))
     fault_point("report")
     paths = write_report(summary, run_info, job.output.report_file)
     sink.cleanup()  # after the report: a kill before here re-commits and re-reports on rerun

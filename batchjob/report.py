@@ -52,6 +52,8 @@ class RunSummary:
     # result rows per "status/finish_reason" ("ok/stop", "ok/length", "empty_prompt/-", ...),
     # counted over the final results, rows of earlier runs included
     outcomes: dict[str, int] = field(default_factory=dict)
+    # which job: input/model paths, job file, config, batchjob version, started/finished (UTC)
+    job: dict = field(default_factory=dict)
 
 
 def outcome_counts(results: Path) -> dict[str, int]:
