@@ -171,7 +171,7 @@ def _load(isa: str) -> CpuKernel | None:
     fn = lib.batchjob_paged_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p]
-    fn.argtypes += [ctypes.c_int]
+    fn.argtypes += [ctypes.c_int, ctypes.c_int]  # threads, kv_bf16
     fn.restype = ctypes.c_int
     return CpuKernel(isa, path, lib.batchjob_kernel_lanes(), lib.batchjob_kernel_max_rows(), fn)
 

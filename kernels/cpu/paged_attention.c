@@ -16,7 +16,8 @@
    log2 domain, float32 throughout. Own partials go to `out`, prefix partials to `pout`, and
    a final pass merges them by log-sum-exp into `out`.
 
-   Layout: q [T, H, D]; k/v cache [num_blocks, BS, Hkv, D]; out/pout [T, H, D];
+   Layout: q [T, H, D] float32; k/v cache [num_blocks, BS, Hkv, D], float32 or bfloat16
+   (kv_bf16: widened to float32 chunk by chunk); out/pout [T, H, D];
    lse [2, T, H] (natural log; row 1: prefix, -inf where a token has no prefix).
    Requires D % L == 0, D <= 256, BS % 16 == 0 and rows = nq * R <= MAX_ROWS. */
 
@@ -53,7 +54,8 @@ typedef int32_t vi __attribute__((vector_size(4 * L)));
 enum { U_Q0, U_NQ, U_NKEYS, U_BLK, U_CAUSAL, U_DST, U_KVH, U_FIELDS };
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* float32, or bfloat16 (uint16) when kv_bf16 */
     const int32_t *blocks;
     float *out, *pout, *lse;
     int64_t T, H, Hkv, D, BS;
@@ -366,8 +368,36 @@ INLINE const float *pack(float *dst, const float *src, int nv, int64_t D, int64_
     return dst;
 }
 
-/* kvh < 0: all KV heads in this unit (decode rows only), so it streams whole blocks. */
-INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
+/* The same from a bfloat16 cache: widened to float32 (bf16 is the top half of a float). */
+INLINE const float *pack_bf16(float *dst, const uint16_t *src, int nv, int64_t D, int64_t ks) {
+    for (int j = 0; j < nv; j++) {
+        const uint16_t *x = src + j * ks;
+        float *y = dst + j * D;
+#if L == 16
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + d)));
+            _mm512_storeu_ps(y + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        }
+#elif L == 8
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + d)));
+            _mm256_storeu_ps(y + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+#else
+        for (int64_t d = 0; d < D; d++) {
+            const uint32_t b = (uint32_t)x[d] << 16;
+            memcpy(y + d, &b, 4);
+        }
+#endif
+    }
+    return dst;
+}
+
+/* kvh < 0: all KV heads in this unit (decode rows only), so it streams whole blocks.
+   BF: the cache is bfloat16; every chunk is widened into w->kv first (per head in decode
+   units), so the loops below always read float32. */
+INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D,
+                       const int BF) {
     const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->Hkv * D;
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
@@ -392,27 +422,42 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
         for (int c = 0; c < n; c += CH) {
             const int nv = n - c < CH ? n - c : CH;
-            const float *K = a->k + KV_AT(kb + c);
-            if (few)
+            const int64_t at = KV_AT(kb + c);
+            const float *K = (const float *)a->k + at;
+            const uint16_t *Kb = (const uint16_t *)a->k + at;
+            if (few && BF)
+                for (int64_t hh = 0; hh < nh; hh++)
+                    scores_dot(w->qs + hh * rh * D, w->s + hh * rh * SC + c, rh, D,
+                               pack_bf16(w->kv, Kb + hh * D, nv, D, ks), D, nv);
+            else if (few)
                 for (int64_t hh = 0; hh < nh; hh++)
                     scores_dot(w->qs + hh * rh * D, w->s + hh * rh * SC + c, rh, D, K + hh * D,
                                ks, nv);
             else
-                scores_km(w, w->s + c * RP, NV, D, pack(w->kv, K, nv, D, ks), nv);
+                scores_km(w, w->s + c * RP, NV, D,
+                          BF ? pack_bf16(w->kv, Kb, nv, D, ks) : pack(w->kv, K, nv, D, ks), nv);
         }
         if (few)
             softmax_span(w, rows, rh, R, D, causal, kb, n);
         else
             softmax_km(w, rows, NV, R, D, causal, kb, n);
         for (int c = 0; c < n; c += CH) {
-            const float *V = a->v + KV_AT(kb + c);
+            const int64_t at = KV_AT(kb + c);
+            const float *V = (const float *)a->v + at;
+            const uint16_t *Vb = (const uint16_t *)a->v + at;
             const int nv = n - c < CH ? n - c : CH;
-            if (few)
+            if (few && BF)
+                for (int64_t hh = 0; hh < nh; hh++)
+                    accumulate_rows(w->o + hh * rh * D, w->s + hh * rh * SC + c, rh, D,
+                                    pack_bf16(w->kv, Vb + hh * D, nv, D, ks), D, nv);
+            else if (few)
                 for (int64_t hh = 0; hh < nh; hh++)
                     accumulate_rows(w->o + hh * rh * D, w->s + hh * rh * SC + c, rh, D,
                                     V + hh * D, ks, nv);
             else
-                accumulate_km(w->o, w->s + c * RP, RP, rows, D, pack(w->kv, V, nv, D, ks), nv);
+                accumulate_km(w->o, w->s + c * RP, RP, rows, D,
+                              BF ? pack_bf16(w->kv, Vb, nv, D, ks) : pack(w->kv, V, nv, D, ks),
+                              nv);
         }
     }
 #undef KV_AT
@@ -428,17 +473,17 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 }
 
 /* One clone per common head dim, so D is a compile-time constant in the inner loops. */
-static void run_unit(const args_t *a, const int64_t *u, scratch_t *w) {
-    switch (a->D) {
-    case 32: run_unit_d(a, u, w, 32); break;
-    case 64: run_unit_d(a, u, w, 64); break;
-    case 80: run_unit_d(a, u, w, 80); break;
-    case 96: run_unit_d(a, u, w, 96); break;
-    case 128: run_unit_d(a, u, w, 128); break;
-    case 256: run_unit_d(a, u, w, 256); break;
-    default: run_unit_d(a, u, w, a->D);
+#define BY_D(BF)                                                                              \
+    switch (a->D) {                                                                           \
+    case 32: run_unit_d(a, u, w, 32, BF); break;                                              \
+    case 64: run_unit_d(a, u, w, 64, BF); break;                                              \
+    case 96: run_unit_d(a, u, w, 96, BF); break;                                              \
+    case 128: run_unit_d(a, u, w, 128, BF); break;                                            \
+    case 256: run_unit_d(a, u, w, 256, BF); break;                                            \
+    default: run_unit_d(a, u, w, a->D, BF);                                                   \
     }
-}
+static void run_unit_f32(const args_t *a, const int64_t *u, scratch_t *w) { BY_D(0) }
+static void run_unit_bf16(const args_t *a, const int64_t *u, scratch_t *w) { BY_D(1) }
 
 /* What this build is: the Python side sizes its work units by these. */
 const char *batchjob_kernel_isa(void) { return ISA_NAME; }
@@ -450,11 +495,11 @@ int batchjob_kernel_max_rows(void) { return MAX_ROWS; }
 static __thread scratch_t *tls_scratch;
 
 /* Returns 0, or a negative code for arguments the kernel does not support. */
-int batchjob_paged_attention(const float *q, const float *k_cache, const float *v_cache,
+int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                              const int32_t *blocks, const int64_t *units, int64_t n_units,
                              int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
-                             float scale, float *out, float *pout, float *lse,
-                             int n_threads) {
+                             float scale, float *out, float *pout, float *lse, int n_threads,
+                             int kv_bf16) {
     if (D % L || D > MAX_D || BS % CH || Hkv <= 0 || H % Hkv) return -1;
     for (int64_t i = 0; i < n_units; i++) {
         const int64_t rh = units[i * U_FIELDS + U_NQ] * (H / Hkv);
@@ -477,7 +522,8 @@ int batchjob_paged_attention(const float *q, const float *k_cache, const float *
         for (int64_t i = 0; i < T * H; i++) lse[T * H + i] = -INFINITY;
         if (w) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < n_units; i++) run_unit(&a, units + i * U_FIELDS, w);
+            for (int64_t i = 0; i < n_units; i++)
+                (kv_bf16 ? run_unit_bf16 : run_unit_f32)(&a, units + i * U_FIELDS, w);
         }
 #pragma omp for
         for (int64_t i = 0; i < T * H; i++) { /* merge the prefix partial into out */

@@ -55,6 +55,31 @@ def test_isa_path_many_decodes_over_one_prefix(isa):
     torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", (32, 128))
+@pytest.mark.parametrize("case", range(2))
+def test_isa_path_bfloat16_cache(isa, head_dim, case):
+    """bfloat16 caches and queries: widened to float32 in the kernel, output in bfloat16."""
+    spec = ref.random_spec(
+        40 + case,
+        num_q_heads=(2, 8)[case],
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=(16, 32)[case],
+        max_prefix=150,
+        max_chunk=70,
+        prefill_prob=0.0 if case == 0 else 0.6,
+        dtype=torch.bfloat16,
+    )
+    b = ref.build_batch(spec, seed=case)
+    backend = CpuAttention(isa, calibrate=False)
+    assert backend.supports(b.q, b.k_cache, b.v_cache)
+    out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)  # within a bf16 rounding
+
+
 def test_isa_selection(monkeypatch):
     assert build.cpu_isas(frozenset())[-1] == "generic"
     if build.platform.machine() == "x86_64":

@@ -1,7 +1,7 @@
 """First-use calibration: per shape class, is the C kernel or the torch path faster here?
 
 A shape class is (ISA, torch's CPU capability, head dim, GQA ratio, KV heads, block size,
-kind), the kind being what dominates a batch's query-key pairs: ``decode`` (one-token
+KV dtype, kind), the kind being what dominates a batch's query-key pairs: ``decode`` (one-token
 queries), ``prefill`` (chunks over their own KV) or ``prefix`` (chunks over a group's shared
 prefix). On a class's first batch both backends run a small synthetic batch of that kind on
 one thread, timed in CPU time of that thread (one warm-up, then ``REPS`` alternating calls
@@ -47,6 +47,7 @@ class ShapeClass:
     gqa: int  # query heads per KV head
     kv_heads: int
     block_size: int
+    dtype: str  # the KV cache's: float32 | bfloat16
     kind: str  # one of KINDS
 
     @property
@@ -54,7 +55,7 @@ class ShapeClass:
         cap = torch.backends.cpu.get_cpu_capability()  # the fallback's own ISA
         return (
             f"{self.isa}/torch-{cap}/d{self.head_dim}/r{self.gqa}/kv{self.kv_heads}/bs{self.block_size}"
-            f"/{self.kind}"
+            f"/{self.dtype}/{self.kind}"
         )
 
 
@@ -106,6 +107,7 @@ def synthetic_batch(cls: ShapeClass) -> ref.PagedBatch:
         num_kv_heads=cls.kv_heads,
         head_dim=cls.head_dim,
         block_size=cls.block_size,
+        dtype=getattr(torch, cls.dtype),
     )
     return ref.build_batch(spec, seed=0)
 

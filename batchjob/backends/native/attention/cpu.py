@@ -11,9 +11,10 @@ The kernel is built per ISA (kernels/cpu/build.py: avx512, avx2, generic; ``isa`
 ``$BATCHJOB_CPU_ISA`` forces a narrower one). Per shape class (head dim, GQA ratio, decode /
 prefill / prefix) a first-use calibration (calibrate.py, cached on disk) times the kernel
 against ``TorchAttention`` and the faster one takes that class's batches, so the backend is
-never slower than its own fallback. Cases the kernel does not take (non-float32 caches, head
-dims not a multiple of the ISA's vector width or over 256, block sizes not multiples of 16,
-no C compiler) go to ``TorchAttention``.
+never slower than its own fallback. Caches are float32 or bfloat16 (widened to float32 chunk
+by chunk in the kernel; queries and softmax in float32). Cases the kernel does not take
+(other cache dtypes, head dims not a multiple of the ISA's vector width or over 256, block
+sizes not multiples of 16, no C compiler) go to ``TorchAttention``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from batchjob.intmath import cdiv
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
 MAX_ROWS = 64  # the widest build's (avx512) rows per unit; each build reports its own
+KV_DTYPES = (torch.float32, torch.bfloat16)
 # unit fields, in the kernel's order
 Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH = range(7)
 
@@ -129,8 +131,9 @@ class CpuAttention:
         return (
             kn is not None
             and q.device.type == "cpu"
-            and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32
+            and q.dtype in KV_DTYPES
+            and k_cache.dtype in KV_DTYPES
+            and v_cache.dtype == k_cache.dtype
             and d % kn.lanes == 0
             and d <= 256
             and bs % 16 == 0
@@ -148,6 +151,7 @@ class CpuAttention:
             q.shape[1] // hkv,
             hkv,
             bs,
+            str(k_cache.dtype).removeprefix("torch."),
             calib.batch_kind(meta),
         )
 
@@ -180,12 +184,12 @@ class CpuAttention:
         units, blocks, has_prefix = self._work.get(
             meta, (h, hkv, kn.max_rows), lambda: _work(meta, h, hkv, kn.max_rows)
         )
-        q = q.contiguous()
+        qf = q.to(torch.float32).contiguous()
         out = torch.empty(t, h, d, dtype=torch.float32)
         pout = torch.empty(t, h, d, dtype=torch.float32) if has_prefix else out
         lse = torch.empty(2, t, h, dtype=torch.float32)
         rc = kn.fn(
-            q.data_ptr(),
+            qf.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             blocks.ctypes.data_as(ctypes.c_void_p),
@@ -201,7 +205,8 @@ class CpuAttention:
             pout.data_ptr(),
             lse.data_ptr(),
             torch.get_num_threads(),
+            int(k_cache.dtype == torch.bfloat16),
         )
         if rc != 0:
             raise RuntimeError(f"CPU paged attention kernel rejected its arguments (code {rc})")
-        return out
+        return out.to(q.dtype)
