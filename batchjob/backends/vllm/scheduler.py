@@ -190,7 +190,10 @@ class _BatchLLMMixin(_RecordingMixin):
         for r in self.running:  # decode growth of what runs: blocks to reach its max length
             final = _cdiv(r.num_prompt_tokens + r.max_tokens, bs)
             budget -= max(final - _cdiv(r.num_computed_tokens, bs), 0)
-        started = {id(g) for r in self.running if (g := self._bj_group(r)) is not None}
+        # groups whose prefix blocks are held (pinned, or by a running member): a waiting
+        # member needs blocks for its own part only
+        started = {id(g) for g in self._bj_groups.values() if g.pinned}
+        started |= {id(g) for r in self.running if (g := self._bj_group(r)) is not None}
         room = self.max_num_running_reqs - len(self.running)
         admitted = 0
         for r in self.waiting:
