@@ -364,7 +364,8 @@ INLINE void softmax_span(scratch_t *w, int rows, int rh, int64_t R, int64_t D, i
 /* Cache rows of one head are Hkv * D floats apart (4 KiB for 8 x 128): 16 of them share
    one L1 set and evict each other while a tile re-reads them, so tiles read a packed copy. */
 INLINE const float *pack(float *dst, const float *src, int nv, int64_t D, int64_t ks) {
-    for (int j = 0; j < nv; j++) memcpy(dst + j * D, src + j * ks, sizeof(float) * D);
+    for (int j = 0; j < nv; j++) /* vector copies: memcpy became rep movs (slow to start) */
+        for (int64_t d = 0; d < D; d += L) st(dst + j * D + d, ld(src + j * ks + d));
     return dst;
 }
 
@@ -393,6 +394,14 @@ INLINE const float *pack_bf16(float *dst, const uint16_t *src, int nv, int64_t D
     return dst;
 }
 
+/* Ask for the next chunk's rows (into L2) while this one is computed: chunks come from
+   scattered blocks, and a head's rows are Hkv * D apart, which the hardware does not follow. */
+INLINE void prefetch_rows(const char *p, int rows, int64_t row_bytes, int64_t stride) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t off = 0; off < row_bytes; off += 64)
+            __builtin_prefetch(p + r * stride + off, 0, 2);
+}
+
 /* kvh < 0: all KV heads in this unit (decode rows only), so it streams whole blocks.
    BF: the cache is bfloat16; every chunk is widened into w->kv first (per head in decode
    units), so the loops below always read float32. */
@@ -418,11 +427,22 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     if (causal + nq < kend) kend = causal + nq; /* keys past the last query's limit */
     const int32_t *blocks = a->blocks + u[U_BLK];
 #define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
+    const int64_t eb = BF ? 2 : 4, row_bytes = nh * D * eb; /* bytes of one key's heads */
+#define PREFETCH(base, key)                                                                   \
+    do {                                                                                      \
+        if ((key) < kend)                                                                     \
+            prefetch_rows((const char *)(base) + KV_AT(key) * eb,                             \
+                          kend - (key) < CH ? (int)(kend - (key)) : CH, row_bytes, ks * eb);  \
+    } while (0)
     for (int64_t kb = 0; kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
         for (int c = 0; c < n; c += CH) {
             const int nv = n - c < CH ? n - c : CH;
             const int64_t at = KV_AT(kb + c);
+            if (c + CH < n) /* the next K chunk, or the span's first V chunk */
+                PREFETCH(a->k, kb + c + CH);
+            else
+                PREFETCH(a->v, kb);
             const float *K = (const float *)a->k + at;
             const uint16_t *Kb = (const uint16_t *)a->k + at;
             if (few && BF)
@@ -443,6 +463,10 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
             softmax_km(w, rows, NV, R, D, causal, kb, n);
         for (int c = 0; c < n; c += CH) {
             const int64_t at = KV_AT(kb + c);
+            if (c + CH < n) /* the next V chunk, or the next span's first K chunk */
+                PREFETCH(a->v, kb + c + CH);
+            else
+                PREFETCH(a->k, kb + SC);
             const float *V = (const float *)a->v + at;
             const uint16_t *Vb = (const uint16_t *)a->v + at;
             const int nv = n - c < CH ? n - c : CH;
@@ -461,6 +485,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
         }
     }
 #undef KV_AT
+#undef PREFETCH
     float *out = u[U_DST] ? a->pout : a->out;
     float *lse = a->lse + (u[U_DST] ? a->T * H : 0);
     for (int r = 0; r < rows; r++) {
