@@ -5,12 +5,14 @@ results (``manifest.json`` in the metadata folder). A resumed run and an "alread
 answer require the stored fingerprint to equal this run's; otherwise the output belongs to
 another job and the run stops with exit 3 naming the first field that differs.
 
-In the fingerprint: the input files (path, size, mtime), row count, prompt and max_tokens
-columns, row limit; the model folder's identity (config.json and tokenizer.json hashes,
-weight file names, sizes and mtimes), dtype, max_model_len; every sampling setting; the
-plan-shaping scheduler settings (enlarge, reorder); engine.backend; the batchjob version.
-Not in it (may differ between runs): threads, progress, chunk size, KV budget, block size,
-attention backend, device, flush_rows, rows_per_file, batch_rows.
+In the fingerprint: the input files (path, size, mtime) and row count, every other input
+setting (prompt and max_tokens columns, row limit, ...); the model folder's identity
+(config.json and tokenizer.json hashes, weight file names, sizes and mtimes) and every other
+model setting (dtype, max_model_len); every sampling setting; the plan-shaping scheduler
+settings (enlarge, reorder); engine.backend; the batchjob version. Not in it (may differ
+between runs): threads, progress, chunk size, KV budget and threshold, block size, attention
+backend, policy, device, id_column, batch_rows and every output setting (flush_rows,
+rows_per_file, overwrite).
 """
 
 from __future__ import annotations
@@ -57,24 +59,26 @@ def model_identity(path: Path | None) -> dict[str, Any] | None:
     }
 
 
+# Every input/model/sampling key counts (a new key is assumed to change results) except these;
+# of scheduler/engine only the named ones do (the rest shape the schedule, not the outputs).
+_NOT_RESULTS = {"input.path", "input.batch_rows", "input.id_column", "model.path", "model.device"}
+_SCHEDULE_KEYS_THAT_COUNT = {"scheduler.enlarge", "scheduler.reorder", "engine.backend"}
+
+
 def fingerprint(job: JobConfig, input_files: Sequence[str], num_rows: int) -> dict[str, Any]:
     """Flat ``{"section.key": value}`` of what determines the results (JSON-able)."""
-    d = job.to_dict()
     fp: dict[str, Any] = {
         "batchjob.version": __version__,
         "input.files": [_stat(f) for f in input_files],
         "input.num_rows": num_rows,
-        "input.prompt_column": job.input.prompt_column,
-        "input.max_tokens_column": job.input.max_tokens_column,
-        "input.limit": job.input.limit,
         "model.identity": model_identity(job.model.path),
-        "model.dtype": job.model.dtype,
-        "model.max_model_len": job.model.max_model_len,
-        "scheduler.enlarge": job.scheduler.enlarge,
-        "scheduler.reorder": job.scheduler.reorder,
-        "engine.backend": job.engine.backend,
     }
-    fp.update({f"sampling.{k}": v for k, v in d["sampling"].items()})
+    for section, values in job.to_dict().items():
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            counts = section in ("input", "model", "sampling") and dotted not in _NOT_RESULTS
+            if counts or dotted in _SCHEDULE_KEYS_THAT_COUNT:
+                fp[dotted] = value
     return json.loads(json.dumps(fp))  # the form it has after a JSON round trip
 
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from batchjob.backends import open_backend
 from batchjob.backends.base import FinishedRequest
 from batchjob.config import JobConfig
-from batchjob.errors import AllRowsRejectedError, ConfigError
+from batchjob.errors import AllRowsRejectedError, ConfigError, ModelError
 from batchjob.faults import fault_point
 from batchjob.heartbeat import Heartbeat
 from batchjob.io import STATUS_KV_BUDGET, STATUS_OK, open_dataset
@@ -35,7 +35,7 @@ from batchjob.prompts import TokenizedPrompts
 from batchjob.report import RunSummary, summarize, write_report
 from batchjob.results import ResultRow, ResultSink
 from batchjob.tokenize import load_prompts
-from batchjob.tokenizer import detokenize, load_tokenizer
+from batchjob.tokenizer import PromptTokenizer, detokenize, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,25 @@ def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> R
     return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
 
 
+def _job_tokenizer(job: JobConfig, text_prompts: bool) -> PromptTokenizer | None:
+    """Text prompts need the model's tokenizer; token ids use it only to decode the outputs,
+    when the folder has one (else output_text stays null)."""
+    if job.model.path is None:
+        raise ModelError("model.path: required to run a job (a local Hugging Face model folder)")
+    if text_prompts or (Path(job.model.path) / "tokenizer.json").is_file():
+        return load_tokenizer(job.model.path)
+    if job.sampling.stop:
+        raise ConfigError(
+            f"sampling.stop: stop strings need a tokenizer.json in {job.model.path} "
+            "to decode the outputs"
+        )
+    return None
+
+
+def _decode(tokenizer: PromptTokenizer | None, ids) -> str | None:
+    return detokenize(tokenizer, [ids])[0] if tokenizer is not None else None
+
+
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
@@ -148,7 +167,9 @@ def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None)
         this = manifest(job, dataset.files, dataset.num_rows)
         if not _resume_or_start(layout, this, job.output.overwrite):
             return JobResult(layout.output, {}, None)  # complete already: idempotent
-        return _run_locked(job, layout, this, progress, t_job, heartbeat_s, started)
+        return _run_locked(
+            job, layout, this, progress, t_job, heartbeat_s, started, dataset.prompt_is_text
+        )
 
 
 def _rejected_summary(loaded) -> str:
@@ -165,10 +186,11 @@ def _run_locked(
     t_job: float,
     heartbeat_s: float | None = None,
     started: str = "",
+    text_prompts: bool = True,
 ) -> JobResult:
     stage: dict[str, float] = {}
 
-    tokenizer = load_tokenizer(job.model.path)  # once: encodes text prompts, decodes outputs
+    tokenizer = _job_tokenizer(job, text_prompts)  # once: encodes text, decodes outputs
     loaded, model = load_prompts(job, tokenizer)  # model: the folder, read once
     stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
     if len(loaded.prompts) == 0:
@@ -200,7 +222,7 @@ def _run_locked(
     stage["plan_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    backend = open_backend(job, lambda ids: detokenize(tokenizer, [ids])[0], model)
+    backend = open_backend(job, lambda ids: _decode(tokenizer, ids), model)
     over = _rows_over_budget(backend, prompts, plan)
     n_over = int(over.sum()) if not over.all() else 0
     if n_over:  # report those rows, run the rest (all: a config error)
@@ -222,7 +244,7 @@ def _run_locked(
         nonlocal generated, finished
         generated += len(o.token_ids)
         finished += 1
-        text = o.text if o.text is not None else detokenize(tokenizer, [o.token_ids])[0]
+        text = o.text if o.text is not None else _decode(tokenizer, o.token_ids)
         sink.add(
             ResultRow(
                 o.row_id,

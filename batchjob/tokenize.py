@@ -95,20 +95,20 @@ def tokenize_batch(
     is_text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
     empty = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
     bad_ids = np.zeros(n, dtype=bool)
+    null_ids = np.zeros(n, dtype=bool)
     if is_text:
         if tokenizer is None:
             raise ModelError("a text prompt column needs model.path (for its tokenizer.json)")
-        empty |= pc.fill_null(pc.equal(pc.binary_length(arr), 0), True).to_numpy(
-            zero_copy_only=False
-        )
+        blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(arr)), 0)  # "", "  ", "\n"
+        empty |= pc.fill_null(blank, True).to_numpy(zero_copy_only=False)
         keep_text = np.flatnonzero(~empty)
         vals, sub_len = tokenizer.encode(arr.take(pa.array(keep_text)).to_pylist())
         lengths = np.zeros(n, dtype=np.int64)
         lengths[keep_text] = sub_len
     else:
-        vals, lengths, bad_ids = _ids_column(arr)  # bad_ids: a null inside the list
+        vals, lengths, null_ids = _ids_column(arr)  # null_ids: a null inside the list
     hi = vocab_size if vocab_size is not None else _INT32_MAX + 1
-    bad_ids |= _per_row_any((vals < 0) | (vals >= hi), lengths)
+    bad_ids |= _per_row_any((vals < 0) | (vals >= hi), lengths) & ~null_ids
     empty |= lengths == 0
     too_long = lengths > max_model_len - 1 if max_model_len is not None else np.zeros(n, dtype=bool)
     if batch.max_tokens is None or batch.max_tokens_null is None:
@@ -119,10 +119,11 @@ def tokenize_batch(
 
     # one status per row, first match wins
     checks = [
-        (empty, STATUS_EMPTY_PROMPT, "column {c!r} is null or empty"),
+        (empty, STATUS_EMPTY_PROMPT, "column {c!r} is null, empty or whitespace only"),
+        (null_ids, STATUS_INVALID_TOKENS, "column {c!r} has a null token id"),
         (bad_ids, STATUS_INVALID_TOKENS, "column {c!r} has token ids outside [0, {v})"),
         (too_long, STATUS_PROMPT_TOO_LONG, "prompt of {n} tokens exceeds max_model_len - 1 = {m}"),
-        (bad_mt, STATUS_INVALID_MAX_TOKENS, "max_tokens {t} must be >= 1"),
+        (bad_mt, STATUS_INVALID_MAX_TOKENS, "max_tokens {t} must be in [1, 2147483647]"),
     ]
     status: list[str | None] = [None] * n
     messages: list[str] = [""] * n
@@ -138,7 +139,7 @@ def tokenize_batch(
                     t=int(mt[i]),
                 )
                 messages[i] = f"{batch.where(i)}: {msg}"
-    reject = empty | bad_ids | too_long | bad_mt
+    reject = empty | null_ids | bad_ids | too_long | bad_mt
     rej_idx = np.flatnonzero(reject)
     rejected = RejectedRows(
         batch.row_ids[rej_idx],

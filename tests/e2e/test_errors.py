@@ -25,7 +25,7 @@ def _one_line_error(res, code: int) -> str:
     assert res.exit_code == code, (res.exit_code, res.output, res.exception)
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     assert "Traceback" not in res.output
-    lines = res.stderr.strip().splitlines()
+    lines = [x for x in res.stderr.strip().splitlines() if not x.startswith("batchjob: ")]
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     return lines[0]
 

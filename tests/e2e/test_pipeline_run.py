@@ -74,7 +74,7 @@ def test_run_writes_one_row_per_input_and_a_report(tmp_path, model_dir, dataset)
     job = write_job(tmp_path, model_dir, dataset, "out/results.parquet")
     res = CliRunner().invoke(main, ["run", str(job), "--json"])
     assert res.exit_code == 0, res.output
-    summary = json.loads(res.output)
+    summary = json.loads(res.stdout)
     inp = pq.read_table(dataset)
     out = pq.read_table(tmp_path / "out" / "results.parquet")
     assert out["row_id"].to_pylist() == list(range(inp.num_rows))
@@ -139,7 +139,7 @@ def test_interrupted_job_resumes_without_loss_or_duplicates(tmp_path, model_dir,
 
     res = CliRunner().invoke(main, ["run", str(job), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["rows_skipped_done"] == written.num_rows
+    assert json.loads(res.stdout)["rows_skipped_done"] == written.num_rows
     resumed = pq.read_table(tmp_path / "run" / "results.parquet")
     assert resumed["row_id"].to_pylist() == list(range(n))
     cols = ["row_id", "output_token_ids", "status", "finish_reason", "request_id"]
