@@ -9,7 +9,8 @@ order; ``--policy batchllm``: batchjob's scheduler class, ``baseline``: vLLM's o
 ignore_eos, fp32, block 32. The engine starts once (its prefix cache is reset before each
 run); each JSON has the same fields as vllm_peer.py's that bench_peers.py reads:
 ``generate_s`` (= plan + run, start-up excluded), ``saving_ratio`` (achieved, from the
-requests' num_cached_tokens), ``process_ready_s``, peak memory of the process tree, rows.
+requests' num_cached_tokens), ``process_ready_s``, peak memory of the process tree, rows;
+and the run's per-iteration records beside it (``<output_json stem>.iterations.parquet``).
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     args = p.parse_args(argv)
 
+    from batchjob.atomic import write_parquet_atomic
     from batchjob.backends.vllm.backend import VllmBackend
     from batchjob.plan.build import build_plan
     from batchjob.prompts import TokenizedPrompts
+    from batchjob.report import iterations_table
     from batchjob.tokenize import load_prompts
 
     runs = json.loads(Path(args.plan).read_text())
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         }
         dest = Path(r["output_json"])
         dest.parent.mkdir(parents=True, exist_ok=True)
+        write_parquet_atomic(
+            iterations_table(info.iterations), dest.with_suffix(".iterations.parquet")
+        )
         tmp = dest.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))
         tmp.replace(dest)

@@ -62,6 +62,7 @@ WORKLOADS: dict[str, tuple[float, float, int]] = {  # (scale, len_scale, max_tok
     "micro-200-2000-s4": (0.05, 0.5, 50),
     "case2": (0.1, 0.5, 25),
     "nosharing": (0.1, 0.5, 64),
+    "natural-qa": (0.15, 1.0, 32),  # 150 requests: instruction 40 / document ~400 / question ~22
 }
 SMOKE_WORKLOAD = ("micro-2000-200-s4", 0.02, 0.05, 8)  # 20 requests of 110 tokens
 # minimum batchjob / vLLM-best requests/s
