@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from batchjob.config import JobConfig, load_job, parse_assignments
-from batchjob.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, BatchJobError
+from batchjob.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, BatchJobError, ConfigError
 from batchjob.tokenizer import parallelism_disabled
 from batchjob.version import __version__
 
@@ -137,8 +137,12 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     plan_s = time.perf_counter() - t0
     logical = len(data.prompts.tokens)
     path = (plan_out or job.output.plan_file).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_plan(plan, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_plan(plan, path)
+    except OSError as e:
+        key = "--plan-out" if plan_out else "output.path"
+        raise ConfigError(f"{key}: cannot write the plan to {path}: {e.strerror or e}") from None
     stages = (data.read, data.tokenize, StageTiming("plan", plan_s, len(data.prompts), logical))
     summary = summarize(
         plan,

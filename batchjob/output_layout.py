@@ -15,6 +15,7 @@ polars, Spark, DuckDB). Everything else lives in the sibling metadata folder
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
 from dataclasses import dataclass
@@ -86,6 +87,12 @@ class OutputLayout:
                     "(input.path); results would replace the input: choose another output.path"
                 )
         inp = Path(input_path)
+        if not inp.exists() and fnmatch.fnmatch(str(out), input_path):
+            raise ConfigError(
+                f"output.path: {self.output} matches the input pattern {input_path} "
+                "(input.path); the next run would read the results as input: choose another "
+                "output.path"
+            )
         if inp.is_dir() and (inp.resolve() in out.parents or inp.resolve() in meta.parents):
             raise ConfigError(
                 f"output.path: {self.output} is inside the input folder {input_path} "

@@ -192,3 +192,23 @@ def test_unusable_output_path_is_a_config_error(tmp_path, run_model, run_data, w
     res = cli("run", write_job(tmp_path, run_model, run_data, out))
     assert res.exit_code == EXIT_CONFIG, res.output
     assert "output.path" in res.stderr and "Traceback" not in res.output
+
+
+def test_output_matching_the_input_glob_is_refused_before_the_first_run(
+    tmp_path, run_model, run_data
+):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.parquet").write_bytes(run_data.read_bytes())
+    job = write_job(tmp_path, run_model, Path(str(d / "*.parquet")), d / "results.parquet")
+    res = cli("run", job)
+    assert res.exit_code == EXIT_CONFIG and "input.path" in res.stderr, res.output
+    assert not (d / "results.parquet").exists()
+
+
+def test_plan_with_an_unusable_output_path_is_a_config_error(tmp_path, run_model, run_data):
+    (tmp_path / "afile").write_text("x")
+    job = write_job(tmp_path, run_model, run_data, tmp_path / "afile" / "r.parquet")
+    res = cli("plan", job)
+    assert res.exit_code == EXIT_CONFIG and "Traceback" not in res.output, res.output
+    assert "output" in res.stderr
