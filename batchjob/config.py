@@ -117,6 +117,24 @@ def _list(obj: Any, name: str, key: str, item: type) -> None:
     object.__setattr__(obj, name, tuple(v))
 
 
+def _prompt_source_checks(cfg: Any) -> None:
+    """input.template / messages_column / system_prompt: types, one source, a valid template."""
+    _str("input.messages_column", cfg.messages_column, optional=True)
+    if cfg.system_prompt is not None and not isinstance(cfg.system_prompt, str):
+        _fail("input.system_prompt", "must be a string", cfg.system_prompt)
+    if cfg.template is None:
+        return
+    _str("input.template", cfg.template)
+    if cfg.messages_column is not None:
+        _fail("input.template", "cannot be combined with input.messages_column", cfg.template)
+    from batchjob.prompt_template import parse_template  # torch-free, no import cycle
+
+    try:
+        parse_template(cfg.template)
+    except ValueError as e:
+        raise ConfigError(f"input.template: {e}") from None
+
+
 # ---------------------------------------------------------------------------------------
 # sections
 
@@ -129,6 +147,16 @@ class InputConfig:
     max_tokens_column: str = "max_tokens"  # per-row decode limit, used when present
     batch_rows: int = 65536  # rows per streamed Arrow batch
     limit: int | None = None  # read only the first N rows
+    template: str | None = None  # prompt built from columns: "Q: {question}" ({{ }}: braces)
+    messages_column: str | None = None  # list<struct<role, content>> chat messages
+    system_prompt: str | None = None  # system turn put before each row's messages/prompt
+    # per-row settings (batchjob.row_settings): a null value takes the [sampling] one
+    temperature_column: str | None = None
+    top_p_column: str | None = None
+    top_k_column: str | None = None
+    seed_column: str | None = None
+    stop_column: str | None = None  # list<string>
+    labels_column: str | None = None  # list<string>: scoring mode, this row's labels
 
     def __post_init__(self) -> None:
         _str("input.path", self.path if self.path is None else str(self.path))
@@ -138,6 +166,19 @@ class InputConfig:
         _str("input.max_tokens_column", self.max_tokens_column)
         _int("input.batch_rows", self.batch_rows, lo=1)
         _int("input.limit", self.limit, lo=1, optional=True)
+        _prompt_source_checks(self)
+        for name in ROW_SETTING_COLUMNS:
+            _str(f"input.{name}", getattr(self, name), optional=True)
+
+
+ROW_SETTING_COLUMNS = (
+    "temperature_column",
+    "top_p_column",
+    "top_k_column",
+    "seed_column",
+    "stop_column",
+    "labels_column",
+)
 
 
 @dataclass(frozen=True)
@@ -146,6 +187,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # default: config.json max_position_embeddings
+    chat_template: str | None = None  # auto | none | PATH; unset: only messages use the model's
 
     def __post_init__(self) -> None:
         _path(self, "path", "model.path", optional=True)
@@ -154,6 +196,12 @@ class ModelConfig:
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             _fail("model.device", "must be auto, cpu, cuda or cuda:N", self.device)
         _int("model.max_model_len", self.max_model_len, lo=2, optional=True)
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", str(self.chat_template))
+        _str("model.chat_template", self.chat_template, optional=True)
+
+
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -169,6 +217,8 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()  # finish "stop" when one is generated
     stop: tuple[str, ...] = ()  # finish "stop" when the text contains one (text cut before it)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    logprobs: int | None = None  # per generated token: its log-prob and the top-N (0..20)
+    labels: tuple[str, ...] = ()  # scoring mode: log-prob of each label after the prompt
 
     def __post_init__(self) -> None:
         _int("sampling.max_tokens", self.max_tokens, lo=1)
@@ -183,6 +233,12 @@ class SamplingConfig:
         if not all(self.stop):
             _fail("sampling.stop", "stop strings must be non-empty", list(self.stop))
         _bool("sampling.ignore_eos", self.ignore_eos)
+        _int("sampling.logprobs", self.logprobs, lo=0, optional=True)
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            _fail("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _list(self, "labels", "sampling.labels", str)
+        if not all(self.labels) or len(set(self.labels)) != len(self.labels):
+            _fail("sampling.labels", "labels must be non-empty and distinct", list(self.labels))
 
     @property
     def greedy(self) -> bool:
@@ -252,6 +308,7 @@ class OutputConfig:
     overwrite: bool = False
     rows_per_file: int = 100000
     flush_rows: int = 4096  # finished rows per atomic part file (what a crash can lose)
+    format: str = "parquet"  # parquet | openai-jsonl (also writes OpenAI Batch output lines)
 
     def __post_init__(self) -> None:
         _path(self, "path", "output.path", optional=False)
@@ -260,6 +317,7 @@ class OutputConfig:
         _bool("output.overwrite", self.overwrite)
         _int("output.rows_per_file", self.rows_per_file, lo=1)
         _int("output.flush_rows", self.flush_rows, lo=1)
+        _str("output.format", self.format, ("parquet", "openai-jsonl"))
 
     @property
     def is_file(self) -> bool:
@@ -273,6 +331,12 @@ class OutputConfig:
         ``out/day1`` -> ``out/day1.meta/`` (so the results folder is a plain dataset)."""
         name = self.path.stem if self.is_file else self.path.name
         return self.path.with_name(name + ".meta")
+
+    @property
+    def jsonl_file(self) -> Path:
+        """OpenAI Batch output lines (output.format = "openai-jsonl") beside the results:
+        ``out/results.parquet`` -> ``out/results.jsonl``, ``out/day1`` -> ``out/day1.jsonl``."""
+        return self.path.with_name((self.path.stem if self.is_file else self.path.name) + ".jsonl")
 
     @property
     def report_file(self) -> Path:
@@ -299,6 +363,7 @@ _PATH_KEYS = {
     "output.path",
     "output.report_path",
     "output.plan_path",
+    "model.chat_template",  # "auto" and "none" are words, not paths (see _resolve)
 }
 
 
@@ -313,6 +378,11 @@ class JobConfig:
     source: Path | None = None  # the TOML file it came from
 
     def __post_init__(self) -> None:
+        if self.model.chat_template == "none" and (
+            self.input.messages_column or self.input.system_prompt is not None
+        ):
+            key = "input.messages_column" if self.input.messages_column else "input.system_prompt"
+            _fail("model.chat_template", f"'none' cannot render chat turns ({key} is set)", "none")
         # checks across sections that need no device: the rest wait for the backend to open
         dev, attn = self.model.device, self.engine.attention
         if self.engine.backend != "native":
@@ -372,7 +442,7 @@ def _parse_value(dotted: str, raw: str) -> Any:
 
 
 def _resolve(value: Any, base: Path) -> Any:
-    if value is None or not isinstance(value, str | Path):
+    if value is None or not isinstance(value, str | Path) or value in ("auto", "none"):
         return value
     p = Path(value).expanduser()
     return os.path.normpath(p if p.is_absolute() else base / p)  # globs survive normpath

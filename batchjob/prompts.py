@@ -7,8 +7,12 @@ without a Python object per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from batchjob.row_settings import RowSettings
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class TokenizedPrompts:
     tokens: np.ndarray  # int32 [offsets[-1]]: all prompt tokens, row after row
     offsets: np.ndarray  # int64 [N + 1]: row i is tokens[offsets[i]:offsets[i+1]]
     max_tokens: np.ndarray  # int32 [N]: decode limit per row (the job default where unset)
+    settings: RowSettings | None = None  # per-row sampling/labels, keyed by row_id
 
     def __post_init__(self) -> None:
         n = len(self.row_ids)

@@ -19,14 +19,28 @@ from batchjob.prompts import TokenizedPrompts
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of a request's generated tokens (``sampling.logprobs = N``): float32
+    log-softmax of the raw logits (before temperature, top-k, top-p), as vLLM by default."""
+
+    logprob: np.ndarray  # float32 [T]: of each generated token
+    top_ids: np.ndarray  # int32 [T, N]: the N most likely tokens at each step, best first
+    top_logprobs: np.ndarray  # float32 [T, N]
+
+
+@dataclass(frozen=True)
 class FinishedRequest:
-    """One finished request."""
+    """One finished request. The optional fields are set only when the job asks for them."""
 
     position: int  # index in TokenizedPrompts
     row_id: int
     token_ids: np.ndarray  # int32 generated tokens (stop token included, as HF does)
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "score" (scoring mode: nothing generated)
     text: str | None  # set when a stop string cut the text; else the caller detokenizes
+    logprobs: TokenLogprobs | None = None  # sampling.logprobs: aligned with token_ids
+    label_logprobs: np.ndarray | None = None  # float32 [L]: scoring mode, one per label
+    label: str | None = None  # scoring mode: the most likely label
+    target_logprobs: np.ndarray | None = None  # float32: engine-internal scoring targets
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ naming the key, before the plan runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -17,8 +19,10 @@ from batchjob.backends.native.models.loader import load_model
 from batchjob.config import JobConfig
 from batchjob.errors import ConfigError
 from batchjob.model_info import ModelInfo
+from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
+from batchjob.scoring import LabelCombiner, expand
 
 
 def check_device(device: str) -> None:
@@ -74,6 +78,8 @@ class NativeBackend:
         on_finish: OnFinish,
         on_iteration: OnIteration | None = None,
     ) -> BackendRun:
+        if prompts.settings is not None and prompts.settings.labels is not None:
+            return self._score(prompts, plan, on_finish, on_iteration)
         r = self.engine.run(
             prompts,
             plan,
@@ -82,6 +88,36 @@ class NativeBackend:
             detokenize=self.detokenize,
             on_iteration=on_iteration,
         )
+        return self._backend_run(r)
+
+    def _score(
+        self,
+        prompts: TokenizedPrompts,
+        plan: Plan,
+        on_finish: OnFinish,
+        on_iteration: OnIteration | None,
+    ) -> BackendRun:
+        """Scoring mode (``batchjob.scoring``): one step per label-trie node, greedy, no stop
+        strings; single-token labels run the input's plan as is."""
+        req = expand(prompts)
+        sched = self.job.scheduler
+        if not req.same_rows:
+            plan = build_plan(req.prompts, enlarge=sched.enlarge, order=sched.reorder)
+        combiner = LabelCombiner(req, prompts.row_ids, on_finish)
+        sampling = dataclasses.replace(
+            self.job.sampling, temperature=0.0, stop=(), logprobs=None, max_tokens=1
+        )
+        r = self.engine.run(
+            req.prompts,
+            plan,
+            sampling,
+            combiner.on_request,
+            on_iteration=on_iteration,
+            score_targets=req.targets,
+        )
+        return self._backend_run(r)
+
+    def _backend_run(self, r) -> BackendRun:
         per_block = r.block_size * r.kv_bytes_per_token
         return BackendRun(
             iterations=r.iterations,

@@ -9,16 +9,21 @@ settings are the job's ``SchedulerConfig``, ``EngineConfig`` and ``SamplingConfi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from batchjob.backends.base import FinishedRequest, IterationRecord
+from batchjob.backends.base import FinishedRequest, IterationRecord, TokenLogprobs
 from batchjob.backends.native.batch_builder import build_batch
 from batchjob.backends.native.kv_cache import KVLayout
-from batchjob.backends.native.sampling import check_stop, sample, truncate_at_stop
+from batchjob.backends.native.sampling import (
+    check_stop,
+    sample,
+    token_logprobs,
+    truncate_at_stop,
+)
 from batchjob.backends.native.scheduler.base import (
     check_kv_budget,
     kv_blocks_needed,
@@ -106,18 +111,24 @@ class Engine:
         on_finish: Callable[[FinishedRequest], None],
         detokenize: Callable[[list[int]], str] | None = None,
         on_iteration: Callable[[IterationRecord], None] | None = None,
+        score_targets: Sequence[np.ndarray] | None = None,
     ) -> EngineRun:
         """Generate for every prompt; ``on_finish`` gets each request as it finishes.
 
-        Per-row ``prompts.max_tokens`` override ``sampling.max_tokens``. Stop strings need
-        ``detokenize`` (token ids -> text).
+        Per-row ``prompts.max_tokens`` and ``prompts.settings`` override ``sampling``. Stop
+        strings need ``detokenize`` (token ids -> text). ``sampling.logprobs``: each request
+        carries its tokens' log-probs. ``score_targets`` (scoring, one int32 array per
+        prompt): the log-probs of those tokens after the prompt, from the logits of the first
+        step, go in ``FinishedRequest.target_logprobs``.
         """
         if sampling.stop and detokenize is None:
             raise ValueError("stop strings need a detokenize function")
         sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan)
-        row_params = _per_row_params(sampling, prompts.max_tokens)
+        row_params = _per_row_params(sampling, prompts)
         eos = self.info.eos_token_ids
+        top_n = sampling.logprobs
         generated: dict[int, list[int]] = {}
+        logprobs: dict[int, list[tuple[float, np.ndarray, np.ndarray]]] = {}
         records: list[IterationRecord] = []
         bs = self.kv.block_size
         t_start = time.perf_counter()
@@ -135,19 +146,27 @@ class Engine:
                 params = [row_params(s) for s in ids]
                 steps = [len(generated.get(s, ())) for s in ids]
                 rows = [int(prompts.row_ids[s]) for s in ids]
-                tokens = sample(logits, params, rows, steps).tolist()
-                for seq, tok, p in zip(ids, tokens, params, strict=True):
+                sampled_t = sample(logits, params, rows, steps)
+                tokens = sampled_t.tolist()
+                lp_of = _step_logprobs(logits, sampled_t, top_n) if top_n is not None else None
+                targets = _target_logprobs(logits, ids, score_targets) if score_targets else None
+                for j, (seq, tok, p) in enumerate(zip(ids, tokens, params, strict=True)):
                     toks = generated.setdefault(seq, [])
                     reason = check_stop(toks, tok, p, eos)
                     toks.append(tok)
                     sampled[seq] = tok
+                    if lp_of is not None:
+                        logprobs.setdefault(seq, []).append(lp_of(j))
                     text = None
-                    if p.stop and detokenize is not None:
-                        text, stopped = truncate_at_stop(detokenize(toks), p.stop)
+                    decoded = detokenize(toks) if p.stop and detokenize is not None else None
+                    if decoded is not None:
+                        text, stopped = truncate_at_stop(decoded, p.stop)
                         if stopped:
                             reason = "stop"
                         else:
                             text = None
+                    if targets is not None and targets[j] is not None:
+                        reason = "score"  # scoring: one step, nothing generated
                     if reason is not None:
                         finished.add(seq)
                         on_finish(
@@ -157,6 +176,8 @@ class Engine:
                                 token_ids=np.asarray(toks, dtype=np.int32),
                                 finish_reason=reason,
                                 text=text,
+                                logprobs=_collect(logprobs.pop(seq, None), top_n),
+                                target_logprobs=targets[j] if targets is not None else None,
                             )
                         )
                         del generated[seq]
@@ -190,17 +211,68 @@ class Engine:
 
 
 def _per_row_params(
-    base: SamplingConfig, max_tokens: np.ndarray
+    base: SamplingConfig, prompts: TokenizedPrompts
 ) -> Callable[[int], SamplingConfig]:
-    """Row position -> its sampling settings: ``base`` with the row's max_tokens (cached per
-    distinct value; the scheduler already refused a row limit below 1)."""
-    cache: dict[int, SamplingConfig] = {}
+    """Row position -> its sampling settings: ``base`` with the row's max_tokens and its
+    per-row overrides (``prompts.settings``), cached per distinct combination (the scheduler
+    already refused a row limit below 1; ``load_prompts`` rejected bad per-row values)."""
+    cache: dict[tuple, SamplingConfig] = {}
+    per_pos: dict[int, SamplingConfig] = {}
+    max_tokens = prompts.max_tokens
+    rs = prompts.settings if prompts.settings is not None else None
+    overrides = rs is not None and rs.overrides_sampling
 
     def get(pos: int) -> SamplingConfig:
+        p = per_pos.get(pos)
+        if p is not None:
+            return p
         mt = int(max_tokens[pos])
-        p = cache.get(mt)
+        key = (mt, rs.key(rs.index(int(prompts.row_ids[pos])))) if overrides else (mt,)
+        p = cache.get(key)
         if p is None:
-            p = cache[mt] = replace(base, max_tokens=mt)
+            p = replace(base, max_tokens=mt)
+            if overrides:
+                p = rs.apply(p, key[1])
+            cache[key] = p
+        per_pos[pos] = p
         return p
 
     return get
+
+
+def _step_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+) -> Callable[[int], tuple[float, np.ndarray, np.ndarray]]:
+    """Batch row j -> (logprob of its token, top-N ids, top-N logprobs), one batched call."""
+    chosen, ids, vals = token_logprobs(logits, tokens, min(top_n, logits.shape[-1]))
+    c, i, v = chosen.cpu().numpy(), ids.cpu().numpy(), vals.float().cpu().numpy()
+    return lambda j: (float(c[j]), i[j], v[j])
+
+
+def _collect(
+    steps: list[tuple[float, np.ndarray, np.ndarray]] | None, top_n: int | None
+) -> TokenLogprobs | None:
+    if steps is None or top_n is None:
+        return None
+    return TokenLogprobs(
+        logprob=np.asarray([s[0] for s in steps], dtype=np.float32),
+        top_ids=np.stack([s[1] for s in steps]).astype(np.int32),
+        top_logprobs=np.stack([s[2] for s in steps]).astype(np.float32),
+    )
+
+
+def _target_logprobs(
+    logits: torch.Tensor, seqs: Sequence[int], score_targets: Sequence[np.ndarray]
+) -> list[np.ndarray | None]:
+    """Batch row j -> float32 log-softmax of its request's target tokens (None: no targets)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)  # [K]: log-softmax = logit - lse, gathered targets only
+    out: list[np.ndarray | None] = []
+    for j, s in enumerate(seqs):
+        t = score_targets[s]
+        if t is None:
+            out.append(None)
+            continue
+        idx = torch.as_tensor(np.asarray(t, dtype=np.int64), device=x.device)
+        out.append((x[j, idx] - lse[j]).cpu().numpy().astype(np.float32))
+    return out

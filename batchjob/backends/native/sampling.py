@@ -79,6 +79,22 @@ def sample(
     return out
 
 
+def token_logprobs(
+    logits: torch.Tensor,  # [K, V], the raw logits
+    tokens: torch.Tensor,  # int64 [K]: the sampled token of each row
+    top_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of each sampled token [K], top-N ids [K, N], their logprobs [K, N]): float32
+    log-softmax of the raw logits, before temperature/top-k/top-p (as vLLM by default)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, tokens.long()[:, None]).squeeze(1)
+    top = lp.topk(top_n, dim=-1, sorted=True) if top_n else None
+    k = lp.shape[0]
+    ids = top.indices.int() if top is not None else torch.zeros(k, 0, dtype=torch.int32)
+    vals = top.values if top is not None else torch.zeros(k, 0)
+    return chosen, ids, vals
+
+
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Zero the probabilities outside each row's top-k / top-p set (ties at the cut kept)."""
     v = probs.shape[1]
