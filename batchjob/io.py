@@ -22,8 +22,9 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from batchjob.config import InputConfig
+from batchjob.config import InputConfig, ModelConfig
 from batchjob.errors import InputDataError
+from batchjob.prompt_source import PromptBuilder, make_builder
 
 STATUS_OK = "ok"
 STATUS_EMPTY_PROMPT = "empty_prompt"
@@ -62,6 +63,8 @@ class PromptBatch:
     passthrough: pa.Table  # [B] row_id + every input column except the prompt column
     source: str  # file path the rows come from
     file_row_start: int  # index of the first row within that file
+    add_special_tokens: bool = True  # False: chat text that holds its BOS/EOS already
+    rejected: RejectedRows | None = None  # rows the prompt builder rejected (prompt null)
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -173,6 +176,7 @@ class InputDataset:
     max_tokens_column: str | None  # None when the dataset has no such column
     batch_rows: int
     limit: int | None
+    builder: PromptBuilder | None = None  # template / messages / chat (None: prompt column)
 
     @property
     def num_rows(self) -> int:
@@ -208,7 +212,18 @@ class InputDataset:
         n = rb.num_rows
         row_ids = np.arange(start, start + n, dtype=np.int64)
         table = pa.Table.from_batches([rb])
-        prompts = table.column(self.prompt_column).combine_chunks()
+        rejected = None
+        if self.builder is not None:  # batchjob.prompt_source: template, messages, chat
+            built = self.builder.build(table)
+            prompts, drop = built.prompts, list(self.builder.consumed)
+            where = [
+                f"row {start + i} (file {os.path.basename(path)}, row {file_row + i})"
+                for i in built.reject
+            ]
+            msgs = tuple(f"{w}: {m}" for w, m in zip(where, built.message, strict=True))
+            rejected = RejectedRows(row_ids[built.reject], built.status, msgs)
+        else:
+            prompts, drop = table.column(self.prompt_column).combine_chunks(), [self.prompt_column]
         if pa.types.is_dictionary(prompts.type):
             prompts = prompts.dictionary_decode()
         max_tokens = max_tokens_null = None
@@ -218,14 +233,23 @@ class InputDataset:
             max_tokens = (
                 col.cast(pa.int64(), safe=False).fill_null(0).to_numpy(zero_copy_only=False)
             )
-        rest = table.drop_columns([self.prompt_column])
+        rest = table.drop_columns([c for c in drop if c in table.column_names])
         if ROW_ID in rest.column_names:  # keep an input column named row_id under another name
             rest = rest.rename_columns(
                 ["input_" + c if c == ROW_ID else c for c in rest.column_names]
             )
         passthrough = rest.add_column(0, ROW_ID, pa.array(row_ids, pa.int64()))
+        special = self.builder.add_special_tokens if self.builder is not None else True
         return PromptBatch(
-            row_ids, prompts, max_tokens, max_tokens_null, passthrough, path, file_row
+            row_ids,
+            prompts,
+            max_tokens,
+            max_tokens_null,
+            passthrough,
+            path,
+            file_row,
+            special,
+            rejected,
         )
 
 
@@ -256,8 +280,15 @@ def _unify(acc: pa.Schema | None, schema: pa.Schema, f: str, first: str) -> pa.S
         raise InputDataError(f"{f}: schema does not match earlier files (e.g. {first})") from None
 
 
-def open_dataset(cfg: InputConfig) -> InputDataset:
-    """Resolve and validate the input (schema of every file); reads no row data."""
+def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDataset:
+    """Resolve and validate the input (schema of every file); reads no row data.
+
+    ``model``: the job's model section, to load a chat template (None: metadata only)."""
+    if cfg.path.endswith(".jsonl"):  # OpenAI Batch API requests
+        from batchjob.openai_jsonl import open_requests
+
+        return open_requests(cfg, model)
+    builder = make_builder(cfg, model)
     files = resolve_files(cfg.path)
     rows: list[int] = []
     kinds: set[bool] = set()
@@ -272,12 +303,14 @@ def open_dataset(cfg: InputConfig) -> InputDataset:
         rows.append(meta.num_rows)
         schemas.append(schema)
         names = schema.names
-        if cfg.prompt_column not in names:
+        if builder is not None:  # template, messages or a chat prompt: text
+            builder.check_schema(schema, f)
+        elif cfg.prompt_column not in names:
             raise InputDataError(
                 f"{f}: column {cfg.prompt_column!r} (input.prompt_column) not found; "
                 f"available columns: {', '.join(names)}"
             )
-        ptype = schema.field(cfg.prompt_column).type
+        ptype = schema.field(cfg.prompt_column).type if builder is None else pa.string()
         if not (_is_text(ptype) or _is_token_list(ptype)):
             raise InputDataError(
                 f"{f}: column {cfg.prompt_column!r} has type {ptype}; expected string "
@@ -322,4 +355,5 @@ def open_dataset(cfg: InputConfig) -> InputDataset:
         max_tokens_column=cfg.max_tokens_column if has_max_tokens.pop() else None,
         batch_rows=cfg.batch_rows,
         limit=cfg.limit,
+        builder=builder,
     )

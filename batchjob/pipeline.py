@@ -307,3 +307,7 @@ def _run_locked(
     paths = write_report(summary, run_info, job.output.report_file)
     sink.cleanup()  # after the report: a kill before here re-commits and re-reports on rerun
     return JobResult(results_path, paths, summary)
+    if job.output.format == "openai-jsonl":  # from the committed results: a kill before
+        from batchjob.openai_jsonl import write_responses  # cleanup redoes it on rerun
+
+        paths["openai_jsonl"] = write_responses(job, results_path)

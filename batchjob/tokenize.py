@@ -102,7 +102,8 @@ def tokenize_batch(
         blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(arr)), 0)  # "", "  ", "\n"
         empty |= pc.fill_null(blank, True).to_numpy(zero_copy_only=False)
         keep_text = np.flatnonzero(~empty)
-        vals, sub_len = tokenizer.encode(arr.take(pa.array(keep_text)).to_pylist())
+        texts = arr.take(pa.array(keep_text)).to_pylist()
+        vals, sub_len = tokenizer.encode(texts, add_special_tokens=batch.add_special_tokens)
         lengths = np.zeros(n, dtype=np.int64)
         lengths[keep_text] = sub_len
     else:
@@ -128,6 +129,12 @@ def tokenize_batch(
     status: list[str | None] = [None] * n
     messages: list[str] = [""] * n
     for mask, code, fmt in checks:
+    if batch.rejected is not None:  # rows the prompt builder rejected (their prompt is null)
+        for rid, code, msg in zip(
+            *(batch.rejected.row_ids, batch.rejected.status, batch.rejected.message), strict=True
+        ):
+            i = int(rid - batch.row_ids[0])  # a batch's row ids are consecutive
+            status[i], messages[i] = code, msg
         for i in np.flatnonzero(mask):
             if status[i] is None:
                 status[i] = code
@@ -227,7 +234,7 @@ def load_prompts(
     the later stages. ``tokenizer``: the job's, when the caller has loaded it already (run
     needs it to decode outputs too); else it is loaded here if the prompts are text.
     """
-    dataset = open_dataset(job.input)
+    dataset = open_dataset(job.input, job.model)
     info = model_info_for_job(job)
     if dataset.prompt_is_text and tokenizer is None:
         if job.model.path is None:

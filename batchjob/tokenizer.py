@@ -34,9 +34,12 @@ class PromptTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """-> (tokens int32 [sum L], lengths int64 [len(texts)]); one Rust call, parallel."""
-        encs = self.tokenizer.encode_batch_fast(texts, add_special_tokens=True)
+    def encode(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """-> (tokens int32 [sum L], lengths int64 [len(texts)]); one Rust call, parallel.
+        ``add_special_tokens=False`` for chat text (it holds its BOS already, as in HF)."""
+        encs = self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         ids = [e.ids for e in encs]
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         tokens = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))

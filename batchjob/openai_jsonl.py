@@ -1,0 +1,285 @@
+"""OpenAI Batch API files: requests in (``input.path`` ending in .jsonl), responses out.
+
+Requests: one JSON object a line, ``{"custom_id", "method": "POST", "url":
+"/v1/chat/completions" | "/v1/completions", "body": {"model", "messages" | "prompt",
+"max_tokens", "temperature", "top_p", ...}}``, one url for the whole file (as the Batch API
+requires). Lines become rows of an Arrow table, in line order (row_id = request index):
+``custom_id``, ``url``, ``model``, ``messages`` (list<struct<role, content>>) or ``prompt``,
+``max_tokens`` (``max_completion_tokens`` too), ``temperature``, ``top_p``; chat messages go
+through the model's chat template (``batchjob.prompt_source``). A line that is not valid JSON
+or not a valid request becomes a row with status ``invalid_request`` and a message naming
+the line (its result row and its error line are still written).
+
+Responses (``output.format = "openai-jsonl"``): written from the committed Parquet results
+(the source of truth for resume), one line per row keyed by ``custom_id``, atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchjob.atomic import atomic_open
+from batchjob.config import InputConfig, JobConfig, ModelConfig
+from batchjob.errors import InputDataError
+from batchjob.io import InputDataset
+from batchjob.prompt_source import ERROR_COLUMN, make_builder
+
+STATUS_INVALID_REQUEST = "invalid_request"
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+class _Bad(ValueError):
+    """A request line that cannot run (message without the line number)."""
+
+
+def _content(v: Any) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", ...})."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in v):
+        return "".join(str(p.get("text", "")) for p in v)
+    raise _Bad("message content must be a string or a list of text parts")
+
+
+def _number(body: dict, key: str) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise _Bad(f"body.{key} must be a number, got {v!r}")
+    return float(v)
+
+
+def _request(obj: Any) -> dict[str, Any]:
+    """One parsed line -> its row (raises _Bad)."""
+    if not isinstance(obj, dict):
+        raise _Bad("a request must be a JSON object")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise _Bad("custom_id must be a non-empty string")
+    if obj.get("method", "POST") != "POST":
+        raise _Bad(f"method must be POST, got {obj.get('method')!r}")
+    url, body = obj.get("url"), obj.get("body")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise _Bad(f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
+    if not isinstance(body, dict):
+        raise _Bad("body must be a JSON object")
+    row: dict[str, Any] = {"custom_id": cid, "url": url, "model": body.get("model")}
+    if not isinstance(row["model"], str | None):
+        raise _Bad("body.model must be a string")
+    if url == CHAT_URL:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise _Bad("body.messages must be a non-empty list")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+            raise _Bad("each message needs a string role")
+        row["messages"] = [{"role": m["role"], "content": _content(m.get("content"))} for m in msgs]
+    else:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1:
+            p = p[0]
+        if not isinstance(p, str):
+            raise _Bad("body.prompt must be a string (one prompt per request)")
+        row["prompt"] = p
+    mt = body.get("max_tokens", body.get("max_completion_tokens"))
+    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
+        raise _Bad(f"body.max_tokens must be an integer, got {mt!r}")
+    if body.get("n", 1) != 1:
+        raise _Bad(f"body.n must be 1, got {body.get('n')!r}")
+    row.update(max_tokens=mt, temperature=_number(body, "temperature"))
+    row["top_p"] = _number(body, "top_p")
+    return row
+
+
+def read_requests(path: str) -> tuple[pa.Table, str]:
+    """-> (one row per request line, the file's url). InputDataError: unreadable file, no
+    request, or two endpoints in one file."""
+    rows: list[dict[str, Any]] = []
+    url0: str | None = None
+    seen: dict[str, int] = {}
+    try:
+        f = open(path, encoding="utf-8")  # noqa: SIM115 (closed below)
+    except OSError as e:
+        raise InputDataError(f"input.path: cannot read {path}: {e.strerror or e}") from None
+    with f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            obj: Any = None
+            try:
+                obj = json.loads(line)
+                row = _request(obj)
+                if url0 is None:
+                    url0 = row["url"]
+                elif row["url"] != url0:
+                    raise InputDataError(
+                        f"{path}: line {lineno}: url {row['url']} differs from {url0} of the "
+                        "first request; one batch file holds requests for one endpoint"
+                    )
+                if row["custom_id"] in seen:
+                    raise _Bad(
+                        f"custom_id {row['custom_id']!r} repeats line {seen[row['custom_id']]}"
+                    )
+                seen[row["custom_id"]] = lineno
+                row[ERROR_COLUMN] = None
+            except (ValueError, UnicodeDecodeError) as e:
+                what = "invalid JSON" if isinstance(e, json.JSONDecodeError) else "bad request"
+                cid = obj.get("custom_id") if isinstance(obj, dict) else None
+                row = {"custom_id": cid if isinstance(cid, str) else None}
+                row[ERROR_COLUMN] = f"{STATUS_INVALID_REQUEST}\tline {lineno}: {what}: {e}"
+            row["line"] = lineno
+            rows.append(row)
+    if not rows:
+        raise InputDataError(f"input.path: {path} holds no request lines")
+    url = url0 or CHAT_URL
+    chat = url == CHAT_URL
+    cols: dict[str, pa.Array] = {
+        "custom_id": pa.array([r.get("custom_id") for r in rows], pa.string()),
+        "line": pa.array([r["line"] for r in rows], pa.int64()),
+        "url": pa.array([url] * len(rows), pa.string()),
+        "model": pa.array([r.get("model") for r in rows], pa.string()),
+        ("messages" if chat else "prompt"): pa.array(
+            [r.get("messages" if chat else "prompt") for r in rows],
+            MESSAGES_TYPE if chat else pa.string(),
+        ),
+        "max_tokens": pa.array([r.get("max_tokens") for r in rows], pa.int64()),
+        "temperature": pa.array([r.get("temperature") for r in rows], pa.float64()),
+        "top_p": pa.array([r.get("top_p") for r in rows], pa.float64()),
+        ERROR_COLUMN: pa.array([r[ERROR_COLUMN] for r in rows], pa.string()),
+    }
+    return pa.table(cols), url
+
+
+@dataclass(frozen=True)
+class RequestsDataset(InputDataset):
+    """An OpenAI Batch request file read into memory (Batch API files are at most 200 MB)."""
+
+    table: pa.Table | None = None
+
+    def batches(self):
+        assert self.table is not None
+        path = self.files[0]
+        for start in range(0, self.num_rows, self.batch_rows):
+            n = min(self.batch_rows, self.num_rows - start)
+            rb = self.table.slice(start, n).combine_chunks().to_batches()[0]
+            yield self._to_prompt_batch(rb, path, start, start)
+
+
+def open_requests(cfg: InputConfig, model: ModelConfig | None) -> RequestsDataset:
+    if not os.path.isfile(cfg.path):
+        raise InputDataError(f"input.path: {cfg.path!r} is not a file")
+    table, url = read_requests(cfg.path)
+    chat = url == CHAT_URL
+    builder = make_builder(
+        cfg,
+        model,
+        messages_col="messages" if chat else None,
+        prompt_column=None if chat else "prompt",
+        error_column=ERROR_COLUMN,
+    )
+    return RequestsDataset(
+        files=(cfg.path,),
+        file_rows=(table.num_rows,),
+        prompt_column="messages" if chat else "prompt",
+        prompt_is_text=True,
+        max_tokens_column="max_tokens",
+        batch_rows=cfg.batch_rows,
+        limit=cfg.limit,
+        builder=builder,
+        table=table,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# responses
+
+
+def _chat_job(job: JobConfig) -> bool:
+    if job.input.path.endswith(".jsonl"):
+        return False  # the url column says
+    return bool(job.input.messages_column or job.input.system_prompt is not None) or (
+        job.model.chat_template not in (None, "none")
+    )
+
+
+def _line(r: dict[str, Any], url: str, model: str, created: int) -> dict[str, Any]:
+    rid = f"batch_req_{r['row_id']:012d}"
+    cid = r.get("custom_id") or f"row-{r['row_id']}"
+    if r["status"] != "ok":
+        return {
+            "id": rid,
+            "custom_id": cid,
+            "response": None,
+            "error": {"code": r["status"], "message": r["message"]},
+        }
+    chat = url == CHAT_URL
+    text = r["output_text"] or ""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": r["finish_reason"]}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    usage = {
+        "prompt_tokens": r["num_prompt_tokens"],
+        "completion_tokens": r["num_output_tokens"],
+        "total_tokens": r["num_prompt_tokens"] + r["num_output_tokens"],
+    }
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{r['row_id']}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": r.get("model") or model,
+        "choices": [choice],
+        "usage": usage,
+    }
+    return {
+        "id": rid,
+        "custom_id": cid,
+        "response": {"status_code": 200, "request_id": f"req_{r['row_id']:012d}", "body": body},
+        "error": None,
+    }
+
+
+def write_responses(job: JobConfig, results_path: Path) -> Path:
+    """The committed results -> ``output.jsonl_file`` in the Batch API's output format."""
+    out = job.output.jsonl_file
+    table = pq.read_table(results_path).sort_by("row_id")
+    names = set(table.column_names)
+    if "custom_id" not in names and job.input.id_column in names:
+        table = table.append_column(
+            "custom_id", table.column(job.input.id_column).cast(pa.string())
+        )
+    default_url = CHAT_URL if _chat_job(job) else COMPLETIONS_URL
+    model = Path(job.model.path).name if job.model.path else "batchjob"
+    created = int(os.stat(results_path).st_mtime)
+    keep = [
+        c
+        for c in (
+            "row_id",
+            "custom_id",
+            "url",
+            "model",
+            "output_text",
+            "finish_reason",
+            "num_prompt_tokens",
+            "num_output_tokens",
+            "status",
+            "message",
+        )
+        if c in table.column_names
+    ]
+    with atomic_open(out, "w") as f:
+        for batch in table.select(keep).to_batches(max_chunksize=8192):
+            for r in batch.to_pylist():
+                url = r.get("url") or default_url
+                f.write(json.dumps(_line(r, url, model, created), ensure_ascii=False) + "\n")
+    return out
