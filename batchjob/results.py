@@ -33,6 +33,7 @@ from batchjob.faults import fault_point
 from batchjob.io import ROW_ID
 from batchjob.manifest import write_manifest
 from batchjob.output_layout import RESULT_GLOB, SUCCESS, OutputLayout
+from batchjob.score_columns import OPTIONAL_COLUMNS, optional_columns
 
 RESULT_SCHEMA = pa.schema(
     [
@@ -46,6 +47,12 @@ RESULT_SCHEMA = pa.schema(
         ("message", pa.string()),
     ]
 )
+
+
+def result_schema(extra_columns: tuple[str, ...] = ()) -> pa.Schema:
+    """RESULT_SCHEMA plus the optional columns a job asks for (``score_columns``)."""
+    return pa.schema(list(RESULT_SCHEMA) + [(c, OPTIONAL_COLUMNS[c]) for c in extra_columns])
+
 
 _LEGACY_META = (
     "report.json",
@@ -68,6 +75,10 @@ class ResultRow:
     finish_reason: str | None  # "stop" | "length" | None (row not run)
     status: str  # "ok" or a per-row error code
     message: str | None
+    # optional columns (batchjob.score_columns), written when the job asks for them
+    output_logprobs: Any = None  # TokenLogprobs | None
+    label_logprobs: np.ndarray | None = None  # float32 [L]
+    label: str | None = None
 
 
 class ResultSink:
@@ -84,7 +95,9 @@ class ResultSink:
         flush_rows: int = 4096,
         flush_seconds: float = 30.0,
         rows_per_file: int = 100_000,
+        extra_columns: tuple[str, ...] = (),
     ):
+        self.schema = result_schema(extra_columns)
         self.layout = layout
         self.manifest = manifest
         self.parts_dir = layout.parts
@@ -131,8 +144,9 @@ class ResultSink:
                 "finish_reason": [r.finish_reason for r in rows],
                 "status": [r.status for r in rows],
                 "message": [r.message for r in rows],
+                **optional_columns(rows, self.schema),
             },
-            schema=RESULT_SCHEMA,
+            schema=self.schema,
         )
         fault_point("part")
         write_parquet_atomic(table, self.parts_dir / f"part-{self._next_part:06d}.parquet")
@@ -151,9 +165,9 @@ class ResultSink:
     def _joined(self, passthrough: pa.Table, expected_rows: int) -> pa.Table:
         parts = sorted(self.parts_dir.glob("part-*.parquet"))
         results = (
-            pa.concat_tables([pq.read_table(p, schema=RESULT_SCHEMA) for p in parts])
+            pa.concat_tables([pq.read_table(p, schema=self.schema) for p in parts])
             if parts
-            else RESULT_SCHEMA.empty_table()
+            else self.schema.empty_table()
         )
         ids = results[ROW_ID].to_numpy()
         if len(np.unique(ids)) != len(ids) or len(ids) != expected_rows:
@@ -162,7 +176,7 @@ class ResultSink:
                 f"{expected_rows} input rows; parts kept in {self.parts_dir}"
             )
         extra = [c for c in passthrough.column_names if c != ROW_ID]
-        clash = [c for c in extra if c in RESULT_SCHEMA.names]
+        clash = [c for c in extra if c in self.schema.names]
         if clash:
             passthrough = passthrough.rename_columns(
                 [f"input_{c}" if c in clash else c for c in passthrough.column_names]
