@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ from batchjob.prompt_source import ERROR_COLUMN, make_builder
 STATUS_INVALID_REQUEST = "invalid_request"
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+_CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"([^"\\]+)"')
 
 
 class _Bad(ValueError):
@@ -57,6 +61,10 @@ def _number(body: dict, key: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise _Bad(f"body.{key} must be a number, got {v!r}")
     return float(v)
+
+
+def _int64(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
 
 
 def _request(obj: Any) -> dict[str, Any]:
@@ -91,12 +99,20 @@ def _request(obj: Any) -> dict[str, Any]:
             raise _Bad("body.prompt must be a string (one prompt per request)")
         row["prompt"] = p
     mt = body.get("max_tokens", body.get("max_completion_tokens"))
-    if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int)):
+    if mt is not None and not _int64(mt):
         raise _Bad(f"body.max_tokens must be an integer, got {mt!r}")
     if body.get("n", 1) != 1:
         raise _Bad(f"body.n must be 1, got {body.get('n')!r}")
     row.update(max_tokens=mt, temperature=_number(body, "temperature"))
     row["top_p"] = _number(body, "top_p")
+    seed, stop = body.get("seed"), body.get("stop")
+    if seed is not None and not _int64(seed):
+        raise _Bad(f"body.seed must be an integer, got {seed!r}")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise _Bad(f"body.stop must be a string or a list of strings, got {stop!r}")
+    row.update(seed=seed, stop=stop)
     return row
 
 
@@ -134,6 +150,8 @@ def read_requests(path: str) -> tuple[pa.Table, str]:
             except (ValueError, UnicodeDecodeError) as e:
                 what = "invalid JSON" if isinstance(e, json.JSONDecodeError) else "bad request"
                 cid = obj.get("custom_id") if isinstance(obj, dict) else None
+                if obj is None and (m := _CUSTOM_ID.search(line)):  # broken JSON: best effort
+                    cid = m.group(1)
                 row = {"custom_id": cid if isinstance(cid, str) else None}
                 row[ERROR_COLUMN] = f"{STATUS_INVALID_REQUEST}\tline {lineno}: {what}: {e}"
             row["line"] = lineno
@@ -154,6 +172,8 @@ def read_requests(path: str) -> tuple[pa.Table, str]:
         "max_tokens": pa.array([r.get("max_tokens") for r in rows], pa.int64()),
         "temperature": pa.array([r.get("temperature") for r in rows], pa.float64()),
         "top_p": pa.array([r.get("top_p") for r in rows], pa.float64()),
+        "seed": pa.array([r.get("seed") for r in rows], pa.int64()),
+        "stop": pa.array([r.get("stop") for r in rows], pa.list_(pa.string())),
         ERROR_COLUMN: pa.array([r[ERROR_COLUMN] for r in rows], pa.string()),
     }
     return pa.table(cols), url
@@ -237,7 +257,7 @@ def _line(r: dict[str, Any], url: str, model: str, created: int) -> dict[str, An
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{r['row_id']}",
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
-        "model": r.get("model") or model,
+        "model": model,  # the model that answered (the request's is in the results)
         "choices": [choice],
         "usage": usage,
     }

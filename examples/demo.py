@@ -32,7 +32,8 @@ def corpus() -> list[str]:
     return [" ".join(WORDS[i : i + step]) for i in range(0, len(WORDS), step)] * 2
 
 
-def main() -> int:
+def build_model() -> None:
+    """The demo's tiny model in models/tiny-llama, unless it is there already."""
     if not (MODEL / "config.json").exists():
         print(f"building tiny model in {MODEL.relative_to(ROOT)}")
         make_tiny_model(
@@ -45,6 +46,10 @@ def main() -> int:
             kv_heads=2,
             corpus=corpus(),
         )
+
+
+def main() -> int:
+    build_model()
     table = make_workload("case1", scale=0.02, len_scale=0.1, seed=0, form="text", max_tokens=16)
     write_parquet_atomic(table, DATA)
     print(f"wrote {table.num_rows} prompts to {DATA.relative_to(ROOT)}")
