@@ -34,6 +34,7 @@ from batchjob.plan.plan_io import write_plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.report import RunSummary, summarize, write_report
 from batchjob.results import ResultRow, ResultSink
+from batchjob.score_columns import job_columns
 from batchjob.tokenize import load_prompts
 from batchjob.tokenizer import PromptTokenizer, detokenize, load_tokenizer
 
@@ -86,6 +87,7 @@ def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts
         tokens=prompts.tokens[token_mask],
         offsets=offsets,
         max_tokens=prompts.max_tokens[keep],
+        settings=prompts.settings,  # keyed by row_id: valid for any selection
     )
 
 
@@ -196,7 +198,11 @@ def _run_locked(
     if len(loaded.prompts) == 0:
         raise AllRowsRejectedError(_rejected_summary(loaded))  # nothing written: fix the data
     sink = ResultSink(
-        layout, this, flush_rows=job.output.flush_rows, rows_per_file=job.output.rows_per_file
+        layout,
+        this,
+        flush_rows=job.output.flush_rows,
+        rows_per_file=job.output.rows_per_file,
+        extra_columns=job_columns(job),
     )
     done = sink.done_row_ids()
     prompts = select_rows(loaded.prompts, ~np.isin(loaded.prompts.row_ids, done))
@@ -255,6 +261,9 @@ def _run_locked(
                 o.finish_reason,
                 STATUS_OK,
                 None,
+                output_logprobs=o.logprobs,
+                label_logprobs=o.label_logprobs,
+                label=o.label,
             )
         )
         bar.update(1)
@@ -305,9 +314,9 @@ def _run_locked(
     summary = dataclasses.replace(summary, job=_identity(this, started))
     fault_point("report")
     paths = write_report(summary, run_info, job.output.report_file)
-    sink.cleanup()  # after the report: a kill before here re-commits and re-reports on rerun
-    return JobResult(results_path, paths, summary)
     if job.output.format == "openai-jsonl":  # from the committed results: a kill before
         from batchjob.openai_jsonl import write_responses  # cleanup redoes it on rerun
 
         paths["openai_jsonl"] = write_responses(job, results_path)
+    sink.cleanup()  # after the report: a kill before here re-commits and re-reports on rerun
+    return JobResult(results_path, paths, summary)

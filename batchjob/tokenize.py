@@ -32,6 +32,7 @@ from batchjob.io import (
 )
 from batchjob.model_info import ModelInfo, model_info_for_job
 from batchjob.prompts import TokenizedPrompts
+from batchjob.row_settings import with_row_settings
 from batchjob.timing import StageTiming
 from batchjob.tokenizer import PromptTokenizer, load_tokenizer, parallelism_disabled
 
@@ -128,13 +129,13 @@ def tokenize_batch(
     ]
     status: list[str | None] = [None] * n
     messages: list[str] = [""] * n
-    for mask, code, fmt in checks:
     if batch.rejected is not None:  # rows the prompt builder rejected (their prompt is null)
         for rid, code, msg in zip(
             *(batch.rejected.row_ids, batch.rejected.status, batch.rejected.message), strict=True
         ):
             i = int(rid - batch.row_ids[0])  # a batch's row ids are consecutive
             status[i], messages[i] = code, msg
+    for mask, code, fmt in checks:
         for i in np.flatnonzero(mask):
             if status[i] is None:
                 status[i] = code
@@ -249,4 +250,4 @@ def load_prompts(
         max_model_len=info.max_model_len if info else job.model.max_model_len,
         vocab_size=info.vocab_size if info else None,
     )
-    return result, info
+    return with_row_settings(job, result, tokenizer), info
