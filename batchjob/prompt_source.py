@@ -143,7 +143,8 @@ class PromptBuilder:
                 ]
                 prompts = pa.array(self._render(turns, status, message), pa.large_string())
         reject = np.asarray([i for i in range(n) if status[i] is not None], dtype=np.int64)
-        if len(reject):
+        null = prompts.is_null().to_numpy(zero_copy_only=False)
+        if len(reject) and not null[reject].all():  # (template nulls are null already)
             keep = np.ones(n, dtype=bool)
             keep[reject] = False
             prompts = pc.if_else(pa.array(keep), prompts, pa.nulls(n, prompts.type))
@@ -193,9 +194,7 @@ def make_builder(
     arguments let a reader (OpenAI JSONL) name the columns it made."""
     messages_col = messages_col or cfg.messages_column
     setting = model.chat_template if model is not None else None
-    wrap = messages_col is None and (
-        setting not in (None, "none") or cfg.system_prompt is not None
-    )
+    wrap = messages_col is None and (setting not in (None, "none") or cfg.system_prompt is not None)
     template = PromptTemplate.parse(cfg.template) if cfg.template else None
     if template is None and messages_col is None and not wrap and error_column is None:
         return None
