@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Triton kernel tests set TRITON_INTERPRET=1 themselves when there is no GPU (CPU interpreter).
 
-.PHONY: install demo test lint bench bench-plan bench-engine bench-peers bench-kernels clean
+.PHONY: install demo demo-inputs test lint bench bench-plan bench-engine bench-peers bench-kernels clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 # Builds a tiny random-weight model and a demo dataset locally, then runs the demo job.
 demo: $(STAMP)
 	$(PY) examples/demo.py
+
+# The input-side example jobs (prompt template, OpenAI Batch JSONL) on the same tiny model.
+demo-inputs: $(STAMP)
+	$(PY) examples/input_jobs.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
