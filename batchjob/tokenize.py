@@ -97,12 +97,17 @@ def tokenize_batch(
     empty = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
     bad_ids = np.zeros(n, dtype=bool)
     null_ids = np.zeros(n, dtype=bool)
+    huge = np.zeros(n, dtype=bool)  # text too long for the context by its bytes alone
+    nbytes = np.zeros(n, dtype=np.int64)
     if is_text:
         if tokenizer is None:
             raise ModelError("a text prompt column needs model.path (for its tokenizer.json)")
         blank = pc.equal(pc.binary_length(pc.utf8_trim_whitespace(arr)), 0)  # "", "  ", "\n"
         empty |= pc.fill_null(blank, True).to_numpy(zero_copy_only=False)
-        keep_text = np.flatnonzero(~empty)
+        if max_model_len is not None:  # skip tokenizing what cannot fit (8 MB: 1.4 GB peak)
+            nbytes = pc.binary_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+            huge = ~empty & (nbytes > max_model_len * tokenizer.max_text_bytes_per_token)
+        keep_text = np.flatnonzero(~empty & ~huge)
         texts = arr.take(pa.array(keep_text)).to_pylist()
         vals, sub_len = tokenizer.encode(texts, add_special_tokens=batch.add_special_tokens)
         lengths = np.zeros(n, dtype=np.int64)
@@ -111,7 +116,7 @@ def tokenize_batch(
         vals, lengths, null_ids = _ids_column(arr)  # null_ids: a null inside the list
     hi = vocab_size if vocab_size is not None else _INT32_MAX + 1
     bad_ids |= _per_row_any((vals < 0) | (vals >= hi), lengths) & ~null_ids
-    empty |= lengths == 0
+    empty |= (lengths == 0) & ~huge
     too_long = lengths > max_model_len - 1 if max_model_len is not None else np.zeros(n, dtype=bool)
     if batch.max_tokens is None or batch.max_tokens_null is None:
         mt = np.full(n, default_max_tokens, dtype=np.int64)
@@ -123,6 +128,7 @@ def tokenize_batch(
     checks = [
         (empty, STATUS_EMPTY_PROMPT, "column {c!r} is null, empty or whitespace only"),
         (null_ids, STATUS_INVALID_TOKENS, "column {c!r} has a null token id"),
+        (huge, STATUS_PROMPT_TOO_LONG, "prompt of {b} bytes cannot fit {m} tokens (not tokenized)"),
         (bad_ids, STATUS_INVALID_TOKENS, "column {c!r} has token ids outside [0, {v})"),
         (too_long, STATUS_PROMPT_TOO_LONG, "prompt of {n} tokens exceeds max_model_len - 1 = {m}"),
         (bad_mt, STATUS_INVALID_MAX_TOKENS, "max_tokens {t} must be in [1, 2147483647]"),
@@ -145,9 +151,10 @@ def tokenize_batch(
                     n=int(lengths[i]),
                     m=(max_model_len or 0) - 1,
                     t=int(mt[i]),
+                    b=int(nbytes[i]),
                 )
                 messages[i] = f"{batch.where(i)}: {msg}"
-    reject = empty | null_ids | bad_ids | too_long | bad_mt
+    reject = empty | null_ids | bad_ids | huge | too_long | bad_mt
     rej_idx = np.flatnonzero(reject)
     rejected = RejectedRows(
         batch.row_ids[rej_idx],

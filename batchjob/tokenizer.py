@@ -9,6 +9,7 @@ the BOS/EOS tokens. No chat template is applied: the prompt column is the exact 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -33,6 +34,15 @@ class PromptTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_text_bytes_per_token(self) -> int:
+        """Bytes of text one token can stand for, bounded from above: 4x the longest
+        vocabulary string in UTF-8 (byte-level and sentencepiece spellings only overcount; 4x
+        covers normalizers that shrink text). A text longer than max_model_len times this
+        cannot fit and is rejected without tokenizing it."""
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        return 4 * max((len(t.encode()) for t in vocab), default=1)
 
     def encode(
         self, texts: list[str], add_special_tokens: bool = True

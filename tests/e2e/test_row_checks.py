@@ -46,3 +46,31 @@ def test_row_statuses_and_messages(tmp_path, run_model):
     out = read_results(tmp_path / "b" / "r.parquet").to_pylist()
     assert [r["status"] for r in out] == ["ok"] + ["empty_prompt"] * 3
     assert "whitespace" in out[1]["message"]
+
+
+def test_huge_prompt_is_rejected_without_tokenizing(tmp_path, run_model):
+    """An 8 MB prompt for a 4096-token model: prompt_too_long, said in bytes, at small memory
+    (was 1.4 GB peak and 11 s: the whole string went through the tokenizer first)."""
+    import subprocess
+    import sys
+
+    from tests.e2e.jobkit import ROOT
+
+    big = "alpha beta gamma delta " * (8_000_000 // 23)
+    data = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"prompt": ["alpha beta", big]}), data)
+    job = write_job(tmp_path, run_model, data, "o/r.parquet")
+    probe = (
+        "import resource, subprocess, sys;"
+        f"subprocess.run([sys.executable, '-m', 'batchjob.cli', 'run', {str(job)!r}], check=True,"
+        " capture_output=True);"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    peak_mib = int(res.stdout.strip()) / 1024
+    out = read_results(tmp_path / "o" / "r.parquet").to_pylist()
+    assert [r["status"] for r in out] == ["ok", "prompt_too_long"]
+    assert "bytes" in out[1]["message"] and "not tokenized" in out[1]["message"]
+    assert peak_mib < 700, peak_mib
