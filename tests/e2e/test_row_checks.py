@@ -33,9 +33,8 @@ def test_row_statuses_and_messages(tmp_path, run_model):
     pq.write_table(pa.table({"prompt": ids, "max_tokens": mt}), data)
     assert cli("run", write_job(tmp_path, run_model, data, "a/r.parquet")).exit_code == 0
     out = read_results(tmp_path / "a" / "r.parquet").to_pylist()
-    assert [r["status"] for r in out] == ["ok", "invalid_tokens", "invalid_max_tokens"] + [
-        "invalid_tokens"
-    ]
+    want = ["ok", "invalid_tokens", "invalid_max_tokens", "invalid_tokens"]
+    assert [r["status"] for r in out] == want
     assert "null token id" in out[1]["message"] and "outside" not in out[1]["message"]
     assert str(2**40) in out[2]["message"] and ">= 1" not in out[2]["message"]
     assert "outside [0, 2500)" in out[3]["message"]
