@@ -8,7 +8,11 @@ not). Two tasks:
   model folder exits 3, 4 or 5: retrying cannot help, so this task has no retries.
 - ``run`` executes the job. A runtime failure exits 1 and is retried; a retried run resumes
   from the results already written (writes are incremental and atomic), so nothing is
-  lost or duplicated. SIGTERM from Airflow (timeout, mark-failed) exits 130 cleanly.
+  lost or duplicated. SIGTERM from Airflow (timeout, mark-failed) exits 130 cleanly. A run
+  whose every row is rejected exits 6; one that finds another run writing the same output
+  exits 75 at once, having done nothing (batchjob's own lock). Results land in the output
+  folder (results-*.parquet + _SUCCESS only: a plain dataset); the report, plan and
+  manifest in the sibling ``<output>.meta/`` folder.
 """
 
 from __future__ import annotations
