@@ -36,12 +36,9 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from batchjob.backends.base import IterationRecord
+from batchjob.intmath import cdiv
 
 EXTRA_KEY = "batchjob"  # SamplingParams.extra_args key
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def group_info(request) -> tuple[str, int, int] | None:
@@ -188,8 +185,8 @@ class _BatchLLMMixin(_RecordingMixin):
         total = pool.num_gpu_blocks - 1
         budget = int(self.bj_kv_threshold * total) - self.bj_blocks_in_use()
         for r in self.running:  # decode growth of what runs: blocks to reach its max length
-            final = _cdiv(r.num_prompt_tokens + r.max_tokens, bs)
-            budget -= max(final - _cdiv(r.num_computed_tokens, bs), 0)
+            final = cdiv(r.num_prompt_tokens + r.max_tokens, bs)
+            budget -= max(final - cdiv(r.num_computed_tokens, bs), 0)
         # groups whose prefix blocks are held (pinned, or by a running member): a waiting
         # member needs blocks for its own part only
         started = {id(g) for g in self._bj_groups.values() if g.pinned}
@@ -201,7 +198,7 @@ class _BatchLLMMixin(_RecordingMixin):
                 break
             g = self._bj_group(r)
             cached = g.prefix_blocks if g is not None and id(g) in started else 0
-            need = _cdiv(r.num_prompt_tokens + r.max_tokens, bs) - cached
+            need = cdiv(r.num_prompt_tokens + r.max_tokens, bs) - cached
             if need > budget:
                 break
             budget -= need
