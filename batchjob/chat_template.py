@@ -26,8 +26,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from batchjob.errors import ConfigError, ModelError
 
 STATUS_CHAT_TEMPLATE = "chat_template_error"  # the template refused a row's messages
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
-_SPECIAL += ("mask_token",)
+_SPECIAL = (
+    *("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token"),
+    "mask_token",
+)  # the special-token variables HF passes to the template (special_tokens_map)
 
 
 def _raise_exception(message: str) -> None:

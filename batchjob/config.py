@@ -431,6 +431,8 @@ def _field_type(section: str, key: str) -> str:
 def _parse_value(dotted: str, raw: str) -> Any:
     section, _, key = dotted.partition(".")
     ftype = _field_type(section, key)
+    if dotted == "model.chat_template" and raw.strip() in ("auto", "none"):
+        return raw.strip()  # words of this key, not "unset"
     if raw.strip().lower() in ("none", "null") and "None" in ftype:
         return None
     if ftype.startswith(("str", "Path")) and not raw.strip().startswith(('"', "'")):

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import pyarrow.parquet as pq
 from batchjob.atomic import atomic_open
 from batchjob.config import InputConfig, JobConfig, ModelConfig
 from batchjob.errors import InputDataError
-from batchjob.io import InputDataset
+from batchjob.io import InputDataset, PromptBatch
 from batchjob.prompt_source import ERROR_COLUMN, make_builder
 
 STATUS_INVALID_REQUEST = "invalid_request"
@@ -185,7 +186,7 @@ class RequestsDataset(InputDataset):
 
     table: pa.Table | None = None
 
-    def batches(self):
+    def batches(self) -> Iterator[PromptBatch]:
         assert self.table is not None
         path = self.files[0]
         for start in range(0, self.num_rows, self.batch_rows):

@@ -5,7 +5,8 @@
   the model's chat template (``batchjob.chat_template``);
 - a prompt (the text column or the template's output) as the user turn of a chat, with
   ``input.system_prompt`` before it, when ``model.chat_template`` is ``auto`` or a PATH, or
-  a system prompt is given (unset ``chat_template``: plain prompts are used as they are).
+  a system prompt is given (unset ``chat_template``: plain prompts are used as they are);
+  the system prompt goes before rows whose messages do not start with a system turn.
 
 ``PromptBuilder.build`` turns one Arrow batch into prompt text plus the rows it rejects
 (``null_field``, ``chat_template_error``, or a reason the input reader attached to the row);
@@ -65,8 +66,7 @@ class PromptBuilder:
     messages_col: str | None = None  # list<struct<role, content>> column
     system_text: str | None = None  # input.system_prompt
     wrap_prompts: bool = False  # a prompt becomes the user turn of a chat
-    chat: ChatTemplate | None = None  # None: not loaded (metadata only) or none in the folder
-    chat_loaded: bool = False  # chat is the job's answer (None there: the folder has none)
+    chat: ChatTemplate | None = None  # None: not loaded (open_dataset without the model)
     error_column: str | None = None  # a reader's per-row rejections (OpenAI JSONL)
 
     @property
@@ -106,7 +106,7 @@ class PromptBuilder:
 
     def _chat(self) -> ChatTemplate:
         if self.chat is None:  # built for metadata only (open_dataset without the model)
-            raise missing_template("(not loaded)")
+            raise missing_template("(not given to open_dataset)")
         return self.chat
 
     def build(self, table: pa.Table) -> BuiltPrompts:
@@ -218,6 +218,5 @@ def make_builder(
         system_text=cfg.system_prompt,
         wrap_prompts=wrap,
         chat=chat,
-        chat_loaded=loaded,
         error_column=error_column,
     )

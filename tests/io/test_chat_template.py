@@ -185,7 +185,7 @@ def test_errors_name_the_key(tmp_path: Path, tiny_model_dir: Path, llama3_dir: P
             tmp_path,
             table,
             llama3_dir,
-            **{"input.messages_column": "messages", "model.chat_template": '"none"'},
+            **{"input.messages_column": "messages", "model.chat_template": "none"},
         )
     assert c.value.exit_code == EXIT_CONFIG
     with pytest.raises(ConfigError, match=r"model.chat_template: .*not auto, none or a template"):
