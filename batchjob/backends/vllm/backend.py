@@ -65,6 +65,9 @@ class VllmBackend:
         self._runs = 0
         # fail on settings before any data is touched (vLLM itself starts in check_fits)
         engine_settings(job, self.model.dtype, 2)
+        if job.sampling.labels or job.input.labels_column:
+            key = "sampling.labels" if job.sampling.labels else "input.labels_column"
+            raise ConfigError(f'{key}: scoring mode runs on engine.backend = "native" (for now)')
 
     # --- start-up ---------------------------------------------------------------------
     def _start(self, longest: int, longest_row: int) -> None:
@@ -129,17 +132,21 @@ class VllmBackend:
         if self.engine is None:
             self._start(int(need[i]), int(prompts.row_ids[i]))
         max_len = self.engine.vllm_config.model_config.max_model_len
+        blocks = -(-int(need[i]) // self.block_size)
+        problem = None
         if need[i] > max_len:
-            raise ConfigError(
+            problem = (
                 f"model.max_model_len: row_id {int(prompts.row_ids[i])} needs {int(need[i])} "
                 f"tokens (prompt + max_tokens), the engine's limit is {max_len}"
             )
-        blocks = -(-int(need[i]) // self.block_size)
-        if blocks > self.num_blocks:
-            raise ConfigError(
+        elif blocks > self.num_blocks:
+            problem = (
                 f"engine.kv_cache_bytes: row_id {int(prompts.row_ids[i])} needs {blocks} KV "
                 f"blocks, the cache holds {self.num_blocks}"
             )
+        if problem is not None:
+            self.close()  # the caller closes only what runs
+            raise ConfigError(problem)
 
     # --- running ----------------------------------------------------------------------
     def run(

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchjob.backends.base import Detokenize, FinishedRequest
+from batchjob.backends.base import Detokenize, FinishedRequest, TokenLogprobs
 from batchjob.backends.vllm.scheduler import EXTRA_KEY
 from batchjob.config import SamplingConfig
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
+from batchjob.row_settings import RowSettings
 
 _MASK63 = (1 << 63) - 1
 
@@ -44,6 +45,36 @@ class Submission:
     position: int
     params: object  # vllm.SamplingParams
     tokens: list[int] = field(repr=False)
+
+
+def row_sampling(sampling: SamplingConfig, prompts: TokenizedPrompts, pos: int) -> SamplingConfig:
+    """The job's sampling with row ``pos``'s own settings (``input.*_column``), if any."""
+    rs = prompts.settings
+    if rs is None or not rs.overrides_sampling:
+        return sampling
+    return RowSettings.apply(sampling, rs.key(rs.index(int(prompts.row_ids[pos]))))
+
+
+def has_stop_strings(sampling: SamplingConfig, prompts: TokenizedPrompts) -> bool:
+    return bool(sampling.stop) or (
+        prompts.settings is not None and prompts.settings.stop is not None
+    )
+
+
+def token_logprobs(entries, toks: Sequence[int], top_n: int) -> TokenLogprobs:
+    """vLLM's per-position {token_id: Logprob} dicts (the top-N by rank plus the sampled
+    token; raw log-probs, vLLM's default logprobs_mode) as ``TokenLogprobs``."""
+    k = len(toks)
+    lp = np.zeros(k, dtype=np.float32)
+    ids = np.zeros((k, top_n), dtype=np.int32)
+    vals = np.full((k, top_n), -np.inf, dtype=np.float32)
+    for s, tok in enumerate(toks):
+        d = entries[s]
+        lp[s] = d[tok].logprob
+        ranked = sorted((v.rank, t, v.logprob) for t, v in d.items() if v.rank is not None)
+        for j, (_, t, v) in enumerate(ranked[:top_n]):
+            ids[s, j], vals[s, j] = t, v
+    return TokenLogprobs(lp, ids, vals)
 
 
 def stop_ids(sampling: SamplingConfig, eos_ids: Sequence[int]) -> list[int]:
@@ -72,8 +103,8 @@ def plan_order(
     from vllm.sampling_params import RequestOutputKind
 
     stops = stop_ids(sampling, eos_ids)
-    kind = RequestOutputKind.DELTA if sampling.stop else RequestOutputKind.FINAL_ONLY
-    greedy = sampling.temperature == 0.0
+    delta = has_stop_strings(sampling, prompts)
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
     for g in range(plan.num_groups):
         members = plan.group_members(g)
         key = f"{run_tag}:{g}"
@@ -82,11 +113,14 @@ def plan_order(
         for m in members:
             m = int(m)
             row_id = int(prompts.row_ids[m])
+            s = row_sampling(sampling, prompts, m)
+            greedy = s.temperature == 0.0
             params = SamplingParams(
-                temperature=sampling.temperature,
-                top_k=sampling.top_k,
-                top_p=sampling.top_p,
-                seed=request_seed(sampling.seed, row_id) if seeded and not greedy else None,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                seed=request_seed(s.seed, row_id) if seeded and not greedy else None,
+                logprobs=sampling.logprobs,
                 max_tokens=int(prompts.max_tokens[m]),
                 stop_token_ids=stops,
                 ignore_eos=True,  # EOS stops through stop_token_ids (above)
@@ -109,41 +143,60 @@ class OutputTracker:
         detokenize: Detokenize,
     ) -> None:
         self.prompts = prompts
-        self.stop = tuple(sampling.stop)
+        self.sampling = sampling
+        self.delta = has_stop_strings(sampling, prompts)  # DELTA outputs, checked per token
+        self.top_n = sampling.logprobs
+        self.logprobs: dict[str, list] = {}  # streamed logprob entries (DELTA, logprobs on)
         self.stop_set = frozenset(stop_ids(sampling, eos_ids))
         self.detokenize = detokenize
         self.tokens: dict[str, list[int]] = {}  # streamed tokens (stop strings only)
         self.cached_tokens = 0  # sum of num_cached_tokens (prefix-cache hits)
 
-    def _finished(self, out, position: int, toks: list[int], reason: str, text: str | None):
+    def _finished(
+        self, out, position: int, toks: list[int], reason: str, text: str | None, entries=None
+    ):
         if reason == "length" and toks and toks[-1] in self.stop_set:
             reason = "stop"  # native: a stop token wins over the length limit
         self.cached_tokens += int(out.num_cached_tokens or 0)
+        lps = None
+        if self.top_n is not None:
+            lps = token_logprobs(entries or out.outputs[0].logprobs, toks, self.top_n)
         return FinishedRequest(
             position=position,
             row_id=int(self.prompts.row_ids[position]),
             token_ids=np.asarray(toks, dtype=np.int32),
             finish_reason=reason,
             text=text,
+            logprobs=lps,
         )
 
     def update(self, out, position: int) -> tuple[FinishedRequest | None, bool]:
         """(finished request or None, whether vLLM must abort it: a stop string hit)."""
         new = list(out.outputs[0].token_ids)
-        if not self.stop:  # FINAL_ONLY outputs: one per request, when it finishes
+        if not self.delta:  # FINAL_ONLY outputs: one per request, when it finishes
             if not out.finished:
                 return None, False
             return self._finished(out, position, new, out.outputs[0].finish_reason, None), False
-        toks = self.tokens.setdefault(out.request_id, [])
-        for t in new:  # DELTA outputs: token by token, as the native engine checks
+        rid = out.request_id
+        toks = self.tokens.setdefault(rid, [])
+        entries = self.logprobs.setdefault(rid, []) if self.top_n is not None else None
+        stop = row_sampling(self.sampling, self.prompts, position).stop
+        for j, t in enumerate(new):  # DELTA outputs: token by token, as the native engine checks
             toks.append(t)
+            if entries is not None:
+                entries.append(out.outputs[0].logprobs[j])
+            if not stop:
+                continue
             text = self.detokenize(toks)
-            cut = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+            cut = [i for i in (text.find(s) for s in stop) if i >= 0]
             if cut:
-                del self.tokens[out.request_id]
-                stopped = self._finished(out, position, toks, "stop", text[: min(cut)])
+                del self.tokens[rid]
+                self.logprobs.pop(rid, None)
+                stopped = self._finished(out, position, toks, "stop", text[: min(cut)], entries)
                 return stopped, not out.finished
         if not out.finished:
             return None, False
-        del self.tokens[out.request_id]
-        return self._finished(out, position, toks, out.outputs[0].finish_reason, None), False
+        del self.tokens[rid]
+        self.logprobs.pop(rid, None)
+        reason = out.outputs[0].finish_reason
+        return self._finished(out, position, toks, reason, None, entries), False
