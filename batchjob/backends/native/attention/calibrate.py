@@ -91,15 +91,16 @@ def batch_kind(meta: AttentionMetadata) -> str:
 
 
 def synthetic_batch(cls: ShapeClass) -> ref.PagedBatch:
-    """A small batch of the class's kind (a few ms per call at most)."""
+    """A small batch of the class's kind (a few ms per call at head dim 128; prefill tiles
+    big enough that per-call overheads do not flatter either side)."""
     if cls.kind == "decode":  # 4 groups x 8 members, prefix 192, own 32-95 keys
         seqs = tuple(ref.SeqSpec(1, 32 + 9 * i, group=g) for g in range(4) for i in range(8))
         prefixes: tuple[int, ...] = (192,) * 4
-    elif cls.kind == "prefix":  # 8 members x 24 new tokens over a 192-token prefix
-        seqs = tuple(ref.SeqSpec(24, 24, group=0) for _ in range(8))
-        prefixes = (192,)
-    else:  # one 192-token causal chunk
-        seqs, prefixes = (ref.SeqSpec(192, 192),), ()
+    elif cls.kind == "prefix":  # 12 members x 32 new tokens over a 320-token prefix
+        seqs = tuple(ref.SeqSpec(32, 32, group=0) for _ in range(12))
+        prefixes = (320,)
+    else:  # one 320-token causal chunk
+        seqs, prefixes = (ref.SeqSpec(320, 320),), ()
     spec = ref.BatchSpec(
         seqs,
         prefixes,
