@@ -124,12 +124,25 @@ class VllmBackend:
         kv = self.scheduler.kv_cache_config
         return sum(t.size for t in kv.kv_cache_tensors) // max(kv.num_blocks, 1)
 
+    def _check_budget(self, tokens: int, row_id: int) -> None:
+        """Before vLLM starts: an explicit KV budget that cannot hold the longest request."""
+        budget, bs = self.job.engine.kv_cache_bytes, self.job.engine.block_size
+        if budget is None:
+            return
+        blocks = budget // (bs * self.model.kv_bytes_per_token)
+        if -(-tokens // bs) > blocks:
+            raise ConfigError(
+                f"engine.kv_cache_bytes: {budget} bytes hold {blocks} KV blocks of {bs} tokens; "
+                f"row_id {row_id} needs {-(-tokens // bs)} ({tokens} tokens)"
+            )
+
     def check_fits(self, prompts: TokenizedPrompts, plan: Plan) -> None:
         if len(prompts) == 0:
             return
         need = prompts.lengths + prompts.max_tokens
         i = int(need.argmax())
         if self.engine is None:
+            self._check_budget(int(need[i]), int(prompts.row_ids[i]))
             self._start(int(need[i]), int(prompts.row_ids[i]))
         max_len = self.engine.vllm_config.model_config.max_model_len
         blocks = -(-int(need[i]) // self.block_size)
