@@ -56,7 +56,7 @@ def cli(*args: str | Path) -> Result:
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def cli_subprocess(*args: str | Path, env: dict[str, str] | None = None, timeout: float = 120):
+def cli_subprocess(*args: str | Path, env: dict[str, str] | None = None, timeout: float = 300):
     """``python -m batchjob.cli ARGS`` in a fresh process -> CompletedProcess (text)."""
     cmd = [sys.executable, "-m", "batchjob.cli", *map(str, args)]
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))

@@ -86,13 +86,13 @@ def _interrupted_run(tmp_path: Path, job: Path, parts: Path) -> None:
     cmd += ["--set", "scheduler.chunk_size=8", "--set", "output.flush_rows=1"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 2:
             proc.send_signal(signal.SIGINT)
             break
         time.sleep(0.01)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
 
 
@@ -141,7 +141,7 @@ def test_second_run_on_the_same_output_exits_locked(tmp_path, run_model, run_dat
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     parts = tmp_path / "out" / "results.meta" / "parts"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline and first.poll() is None:
         if parts.is_dir() and any(parts.glob("part-*.parquet")):
             break
@@ -151,7 +151,7 @@ def test_second_run_on_the_same_output_exits_locked(tmp_path, run_model, run_dat
     assert second.exit_code == EXIT_LOCKED, second.output
     assert time.monotonic() - t0 < 10 and "another batchjob run" in second.stderr
     assert "Traceback" not in second.output
-    _, err = first.communicate(timeout=120)
+    _, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     out = read_results(tmp_path / "out" / "results.parquet")
     assert out["row_id"].to_pylist() == list(range(pq.read_metadata(run_data).num_rows))

@@ -23,13 +23,13 @@ def _interrupt(job: Path, parts: Path, *sets: str) -> None:
     cmd += ["--set", "scheduler.chunk_size=8", "--set", "output.flush_rows=1", *sets]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 3:
             proc.send_signal(signal.SIGINT)
             break
         time.sleep(0.01)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
 
 
