@@ -281,13 +281,10 @@ def _unify(acc: pa.Schema | None, schema: pa.Schema, f: str, first: str) -> pa.S
 
 
 def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDataset:
-    """Resolve and validate the input (schema of every file); reads no row data.
+    """Resolve and validate Parquet input (schema of every file); reads no row data. The job
+    opens its input through batchjob.inputs.open_input, which also takes OpenAI JSONL.
 
     ``model``: the job's model section, to load a chat template (None: metadata only)."""
-    if cfg.path.endswith(".jsonl"):  # OpenAI Batch API requests
-        from batchjob.openai_jsonl import open_requests
-
-        return open_requests(cfg, model)
     builder = make_builder(cfg, model)
     files = resolve_files(cfg.path)
     rows: list[int] = []

@@ -25,7 +25,8 @@ from batchjob.config import JobConfig
 from batchjob.errors import AllRowsRejectedError, ConfigError, ModelError
 from batchjob.faults import fault_point
 from batchjob.heartbeat import Heartbeat
-from batchjob.io import STATUS_KV_BUDGET, STATUS_OK, open_dataset
+from batchjob.inputs import open_input
+from batchjob.io import STATUS_KV_BUDGET, STATUS_OK
 from batchjob.lock import output_lock
 from batchjob.manifest import difference, manifest, read_manifest
 from batchjob.output_layout import OutputLayout
@@ -161,7 +162,7 @@ def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None)
     t_job = time.perf_counter()
     started = _utc_now()
     layout = OutputLayout.of(job.output)
-    dataset = open_dataset(job.input)  # metadata only: files and row count for the manifest
+    dataset = open_input(job.input)  # metadata only: files and row count for the manifest
     layout.check(job.input.path, dataset.files)
     layout.prepare()
     with output_lock(layout.lock_file, layout.output):

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from batchjob.config import JobConfig
 from batchjob.errors import ModelError
+from batchjob.inputs import open_input
 from batchjob.io import (
     STATUS_EMPTY_PROMPT,
     STATUS_INVALID_MAX_TOKENS,
@@ -28,7 +29,6 @@ from batchjob.io import (
     PassthroughCollector,
     PromptBatch,
     RejectedRows,
-    open_dataset,
 )
 from batchjob.model_info import ModelInfo, model_info_for_job
 from batchjob.prompts import TokenizedPrompts
@@ -242,7 +242,7 @@ def load_prompts(
     the later stages. ``tokenizer``: the job's, when the caller has loaded it already (run
     needs it to decode outputs too); else it is loaded here if the prompts are text.
     """
-    dataset = open_dataset(job.input, job.model)
+    dataset = open_input(job.input, job.model)
     info = model_info_for_job(job)
     if dataset.prompt_is_text and tokenizer is None:
         if job.model.path is None:
