@@ -17,9 +17,11 @@ methods and leave vLLM's scheduling loop, KV manager and prefix cache as they ar
     scheduler then pins those blocks (one extra reference) until the group's last member
     finishes, so LRU eviction or preemption never drops a prefix that members still need.
   * admission by KV memory, not by request count: before each step the admission limit
-    (``max_num_active_reqs``) is set to the running requests plus the waiting requests, in
-    queue order, whose blocks fit under ``kv_threshold`` of the cache after a reserve for
-    the decode growth of every running request (blocks to reach prompt + max_tokens).
+    (``max_num_active_reqs``) is set to the running requests plus the most waiting requests,
+    in queue order, that keep the projected KV peak under ``kv_threshold`` of the cache: every
+    request grows by one block per ``block_size`` decode steps up to prompt + max_tokens and
+    frees its own blocks when it finishes (``projected_peak_blocks``): a decode-growth
+    reserve that does not assume all requests reach their maximum length at once.
 
 Group membership travels with each request in ``SamplingParams.extra_args["batchjob"]``:
 ``[group key, prefix_len, group size]``. Records are read in-process by the backend (the
@@ -32,6 +34,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -179,35 +182,69 @@ class _BatchLLMMixin(_RecordingMixin):
         return super().schedule(*args, **kwargs)
 
     def _bj_admission_limit(self) -> int:
-        """Running requests + the waiting ones (in order) that fit the KV memory."""
+        """Running requests + the most waiting ones (in order) whose admission keeps the
+        projected KV peak under the threshold (``projected_peak_blocks``)."""
         bs = self.block_size
-        pool = self.kv_cache_manager.block_pool
-        total = pool.num_gpu_blocks - 1
-        budget = int(self.bj_kv_threshold * total) - self.bj_blocks_in_use()
-        for r in self.running:  # decode growth of what runs: blocks to reach its max length
-            final = cdiv(r.num_prompt_tokens + r.max_tokens, bs)
-            budget -= max(final - cdiv(r.num_computed_tokens, bs), 0)
-        # groups whose prefix blocks are held (pinned, or by a running member): a waiting
-        # member needs blocks for its own part only
+        total = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
+        cap = int(self.bj_kv_threshold * total)
+        room = self.max_num_running_reqs - len(self.running)
+        if room <= 0 or not self.waiting:
+            return max(1, len(self.running))
+        # what runs: tokens now, decode steps left, own blocks (a pinned prefix stays held)
+        tok, rem, shared, held = [], [], [], 0
+        for r in self.running:
+            g = self._bj_group(r)
+            pinned = g.prefix_blocks if g is not None and g.pinned else 0
+            tok.append(max(r.num_computed_tokens, r.num_tokens))  # a prefill ends whole
+            rem.append(max(r.max_tokens - r.num_output_tokens, 1))
+            shared.append(pinned)
+            held += max(cdiv(r.num_computed_tokens, bs) - pinned, 0)
+        base = self.bj_blocks_in_use() - held  # blocks no running request frees
+        # groups whose prefix blocks are held: a waiting member needs its own part only
         started = {id(g) for g in self._bj_groups.values() if g.pinned}
         started |= {id(g) for r in self.running if (g := self._bj_group(r)) is not None}
-        room = self.max_num_running_reqs - len(self.running)
-        admitted = 0
         for r in self.waiting:
-            if admitted >= room:
+            if len(tok) - len(self.running) >= min(room, 256):
                 break
             g = self._bj_group(r)
-            cached = g.prefix_blocks if g is not None and id(g) in started else 0
-            need = cdiv(r.num_prompt_tokens + r.max_tokens, bs) - cached
-            if need > budget:
-                break
-            budget -= need
-            admitted += 1
+            tok.append(r.num_tokens)  # its prompt (+ outputs, if preempted) within a step
+            rem.append(max(r.max_tokens - r.num_output_tokens, 1))
+            shared.append(g.prefix_blocks if g is not None and id(g) in started else 0)
             if g is not None:
                 started.add(id(g))
-        if not self.running:
-            admitted = max(admitted, 1)  # progress: vLLM itself refuses what cannot fit
-        return max(1, min(len(self.running) + admitted, self.max_num_running_reqs))
+        tok_a, rem_a, shared_a = (np.asarray(x, dtype=np.int64) for x in (tok, rem, shared))
+        n = len(self.running)
+
+        def fits(k: int) -> bool:
+            m = n + k
+            peak = projected_peak_blocks(tok_a[:m], rem_a[:m], shared_a[:m], bs)
+            return base + peak <= cap
+
+        lo, hi = 0, len(tok) - n  # the largest k that fits (the peak grows with k)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        admitted = lo if self.running else max(lo, 1)  # progress: vLLM refuses what cannot fit
+        return max(1, min(n + admitted, self.max_num_running_reqs))
+
+
+def projected_peak_blocks(
+    tokens: np.ndarray, remaining: np.ndarray, shared: np.ndarray, block_size: int
+) -> int:
+    """Peak over future steps of the blocks requests own if each grows by one token a step
+    from ``tokens`` to ``tokens + remaining`` and then frees its blocks (all but ``shared``,
+    a group prefix held elsewhere). The peak is just before some request finishes, so only
+    those steps are evaluated: the decode-growth reserve without assuming that every request
+    reaches its maximum length at the same time."""
+    if len(tokens) == 0:
+        return 0
+    steps = np.unique(remaining) - 1  # [T]
+    alive = remaining[None, :] > steps[:, None]  # [T, N]
+    own = -(-(tokens[None, :] + steps[:, None]) // block_size) - shared[None, :]
+    return int(np.where(alive, np.maximum(own, 0), 0).sum(axis=1).max())
 
 
 class RecordingScheduler(_RecordingMixin, Scheduler):
