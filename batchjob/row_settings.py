@@ -283,5 +283,8 @@ def with_row_settings(job: JobConfig, loaded, tokenizer):
             max_tokens=prompts.max_tokens[keep],
         )
     prompts = dataclasses.replace(prompts, settings=settings)
+    if settings.label_tokens is not None:  # scoring: KV for the prompt + the longest label
+        longest = [max(len(t) for t in lab) for lab in settings.label_tokens]
+        prompts = dataclasses.replace(prompts, max_tokens=np.asarray(longest, dtype=np.int32))
     rejected = RejectedRows.concat([loaded.rejected, bad])
     return dataclasses.replace(loaded, prompts=prompts, rejected=rejected)
