@@ -124,16 +124,17 @@ def read_requests(path: str) -> tuple[pa.Table, str]:
     url0: str | None = None
     seen: dict[str, int] = {}
     try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115 (closed below)
+        f = open(path, "rb")  # noqa: SIM115 (closed below); decoded per line
     except OSError as e:
         raise InputDataError(f"input.path: cannot read {path}: {e.strerror or e}") from None
     with f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             obj: Any = None
+            line = raw.decode("utf-8", errors="replace")
             try:
-                obj = json.loads(line)
+                obj = json.loads(raw)  # bytes: invalid UTF-8 is a JSON error of this line
                 row = _request(obj)
                 if url0 is None:
                     url0 = row["url"]

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchjob.config import load_job
 from batchjob.errors import EXIT_INPUT, EXIT_MODEL, InputDataError, ModelError
@@ -113,3 +115,63 @@ def test_chat_rows_need_a_template(tmp_path: Path, tiny_model_dir: Path) -> None
     want, _ = tok.encode(["[user] alpha river 0\n>"], add_special_tokens=False)
     p = loaded.prompts
     assert p.tokens.tolist() == want.tolist()
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=8,
+)
+_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", 3]), "content": _json_values}
+            ),
+            max_size=2,
+        )
+        | _json_values,
+        "prompt": st.text(max_size=10) | _json_values,
+        "max_tokens": st.integers(-(2**70), 2**70) | _json_values,
+        "temperature": st.floats() | _json_values,
+        "seed": st.integers(-(2**70), 2**70),
+        "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=2) | _json_values,
+        "n": st.integers(0, 3),
+    },
+)
+_lines = st.one_of(
+    st.builds(
+        lambda cid, body, method: json.dumps(
+            {"custom_id": cid, "method": method, "url": CHAT, "body": body}
+        ),
+        st.text(max_size=4) | _json_values,
+        _bodies,
+        st.sampled_from(["POST", "GET"]),
+    ),
+    st.text(max_size=20).filter(lambda s: "\n" not in s and "\r" not in s),
+    st.binary(max_size=12)
+    .filter(lambda b: b"\n" not in b and b"\r" not in b)
+    .map(lambda b: b.decode("latin-1")),
+)
+
+
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(lines=st.lists(_lines, min_size=1, max_size=6))
+def test_fuzzed_request_files_never_crash(lines: list[str]) -> None:
+    """Any file: rows for every non-blank line, or InputDataError; never another error."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "f.jsonl"
+        path.write_bytes("\n".join(lines).encode("utf-8", errors="surrogateescape") + b"\n")
+        try:
+            table, url = read_requests(str(path))
+        except InputDataError as e:
+            assert "holds no request lines" in str(e) or "differs" in str(e)
+            return
+    want = sum(1 for line in lines if line.encode("utf-8", "surrogateescape").strip())
+    assert table.num_rows == want
+    ok = [r for r in table.to_pylist() if r["_request_error"] is None]
+    assert all(r["custom_id"] and (r["messages"] or r.get("prompt")) for r in ok)
+    assert url == CHAT
