@@ -4,7 +4,8 @@ Special tokens follow ``transformers`` (5.x) ``tokenizer(text)``: add_special_to
 and the post-processor saved in tokenizer.json alone decides BOS/EOS (transformers ignores
 ``add_bos_token`` / ``add_eos_token`` of tokenizer_config.json when tokenizer.json exists;
 ``save_pretrained`` bakes them into the post-processor). tokenizer_config.json only names
-the BOS/EOS tokens. No chat template is applied: the prompt column is the exact model input.
+the BOS/EOS tokens. Chat text (``batchjob.chat_template``) holds its special tokens already
+and is encoded with ``add_special_tokens=False``, as ``apply_chat_template`` does.
 """
 
 from __future__ import annotations
