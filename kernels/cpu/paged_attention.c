@@ -4,10 +4,10 @@
      avx512   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma: 16 lanes, 32 registers
      avx2     -mavx2 -mfma:                                      8 lanes, 16 registers
      generic  no ISA flags (SSE2 / NEON):                        4 lanes
-   The lane count L, the register budget ACC of a tile and MAX_ROWS follow from the ISA
-   macros the compiler defines; the Python side (batchjob/backends/native/attention/cpu.py)
-   reads them back (batchjob_kernel_lanes / _max_rows) and turns AttentionMetadata into
-   work units.
+   The lane count L, the register budget ACC of a tile and MAX_ROWS (64 / 64 / 32) follow
+   from the ISA macros the compiler defines; the Python side
+   (batchjob/backends/native/attention/cpu.py) reads them back (batchjob_kernel_lanes /
+   _max_rows) and turns AttentionMetadata into work units.
 
    A work unit is `nq` consecutive query tokens x the R query heads of one KV head against
    one key sequence (a block-table row of `nkeys` keys): the own KV of a sequence (causal)
@@ -43,7 +43,12 @@
 #endif
 
 #define CH 16            /* keys per chunk: block sizes are multiples of it */
-#define MAX_ROWS (4 * L) /* query rows (tokens x heads) of one unit: 4 row vectors */
+#if L == 16
+#define MAX_NV 4 /* row vectors of a unit: 64 rows */
+#else
+#define MAX_NV 8 /* 64 rows on AVX2 (32 generic), scored as two halves of 4 vectors */
+#endif
+#define MAX_ROWS (MAX_NV * L) /* query rows (tokens x heads) of one unit */
 #define MAX_D 256
 #define SC 256 /* keys per softmax span: one rescale of the accumulators per span */
 
@@ -250,16 +255,18 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
    each K element is broadcast against them (NV x KB = ACC accumulators), so K needs no
    transpose; scores land key-major, sk[j * RP + r] (RP = NV * L), and stay so for the
    softmax and P.V. */
-INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, int64_t D, const float *K,
-                         int nv) {
-    const int RP = NV * L, KB = ACC / NV; /* KB divides CH: rows past nv are scratch */
+INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, int RP, int v0, int64_t D,
+                         const float *K, int nv) {
+    const int KB = ACC / NV; /* KB divides CH: rows past nv are scratch */
+    const float *qt = w->qtk + v0 * L; /* row vectors v0 .. v0 + NV of an RP-row tile */
+    sk += v0 * L;
     for (int j0 = 0; j0 < nv; j0 += KB) {
         const float *k = K + j0 * D; /* one base pointer: key i at k + i * D */
         vf a[ACC];
         for (int i = 0; i < ACC; i++) a[i] = splat(0);
         for (int64_t d = 0; d < D; d++) {
             vf qv[4];
-            for (int v = 0; v < NV; v++) qv[v] = ld(w->qtk + d * RP + v * L);
+            for (int v = 0; v < NV; v++) qv[v] = ld(qt + d * RP + v * L);
             for (int i = 0; i < KB; i++) {
                 const float kd = k[i * D + d];
                 for (int v = 0; v < NV; v++) a[i * NV + v] += kd * qv[v];
@@ -271,10 +278,14 @@ INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, int64_t D, const
 }
 
 INLINE void scores_km(scratch_t *w, float *sk, int NV, int64_t D, const float *K, int nv) {
+    const int RP = NV * L;
     switch (NV) { /* NV constant in each clone: the accumulators stay in registers */
-    case 1: scores_km_nv(w, sk, 1, D, K, nv); break;
-    case 2: scores_km_nv(w, sk, 2, D, K, nv); break;
-    default: scores_km_nv(w, sk, 4, D, K, nv); break; /* 3 rounds up to 4: qt lanes are 0 */
+    case 1: scores_km_nv(w, sk, 1, RP, 0, D, K, nv); break;
+    case 2: scores_km_nv(w, sk, 2, RP, 0, D, K, nv); break;
+    case 4: scores_km_nv(w, sk, 4, RP, 0, D, K, nv); break; /* 3 rounds up: qt lanes are 0 */
+    default: /* 8 (AVX2, generic): two halves share the packed chunk */
+        scores_km_nv(w, sk, 4, RP, 0, D, K, nv);
+        scores_km_nv(w, sk, 4, RP, 4, D, K, nv);
     }
 }
 
@@ -412,7 +423,8 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
     const int rh = (int)(nq * R), rows = (int)(nh * rh); /* rows per head, in all */
     const int few = rh < 4; /* decode: row-major dot products; else key-major tiles */
-    const int NV = few ? 0 : (rows <= L ? 1 : rows <= 2 * L ? 2 : 4), RP = NV * L;
+    const int NV = few ? 0 : rows <= L ? 1 : rows <= 2 * L ? 2 : rows <= 4 * L ? 4 : 8;
+    const int RP = NV * L;
     for (int r = 0; r < rows; r++) {
         const int64_t hh = r / rh, rl = r % rh;
         const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
