@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     from batchjob.tokenize import load_prompts
 
     runs = json.loads(Path(args.plan).read_text())
-    t_start = time.time()
+    import psutil
+
+    t_start = psutil.Process().create_time()  # as vllm_peer.py: interpreter and imports count
     backend = None
     for k, r in enumerate(runs):
         job = job_for(args, r["input"])
