@@ -300,6 +300,7 @@ def run_vllm_plan(
     work: Path,
     kv_gib: float,
     ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
+    chunk_size: int | None = None,
 ) -> tuple[list[RunResult], Exception | None]:
     """Every pending (workload, system, repeat, data) vLLM run in ONE vllm_peer.py --plan
     process. Returns the runs it finished (all, unless it failed: then also the error)."""
@@ -317,6 +318,8 @@ def run_vllm_plan(
     cmd = [str(VLLM_PY), str(ROOT / "benchmarks/vllm_peer.py"), "--omp-bind", "0-1"]
     cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", "float32"]
     cmd += ["--no-min-tokens", "--warmup", "--model", str(model), "--plan", str(d / "plan.json")]
+    if chunk_size is not None:  # the same token budget per step as every other system
+        cmd += ["--max-num-batched-tokens", str(chunk_size)]
     err, rss, cpu = None, float("nan"), float("nan")
     try:
         wall, rss, cpu = run_child(cmd, d / "log.txt")
@@ -537,6 +540,12 @@ def profile_split(stats_path: Path) -> dict[str, float]:
 @click.option("--len-scale", type=float, default=None, help="Override every len_scale.")
 @click.option("--kv-gib", type=float, default=1.0, show_default=True)
 @click.option("--chunk-size", default=2048, show_default=True)
+@click.option(
+    "--vllm-budget/--vllm-default-budget",
+    default=False,
+    help="Give the vLLM peer --chunk-size as max_num_batched_tokens (default: vLLM's own, 4096 "
+    "on CPU).",
+)
 @click.option("--smoke", is_flag=True, help="Tiny model and workload; vLLM only with --with-vllm.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_peers")
 @click.option(
@@ -560,6 +569,7 @@ def main(
     len_scale,
     kv_gib,
     chunk_size,
+    vllm_budget,
     smoke,
     out,
     resume,
@@ -662,7 +672,9 @@ def main(
     ]
     if pending:
         print(f"vLLM: {len(pending)} runs in one vllm_peer.py --plan process", flush=True)
-        finished, err = run_vllm_plan(pending, model, out / "runs", kv_gib, ours_by)
+        finished, err = run_vllm_plan(
+            pending, model, out / "runs", kv_gib, ours_by, chunk_size if vllm_budget else None
+        )
         for r in finished:
             record(r)
         if err is not None:
