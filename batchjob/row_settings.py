@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from batchjob.config import JobConfig, SamplingConfig
 from batchjob.errors import ConfigError, InputDataError
-from batchjob.io import ROW_ID, RejectedRows
+from batchjob.io import ROW_ID, STATUS_PROMPT_TOO_LONG, RejectedRows
 
 STATUS_INVALID = {
     "temperature_column": "invalid_temperature",
@@ -251,9 +251,10 @@ def _select(s: RowSettings, keep: np.ndarray) -> RowSettings:
     )
 
 
-def with_row_settings(job: JobConfig, loaded, tokenizer):
+def with_row_settings(job: JobConfig, loaded, tokenizer, max_model_len: int | None = None):
     """``TokenizedInput`` with its prompts carrying the rows' settings, and the rows with an
-    invalid value moved to the rejected rows (``batchjob.tokenize.load_prompts`` calls it)."""
+    invalid value moved to the rejected rows (``batchjob.tokenize.load_prompts`` calls it).
+    Scoring: a row whose prompt + longest label exceeds ``max_model_len`` is rejected too."""
     prompts = loaded.prompts
     encode = None
     if job.sampling.labels or job.input.labels_column:
@@ -270,6 +271,8 @@ def with_row_settings(job: JobConfig, loaded, tokenizer):
     settings, bad = read_row_settings(job, loaded.passthrough, prompts.row_ids, encode)
     if settings is None:
         return loaded
+    if settings.label_tokens is not None and max_model_len is not None:
+        settings, bad = _labels_within_context(settings, bad, prompts, max_model_len)
     keep = ~np.isin(prompts.row_ids, bad.row_ids)
     if not keep.all():
         lengths = prompts.lengths[keep]
@@ -288,3 +291,28 @@ def with_row_settings(job: JobConfig, loaded, tokenizer):
         prompts = dataclasses.replace(prompts, max_tokens=np.asarray(longest, dtype=np.int32))
     rejected = RejectedRows.concat([loaded.rejected, bad])
     return dataclasses.replace(loaded, prompts=prompts, rejected=rejected)
+
+
+def _labels_within_context(
+    settings: RowSettings, bad: RejectedRows, prompts, max_model_len: int
+) -> tuple[RowSettings, RejectedRows]:
+    """Reject (prompt_too_long) the rows whose prompt + longest label does not fit the
+    context: the longest label's last token is scored at position prompt + label - 1."""
+    assert settings.label_tokens is not None
+    longest = np.array([max(len(t) for t in lab) for lab in settings.label_tokens], np.int64)
+    pos = np.searchsorted(prompts.row_ids, settings.row_ids)
+    need = prompts.lengths[pos] + longest - 1
+    over = need > max_model_len - 1
+    if not over.any():
+        return settings, bad
+    idx = np.flatnonzero(over)
+    extra = RejectedRows(
+        settings.row_ids[idx],
+        tuple(STATUS_PROMPT_TOO_LONG for _ in idx),
+        tuple(
+            f"row {int(settings.row_ids[i])}: prompt + longest label = {int(need[i]) + 1} "
+            f"tokens exceeds max_model_len = {max_model_len}"
+            for i in idx
+        ),
+    )
+    return _select(settings, ~over), RejectedRows.concat([bad, extra])

@@ -257,4 +257,5 @@ def load_prompts(
         max_model_len=info.max_model_len if info else job.model.max_model_len,
         vocab_size=info.vocab_size if info else None,
     )
-    return with_row_settings(job, result, tokenizer), info
+    max_len = info.max_model_len if info else job.model.max_model_len
+    return with_row_settings(job, result, tokenizer, max_len), info

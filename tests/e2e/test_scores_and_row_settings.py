@@ -173,3 +173,25 @@ def test_ranking_example_runs(tmp_path):
     res = pq.read_table(out).to_pylist()
     assert len(res) == 60 and all(r["label"] in (" yes", " no") for r in res)
     assert all(len(r["label_logprobs"]) == 2 for r in res)
+
+
+def test_labels_past_the_context_reject_the_row(tmp_path, run_model, run_data):
+    tok = load_tokenizer(run_model)
+    prompts = pq.read_table(run_data)["prompt"].to_pylist()
+    lengths = tok.encode(prompts)[1]
+    label_len = len(tok.tokenizer.encode("xyzzy", add_special_tokens=False).ids)
+    assert label_len > 1
+    ctx = int(lengths.max()) + 1  # every prompt fits; the longest + the label does not
+    res = run_ok(
+        tmp_path,
+        run_model,
+        run_data,
+        "ctx.parquet",
+        ['[sampling] labels = ["xyzzy"]', f"[model] max_model_len = {ctx}"],
+    ).to_pylist()
+    for n, row in zip(lengths, res, strict=True):
+        if n + label_len - 1 > ctx - 1:
+            assert row["status"] == "prompt_too_long" and "longest label" in row["message"]
+        else:
+            assert row["status"] == "ok" and row["label"] == "xyzzy"
+    assert any(r["status"] == "prompt_too_long" for r in res)
