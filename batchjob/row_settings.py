@@ -201,10 +201,10 @@ def read_row_settings(
             lab = own or default
             if lab is None:
                 if i not in bad:
-                    col = job.input.labels_column
+                    lcol = job.input.labels_column
                     bad[i] = (
                         STATUS_INVALID["labels_column"],
-                        f"row {int(row_ids[i])}: column {col!r} (input.labels_column) is "
+                        f"row {int(row_ids[i])}: column {lcol!r} (input.labels_column) is "
                         "null or empty and sampling.labels is not set",
                     )
                 lab = ()
@@ -257,6 +257,10 @@ def with_row_settings(job: JobConfig, loaded, tokenizer, max_model_len: int | No
     Scoring: a row whose prompt + longest label exceeds ``max_model_len`` is rejected too."""
     prompts = loaded.prompts
     encode = None
+    if job.input.stop_column and tokenizer is None:  # stop strings are matched on text
+        from batchjob.tokenizer import load_tokenizer  # ModelError without tokenizer.json
+
+        load_tokenizer(job.model.path)
     if job.sampling.labels or job.input.labels_column:
         if tokenizer is None:
             from batchjob.tokenizer import load_tokenizer  # ModelError without tokenizer.json

@@ -35,6 +35,7 @@ from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
 from batchjob.model_info import ModelInfo
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
+from batchjob.row_settings import RowSettings
 
 GiB = 1 << 30
 
@@ -217,24 +218,18 @@ def _per_row_params(
     per-row overrides (``prompts.settings``), cached per distinct combination (the scheduler
     already refused a row limit below 1; ``load_prompts`` rejected bad per-row values)."""
     cache: dict[tuple, SamplingConfig] = {}
-    per_pos: dict[int, SamplingConfig] = {}
     max_tokens = prompts.max_tokens
-    rs = prompts.settings if prompts.settings is not None else None
-    overrides = rs is not None and rs.overrides_sampling
+    rs = prompts.settings if prompts.settings and prompts.settings.overrides_sampling else None
 
     def get(pos: int) -> SamplingConfig:
-        p = per_pos.get(pos)
-        if p is not None:
-            return p
         mt = int(max_tokens[pos])
-        key = (mt, rs.key(rs.index(int(prompts.row_ids[pos])))) if overrides else (mt,)
-        p = cache.get(key)
+        row = rs.key(rs.index(int(prompts.row_ids[pos]))) if rs is not None else None
+        p = cache.get((mt, row))
         if p is None:
             p = replace(base, max_tokens=mt)
-            if overrides:
-                p = rs.apply(p, key[1])
-            cache[key] = p
-        per_pos[pos] = p
+            if row is not None:
+                p = RowSettings.apply(p, row)
+            cache[(mt, row)] = p
         return p
 
     return get
