@@ -301,6 +301,7 @@ def run_vllm_plan(
     kv_gib: float,
     ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
     chunk_size: int | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[list[RunResult], Exception | None]:
     """Every pending (workload, system, repeat, data) vLLM run in ONE vllm_peer.py --plan
     process. Returns the runs it finished (all, unless it failed: then also the error)."""
@@ -320,6 +321,8 @@ def run_vllm_plan(
     cmd += ["--no-min-tokens", "--warmup", "--model", str(model), "--plan", str(d / "plan.json")]
     if chunk_size is not None:  # the same token budget per step as every other system
         cmd += ["--max-num-batched-tokens", str(chunk_size)]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
     err, rss, cpu = None, float("nan"), float("nan")
     try:
         wall, rss, cpu = run_child(cmd, d / "log.txt")
@@ -344,6 +347,7 @@ def run_backend_plan(
     kv_bytes: int,
     chunk_size: int,
     ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
+    max_model_len: int | None = None,
 ) -> list[RunResult]:
     """Every pending (workload, repeat, data) run of a batchjob-vllm system in ONE process."""
     plan = []
@@ -358,6 +362,8 @@ def run_backend_plan(
     cmd = [PY, str(ROOT / "benchmarks/batchjob_vllm_peer.py"), "--model", str(model)]
     cmd += ["--policy", BACKEND_POLICY[system], "--plan", str(d / "plan.json")]
     cmd += ["--kv-bytes", str(kv_bytes), "--chunk-size", str(chunk_size)]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
     wall, rss, cpu = run_child(cmd, d / "log.txt")
     print(f"  {system}: {len(plan)} runs in one process, {wall:.1f} s", flush=True)
     results = []
@@ -541,6 +547,13 @@ def profile_split(stats_path: Path) -> dict[str, float]:
 @click.option("--kv-gib", type=float, default=1.0, show_default=True)
 @click.option("--chunk-size", default=2048, show_default=True)
 @click.option(
+    "--max-model-len",
+    type=int,
+    default=None,
+    help="vLLM systems' max_model_len (default: the model's 4096; a KV budget under 4096 "
+    "tokens needs less).",
+)
+@click.option(
     "--vllm-budget/--vllm-default-budget",
     default=False,
     help="Give the vLLM peer --chunk-size as max_num_batched_tokens (default: vLLM's own, 4096 "
@@ -570,6 +583,7 @@ def main(
     kv_gib,
     chunk_size,
     vllm_budget,
+    max_model_len,
     smoke,
     out,
     resume,
@@ -673,7 +687,13 @@ def main(
     if pending:
         print(f"vLLM: {len(pending)} runs in one vllm_peer.py --plan process", flush=True)
         finished, err = run_vllm_plan(
-            pending, model, out / "runs", kv_gib, ours_by, chunk_size if vllm_budget else None
+            pending,
+            model,
+            out / "runs",
+            kv_gib,
+            ours_by,
+            chunk_size if vllm_budget else None,
+            max_model_len,
         )
         for r in finished:
             record(r)
@@ -689,7 +709,7 @@ def main(
         if todo:
             print(f"{system}: {len(todo)} runs in one batchjob_vllm_peer.py process", flush=True)
             for r in run_backend_plan(
-                system, todo, model, out / "runs", kv_bytes, chunk_size, ours_by
+                system, todo, model, out / "runs", kv_bytes, chunk_size, ours_by, max_model_len
             ):
                 record(r)
     rows = summary_rows(runs, scales)
