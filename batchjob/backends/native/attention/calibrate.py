@@ -99,8 +99,8 @@ def synthetic_batch(cls: ShapeClass) -> ref.PagedBatch:
     elif cls.kind == "prefix":  # 12 members x 32 new tokens over a 320-token prefix
         seqs = tuple(ref.SeqSpec(32, 32, group=0) for _ in range(12))
         prefixes = (320,)
-    else:  # one 320-token causal chunk
-        seqs, prefixes = (ref.SeqSpec(320, 320),), ()
+    else:  # one 640-token causal chunk (torch's flash kernel gains on long ones)
+        seqs, prefixes = (ref.SeqSpec(640, 640),), ()
     spec = ref.BatchSpec(
         seqs,
         prefixes,
