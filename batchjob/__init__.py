@@ -14,9 +14,7 @@ from batchjob.version import __version__ as __version__
 
 def run(job: JobConfig | str | Path, progress: bool = False) -> JobResult:
     """Run a job (a ``JobConfig`` or a path to its TOML file); see ``batchjob.pipeline``."""
-    from batchjob.config import load_job
+    from batchjob.config import JobConfig, load_job
     from batchjob.pipeline import run as run_job
 
-    if not hasattr(job, "input"):
-        job = load_job(job)
-    return run_job(job, progress=progress)
+    return run_job(job if isinstance(job, JobConfig) else load_job(job), progress=progress)

@@ -229,7 +229,8 @@ def _run_locked(
     stage["plan_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    backend = open_backend(job, lambda ids: _decode(tokenizer, ids), model)
+    # no tokenizer, no stop strings (refused at load): the backend never needs text then
+    backend = open_backend(job, lambda ids: _decode(tokenizer, ids) or "", model)
     over = _rows_over_budget(backend, prompts, plan)
     n_over = int(over.sum()) if not over.all() else 0
     if n_over:  # report those rows, run the rest (all: a config error)

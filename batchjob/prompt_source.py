@@ -151,7 +151,7 @@ class PromptBuilder:
         return BuiltPrompts(
             prompts,
             reject,
-            tuple(status[i] for i in reject),  # type: ignore[misc]
+            tuple(status[i] for i in reject),
             tuple(message[i] for i in reject),
         )
 

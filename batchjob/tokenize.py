@@ -158,7 +158,7 @@ def tokenize_batch(
     rej_idx = np.flatnonzero(reject)
     rejected = RejectedRows(
         batch.row_ids[rej_idx],
-        tuple(status[i] for i in rej_idx),  # type: ignore[misc]
+        tuple(status[i] for i in rej_idx),
         tuple(messages[i] for i in rej_idx),
     )
     keep = ~reject

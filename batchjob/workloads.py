@@ -117,7 +117,9 @@ def _grouped(
     sizes = _group_sizes(g.rng, n, share, exact)
     instr = g.seqs([g.length(instr_len)])[0] if instr_len else None
     prefixes = g.seqs([g.length(prefix_len, jitter) for _ in sizes])
-    segments, group_col, member_col = [], [], []
+    segments: list[list] = []
+    group_col: list[int] = []
+    member_col: list[int] = []
     for gi, (size, prefix) in enumerate(zip(sizes, prefixes, strict=True)):
         head = [instr, prefix] if instr is not None else [prefix]
         for suffix in g.seqs([g.length(distinct_len, jitter) for _ in range(size)]):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
 from batchjob.backends.vllm.engine_args import EngineSettings, engine_settings, environment
@@ -20,6 +21,7 @@ from batchjob.backends.vllm.requests import OutputTracker, plan_order
 from batchjob.backends.vllm.scheduler import scheduler_class_path
 from batchjob.config import JobConfig
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
+from batchjob.intmath import cdiv
 from batchjob.model_info import ModelInfo, model_info_for_job
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
@@ -55,12 +57,15 @@ class VllmBackend:
     def __init__(self, job: JobConfig, detokenize: Detokenize, model: ModelInfo | None = None):
         self.job = job
         self.detokenize = detokenize
-        self.model = model or model_info_for_job(job)
-        if self.model is None:
+        info = model or model_info_for_job(job)
+        if info is None:
             raise ConfigError('model.path: required with engine.backend = "vllm"')
+        self.model: ModelInfo = info
         self.device = "cpu"
-        self.engine = None
-        self.scheduler = None
+        # vLLM objects, made in check_fits (vLLM is imported lazily): its LLMEngine, and our
+        # scheduler subclass inside its engine core (with the bj_* attributes it adds)
+        self.engine: Any = None
+        self.scheduler: Any = None
         self.window = 0
         self._runs = 0
         # fail on settings before any data is touched (vLLM itself starts in check_fits)
@@ -130,10 +135,10 @@ class VllmBackend:
         if budget is None:
             return
         blocks = budget // (bs * self.model.kv_bytes_per_token)
-        if -(-tokens // bs) > blocks:
+        if cdiv(tokens, bs) > blocks:
             raise ConfigError(
                 f"engine.kv_cache_bytes: {budget} bytes hold {blocks} KV blocks of {bs} tokens; "
-                f"row_id {row_id} needs {-(-tokens // bs)} ({tokens} tokens)"
+                f"row_id {row_id} needs {cdiv(tokens, bs)} ({tokens} tokens)"
             )
 
     def check_fits(self, prompts: TokenizedPrompts, plan: Plan) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -62,7 +63,13 @@ class StepCounters:
     records: list[IterationRecord] = field(default_factory=list)
 
 
-class _RecordingMixin:
+if TYPE_CHECKING:  # the mixins are only ever mixed into vLLM's Scheduler (classes below)
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
+
+class _RecordingMixin(_SchedulerBase):
     """One ``IterationRecord`` per step with scheduled tokens."""
 
     def _bj_setup(self) -> None:
@@ -243,7 +250,7 @@ def projected_peak_blocks(
         return 0
     steps = np.unique(remaining) - 1  # [T]
     alive = remaining[None, :] > steps[:, None]  # [T, N]
-    own = -(-(tokens[None, :] + steps[:, None]) // block_size) - shared[None, :]
+    own = cdiv(tokens[None, :] + steps[:, None], block_size) - shared[None, :]
     return int(np.where(alive, np.maximum(own, 0), 0).sum(axis=1).max())
 
 

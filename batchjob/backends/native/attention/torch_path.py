@@ -138,10 +138,11 @@ class TorchAttention:
                     qf[s:e], ks, vs, pf.mask, pf.mask is None, scale
                 )
             for px in seg.prefix:
+                assert p_out is not None and p_lse is not None  # made when any seg.prefix
                 s, e, n = px.q_start, px.q_end, px.off + px.p
                 kp, vp = kg[px.off : n], vg[px.off : n]  # [P, Hkv, D]
                 p_out[s:e], p_lse[s:e] = _heads_attention(qf[s:e], kp, vp, None, False, scale)
-        if p_out is not None:
+        if p_out is not None and p_lse is not None:
             _merge_into(out, lse, p_out, p_lse)
         return out.view(t, h, d).to(q.dtype)
 

@@ -98,6 +98,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """One class for all supported families; ``cfg`` flags select the differences."""
 
+    inv_freq: torch.Tensor  # a registered buffer (nn.Module types buffers as Tensor | Module)
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attn_backend=None) -> None:
         super().__init__()
         self.cfg = cfg
