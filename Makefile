@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Triton kernel tests set TRITON_INTERPRET=1 themselves when there is no GPU (CPU interpreter).
 
-.PHONY: install demo demo-inputs test lint bench bench-plan bench-engine bench-peers bench-kernels clean
+.PHONY: install demo demo-inputs test lint typecheck bench bench-plan bench-engine bench-peers bench-kernels clean
 
 install: $(STAMP)
 
@@ -32,7 +32,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: $(STAMP) lint
+# mypy over batchjob/ and kernels/ ([tool.mypy] in pyproject.toml)
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint typecheck
 	$(VENV)/bin/pytest -n 2 -q
 
 bench: bench-plan bench-engine
@@ -53,4 +57,4 @@ bench-kernels: $(STAMP)
 	$(PY) benchmarks/bench_kernels.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm out runs data models .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm out runs data models .pytest_cache .ruff_cache .mypy_cache .hypothesis
