@@ -108,8 +108,9 @@ class RunResult:
         return self.requests / self.run_s
 
 
-def build_model(path: Path, smoke: bool) -> Path:
-    """models/bench-peer: Llama 256 / 8 layers / 8 heads x 128, vocab 1000 (64 KiB KV/token)."""
+def build_model(path: Path, smoke: bool, head_dim: int = 128) -> Path:
+    """models/bench-peer: Llama 256 / 8 layers / 8 heads x 128, vocab 1000 (64 KiB KV/token);
+    ``head_dim``: the same shape at another head dim (profile_engine.py)."""
     if (path / "config.json").exists():
         return path
     if smoke:
@@ -122,7 +123,7 @@ def build_model(path: Path, smoke: bool) -> Path:
         layers=8,
         heads=8,
         kv_heads=8,
-        head_dim=128,
+        head_dim=head_dim,
         intermediate=512,
         corpus=corpus,
     )

@@ -23,31 +23,11 @@ from batchjob import pipeline  # noqa: E402
 from batchjob.backends.native.attention import cpu as attention_cpu  # noqa: E402
 from batchjob.backends.native.attention import torch_path as attention  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
-from batchjob.tiny_model import default_corpus, make_tiny_model  # noqa: E402
 
 GROUPS = {  # torch ops, by what they do in the model
     "linear layers": ("aten::mm", "aten::addmm"),
     "KV writes": ("aten::index_copy_",),
 }
-
-
-def head_dim_model(head_dim: int) -> Path:
-    """The peer model (hidden 256, 8 layers, 8 heads = 8 KV heads) at another head dim."""
-    path = ROOT / "models" / f"bench-peer-d{head_dim}"
-    if (path / "config.json").exists():
-        return path
-    corpus = [s for k in range(4) for s in default_corpus(400, seed=k)]
-    return make_tiny_model(
-        path,
-        vocab_size=1000,
-        hidden=256,
-        layers=8,
-        heads=8,
-        kv_heads=8,
-        head_dim=head_dim,
-        intermediate=512,
-        corpus=corpus,
-    )
 
 
 def _traced(backend_cls: type) -> None:
@@ -71,10 +51,8 @@ def _traced(backend_cls: type) -> None:
 @click.option("--profile", is_flag=True, help="Split engine time with torch.profiler.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "profile_engine")
 def main(workload, scale, len_scale, max_tokens, attn, head_dim, profile, out) -> None:
-    if head_dim == 128:
-        model = build_model(ROOT / "models" / "bench-peer", smoke=False)
-    else:
-        model = head_dim_model(head_dim)
+    name = "bench-peer" if head_dim == 128 else f"bench-peer-d{head_dim}"
+    model = build_model(ROOT / "models" / name, smoke=False, head_dim=head_dim)
     data = out / f"{workload}-{scale}-{len_scale}-{max_tokens}.parquet"
     write_workload(workload, scale, len_scale, max_tokens, 1000, data)
     toml = job_toml(data, model, out / "results.parquet", "batchllm", max_tokens, 1 << 30, 2048)
