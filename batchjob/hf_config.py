@@ -111,6 +111,14 @@ def _parse_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
         raise ModelError(f"{source}: rope scaling {rope_type!r} lacks key {e.args[0]!r}") from e
 
 
+def _lenient_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
+    """The rope settings where batchjob only needs sizes (vLLM computes rope itself)."""
+    try:
+        return _parse_rope(cfg, source)
+    except ModelError:
+        return RopeConfig(theta=float(cfg.get("rope_theta", 10000.0)), rope_type="default")
+
+
 def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
     window = cfg.get("sliding_window")
     if window is None:
@@ -124,21 +132,26 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
 
 
 def parse_hf_config(
-    cfg: dict[str, Any], generation: dict[str, Any] | None, source: Path
+    cfg: dict[str, Any], generation: dict[str, Any] | None, source: Path, native: bool = True
 ) -> ModelConfig:
     """config.json (``cfg``) + generation_config.json (or None) -> ``ModelConfig``.
 
-    ``source`` (the config.json path) names the file in every ``ModelError``.
+    ``source`` (the config.json path) names the file in every ``ModelError``. ``native``:
+    refuse what the native engine cannot run (architecture, activation, rope type); without
+    it (the vLLM backend, which checks its own models) any architecture is read for its sizes.
     """
     cfg = {**(cfg.get("text_config") or {}), **cfg}  # multimodal configs nest the LM's numbers
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not native and archs:
+        arch = str(archs[0])
     if arch is None:
         raise ModelError(
             f"{source}: unsupported architecture {archs or cfg.get('model_type')!r} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(supported by the native engine: {', '.join(SUPPORTED_ARCHITECTURES)}; "
+            "engine.backend = 'vllm' runs the others)"
         )
-    if cfg.get("hidden_act", "silu") != "silu":
+    if native and cfg.get("hidden_act", "silu") != "silu":
         raise ModelError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
     try:
         hidden = int(cfg["hidden_size"])
@@ -174,7 +187,7 @@ def parse_hf_config(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_parse_rope(cfg, source),
+        rope=_parse_rope(cfg, source) if native else _lenient_rope(cfg, source),
         max_position=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qwen2 or (attention_bias and arch != "MistralForCausalLM"),

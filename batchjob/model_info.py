@@ -267,8 +267,11 @@ def read_model_info(
     dtype: str = "auto",
     device: str = "auto",
     max_model_len: int | None = None,
+    native: bool = True,
 ) -> ModelInfo:
     """Read a local HF model folder once: config files, weight headers, dtype, device.
+
+    ``native``: the folder must be one the native engine runs (see ``parse_hf_config``).
 
     ModelError (exit 5) for a missing folder or config.json, an unsupported architecture or
     rope type, missing or truncated safetensors files, an unknown dtype.
@@ -281,7 +284,7 @@ def read_model_info(
         raise ModelError(f"{cfg_file}: missing (model.path must be a HF model folder)")
     gen_file = folder / "generation_config.json"
     gen = _read_json(gen_file) if gen_file.is_file() else None
-    config = parse_hf_config(_read_json(cfg_file), gen, cfg_file)
+    config = parse_hf_config(_read_json(cfg_file), gen, cfg_file, native=native)
     tensors = read_tensor_files(folder)
     dev = resolve_device(device)
     return ModelInfo(
@@ -300,4 +303,5 @@ def model_info_for_job(job: JobConfig) -> ModelInfo | None:
     m = job.model
     if m.path is None:
         return None
-    return read_model_info(m.path, m.dtype, m.device, m.max_model_len)
+    native = job.engine.backend == "native"
+    return read_model_info(m.path, m.dtype, m.device, m.max_model_len, native=native)

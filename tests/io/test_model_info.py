@@ -143,3 +143,19 @@ def test_reading_imports_no_torch(folder: Path) -> None:
     assert p.returncode == 0, p.stderr
     if not any(Path(d).exists() for d in ("/proc/driver/nvidia", "/dev/kfd")):
         assert p.stdout.split() == ["cpu", "float32", str(TINY_VOCAB)]
+
+
+def test_vllm_backend_reads_architectures_the_native_engine_refuses(folder: Path) -> None:
+    """A Gemma/MoE folder is refused for the native engine (exit 5) but read for its sizes
+    when the vLLM backend runs it (vLLM checks its own models)."""
+    _edit_config(
+        folder,
+        architectures=["GemmaForCausalLM"],
+        hidden_act="gelu_pytorch_tanh",
+        rope_scaling={"rope_type": "yarn", "factor": 4.0},
+    )
+    with pytest.raises(ModelError, match="engine.backend = 'vllm' runs the others"):
+        read_model_info(folder, device="cpu")
+    info = read_model_info(folder, device="cpu", native=False)
+    assert info.architecture == "GemmaForCausalLM"
+    assert info.kv_bytes_per_token == 2 * info.num_layers * info.num_kv_heads * info.head_dim * 4
