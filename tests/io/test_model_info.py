@@ -154,7 +154,7 @@ def test_vllm_backend_reads_architectures_the_native_engine_refuses(folder: Path
         hidden_act="gelu_pytorch_tanh",
         rope_scaling={"rope_type": "yarn", "factor": 4.0},
     )
-    with pytest.raises(ModelError, match="engine.backend = 'vllm' runs the others"):
+    with pytest.raises(ModelError, match=r"engine\.backend = 'vllm' runs the others"):
         read_model_info(folder, device="cpu")
     info = read_model_info(folder, device="cpu", native=False)
     assert info.architecture == "GemmaForCausalLM"
