@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tests.backends.vllm_kit import (
     native_results,
     needs_vllm,
 )
+from tests.signals import signal_after_parts
 
 pytestmark = [needs_vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,19 +118,8 @@ def test_kill_9_mid_run_then_rerun_gives_one_row_per_input(tmp_path, model_dir, 
 
     job = write_job(tmp_path, model_dir, dataset, "run/r.parquet", "vllm", **slow)
     parts = OutputLayout.of(load_job(job).output).parts
-    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 3:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    code, _ = signal_after_parts(job, parts, 3, sig=signal.SIGKILL, timeout=240)
+    assert code == -signal.SIGKILL, "the run ended before it could be killed"
     written = pa.concat_tables([pq.read_table(p) for p in parts.glob("part-*.parquet")])
     assert 0 < written.num_rows < expected.num_rows
 

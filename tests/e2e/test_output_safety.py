@@ -6,7 +6,6 @@ Each test reproduces a way the tester lost data or got a wrong answer without an
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from batchjob.errors import EXIT_CONFIG, EXIT_LOCKED, EXIT_MODEL
 from tests.e2e.jobkit import ROOT, build_dataset, cli, read_results, write_job
+from tests.signals import signal_after_parts
 
 # ---------------------------------------------------------------------------------------
 # item 1: overwrite never deletes before the new results are complete
@@ -82,18 +82,9 @@ def test_successful_overwrite_replaces_results(tmp_path, run_model, run_data):
 
 def _interrupted_run(tmp_path: Path, job: Path, parts: Path) -> None:
     """Start ``job`` in a subprocess and SIGINT it once 2 part files exist."""
-    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
-    cmd += ["--set", "scheduler.chunk_size=8", "--set", "output.flush_rows=1"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 2:
-            proc.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.01)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err
+    sets = ("--set", "scheduler.chunk_size=8", "--set", "output.flush_rows=1")
+    code, err = signal_after_parts(job, parts, 2, extra=sets)
+    assert code == 130, err
 
 
 def test_resume_with_a_different_input_is_refused(tmp_path, run_model, run_data):

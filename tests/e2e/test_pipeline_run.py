@@ -7,11 +7,6 @@ idempotent reruns, directory output, and a Ctrl-C mid-job that loses and duplica
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +20,7 @@ from batchjob.errors import EXIT_INTERRUPTED
 from batchjob.intmath import cdiv
 from batchjob.tiny_model import make_tiny_model
 from batchjob.workloads import WORDS, make_workload
+from tests.signals import signal_after_parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,19 +115,10 @@ def test_interrupted_job_resumes_without_loss_or_duplicates(tmp_path, model_dir,
 
     job = write_job(tmp_path, model_dir, dataset, "run/results.parquet", flush_rows="1")
     parts = tmp_path / "run" / "results.meta" / "parts"
-    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
-    cmd += ["--set", "scheduler.chunk_size=8"]  # many small iterations: rows finish one by one,
-    # so SIGINT lands mid-job however fast the engine is (outputs do not depend on chunking)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 3:
-            proc.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.01)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_INTERRUPTED, err
+    # chunk_size 8: many small iterations, rows finish one by one, so SIGINT lands mid-job
+    # however fast the engine is (outputs do not depend on chunking)
+    code, err = signal_after_parts(job, parts, 3, extra=("--set", "scheduler.chunk_size=8"))
+    assert code == EXIT_INTERRUPTED, err
     written = pa.concat_tables([pq.read_table(p) for p in parts.glob("part-*.parquet")])
     n = expected.num_rows
     assert 0 < written.num_rows < n  # some rows were on disk, not all

@@ -5,32 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from batchjob import __version__
 from batchjob.errors import EXIT_CONFIG
-from tests.e2e.jobkit import ROOT, cli, read_results, write_job
+from tests.e2e.jobkit import cli, read_results, write_job
+from tests.signals import signal_after_parts
 
 
 def _interrupt(job: Path, parts: Path, *sets: str) -> None:
-    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
-    cmd += ["--set", "scheduler.chunk_size=8", "--set", "output.flush_rows=1", *sets]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if parts.is_dir() and len(list(parts.glob("part-*.parquet"))) >= 3:
-            proc.send_signal(signal.SIGINT)
-            break
-        time.sleep(0.01)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err
+    extra = ("--set", "scheduler.chunk_size=8", "--set", "output.flush_rows=1", *sets)
+    code, err = signal_after_parts(job, parts, 3, extra=extra)
+    assert code == 130, err
 
 
 def test_resume_with_fewer_input_rows_is_exit_3_and_overwrite_recovers(
