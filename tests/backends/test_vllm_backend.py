@@ -18,18 +18,14 @@ from batchjob.pipeline import cap_to_context
 from batchjob.plan.build import build_plan
 from batchjob.tokenize import load_prompts
 from batchjob.tokenizer import detokenize, load_tokenizer
-from tests.backends.vllm_kit import build_dataset, build_model, job_for, native_results, needs_vllm
+from tests.backends.vllm_kit import build_dataset, job_for, native_results, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("vllm-model") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
+    """Larger than the shared one (tests/backends/conftest.py): enough rows to preempt."""
     return build_dataset(tmp_path_factory.mktemp("vllm-data") / "prompts.parquet")
 
 

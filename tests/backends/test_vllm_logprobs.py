@@ -11,19 +11,9 @@ import pytest
 
 from batchjob.errors import ConfigError
 from batchjob.pipeline import run as run_job
-from tests.backends.vllm_kit import build_dataset, build_model, job_for, needs_vllm
+from tests.backends.vllm_kit import job_for, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("vllm-lp-model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return build_dataset(tmp_path_factory.mktemp("vllm-lp-data") / "p.parquet", scale=0.01)
 
 
 def results(model, data, out, backend, **sets):

@@ -22,8 +22,6 @@ from batchjob.errors import EXIT_CONFIG
 from batchjob.output_layout import OutputLayout
 from tests.backends.vllm_kit import (
     RESULT_COLUMNS,
-    build_dataset,
-    build_model,
     native_results,
     needs_vllm,
 )
@@ -31,16 +29,6 @@ from tests.signals import signal_after_parts
 
 pytestmark = [needs_vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model(tmp_path_factory.mktemp("vllm-model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return build_dataset(tmp_path_factory.mktemp("vllm-data") / "p.parquet", scale=0.01)
 
 
 def write_job(tmp: Path, model: Path, data: Path, out: str, backend: str, **extra: str) -> Path:
