@@ -19,6 +19,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -219,6 +220,7 @@ class SamplingConfig:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     logprobs: int | None = None  # per generated token: its log-prob and the top-N (0..20)
     labels: tuple[str, ...] = ()  # scoring mode: log-prob of each label after the prompt
+    json_schema: str | None = None  # structured output: inline JSON or a schema file path
 
     def __post_init__(self) -> None:
         _int("sampling.max_tokens", self.max_tokens, lo=1)
@@ -239,10 +241,41 @@ class SamplingConfig:
         _list(self, "labels", "sampling.labels", str)
         if not all(self.labels) or len(set(self.labels)) != len(self.labels):
             _fail("sampling.labels", "labels must be non-empty and distinct", list(self.labels))
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _json_schema(self.json_schema))
+        if self.json_schema is not None and self.labels:
+            _fail("sampling.json_schema", "cannot be combined with sampling.labels", self.labels)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _json_schema(v: Any) -> str:
+    """Inline JSON (starts with "{") or a schema file -> the schema as compact JSON text,
+    checked to be a JSON Schema that xgrammar can compile (else ConfigError naming the key)."""
+    key = "sampling.json_schema"
+    _str(key, v)
+    text = v
+    if not v.lstrip().startswith("{"):
+        try:
+            text = Path(v).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(key, f"not inline JSON and not a readable file ({e.__class__.__name__})", v)
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        _fail(key, f"invalid JSON: {e}", v)
+    if not isinstance(schema, dict):
+        _fail(key, "a JSON schema must be a JSON object", v)
+    compact = json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    try:
+        import xgrammar
+
+        xgrammar.Grammar.from_json_schema(compact)
+    except Exception as e:  # xgrammar raises RuntimeError/ValueError on a bad schema
+        _fail(key, f"not a usable JSON schema: {str(e).splitlines()[0][:200]}", v)
+    return compact
 
 
 @dataclass(frozen=True)
@@ -498,6 +531,9 @@ def load_job(
             section, _, key = dotted.partition(".")
             if key in raw.get(section, {}):
                 raw[section][key] = _resolve(raw[section][key], source.parent)
+        schema = raw.get("sampling", {}).get("json_schema")
+        if isinstance(schema, str) and not schema.lstrip().startswith("{"):
+            raw["sampling"]["json_schema"] = _resolve(schema, source.parent)  # a file path
 
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")

@@ -41,6 +41,8 @@ class FinishedRequest:
     label_logprobs: np.ndarray | None = None  # float32 [L]: scoring mode, one per label
     label: str | None = None  # scoring mode: the most likely label
     target_logprobs: np.ndarray | None = None  # float32: engine-internal scoring targets
+    status: str | None = None  # None: "ok"; else a per-row status (e.g. "json_incomplete")
+    message: str | None = None  # why, for a status other than "ok"
 
 
 @dataclass(frozen=True)

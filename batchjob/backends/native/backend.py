@@ -16,6 +16,7 @@ import torch
 from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
+from batchjob.backends.native.structured import JsonConstraint
 from batchjob.config import JobConfig
 from batchjob.errors import ConfigError
 from batchjob.model_info import ModelInfo
@@ -80,6 +81,14 @@ class NativeBackend:
     ) -> BackendRun:
         if prompts.settings is not None and prompts.settings.labels is not None:
             return self._score(prompts, plan, on_finish, on_iteration)
+        constraint = None
+        if self.job.sampling.json_schema is not None:
+            constraint = JsonConstraint(
+                self.job.model.path,
+                self.job.sampling.json_schema,
+                self.info.vocab_size,
+                self.info.eos_token_ids,
+            )
         r = self.engine.run(
             prompts,
             plan,
@@ -87,6 +96,7 @@ class NativeBackend:
             on_finish,
             detokenize=self.detokenize,
             on_iteration=on_iteration,
+            constraint=constraint,
         )
         return self._backend_run(r)
 

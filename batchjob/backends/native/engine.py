@@ -31,6 +31,7 @@ from batchjob.backends.native.scheduler.base import (
 )
 from batchjob.backends.native.scheduler.output import SchedulerStats
 from batchjob.backends.native.scheduler.registry import make_scheduler
+from batchjob.backends.native.structured import STATUS_JSON_INCOMPLETE, JsonConstraint
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
 from batchjob.model_info import ModelInfo
 from batchjob.plan.plan import Plan
@@ -113,6 +114,7 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         on_iteration: Callable[[IterationRecord], None] | None = None,
         score_targets: Sequence[np.ndarray] | None = None,
+        constraint: JsonConstraint | None = None,
     ) -> EngineRun:
         """Generate for every prompt; ``on_finish`` gets each request as it finishes.
 
@@ -120,7 +122,9 @@ class Engine:
         strings need ``detokenize`` (token ids -> text). ``sampling.logprobs``: each request
         carries its tokens' log-probs. ``score_targets`` (scoring, one int32 array per
         prompt): the log-probs of those tokens after the prompt, from the logits of the first
-        step, go in ``FinishedRequest.target_logprobs``.
+        step, go in ``FinishedRequest.target_logprobs``. ``constraint`` (structured output):
+        every request's tokens are masked by its JSON grammar; it finishes "stop" when the
+        JSON is complete, or "length" with status ``json_incomplete`` before that.
         """
         if sampling.stop and detokenize is None:
             raise ValueError("stop strings need a detokenize function")
@@ -147,6 +151,8 @@ class Engine:
                 params = [row_params(s) for s in ids]
                 steps = [len(generated.get(s, ())) for s in ids]
                 rows = [int(prompts.row_ids[s]) for s in ids]
+                if constraint is not None:
+                    constraint.mask(logits, ids)
                 sampled_t = sample(logits, params, rows, steps)
                 tokens = sampled_t.tolist()
                 lp_of = _step_logprobs(logits, sampled_t, top_n) if top_n is not None else None
@@ -154,6 +160,8 @@ class Engine:
                 for j, (seq, tok, p) in enumerate(zip(ids, tokens, params, strict=True)):
                     toks = generated.setdefault(seq, [])
                     reason = check_stop(toks, tok, p, eos)
+                    if constraint is not None and constraint.accept(seq, tok):
+                        reason = "stop"  # the JSON is complete (closed by EOS)
                     toks.append(tok)
                     sampled[seq] = tok
                     if lp_of is not None:
@@ -170,6 +178,20 @@ class Engine:
                         reason = "score"  # scoring: one step, nothing generated
                     if reason is not None:
                         finished.add(seq)
+                        status = message = None
+                        if constraint is not None:
+                            if not constraint.complete(seq):
+                                status = STATUS_JSON_INCOMPLETE
+                                why = (
+                                    f"max_tokens = {p.max_tokens} reached"
+                                    if reason == "length"
+                                    else "a stop string/token ended the output"
+                                )
+                                message = (
+                                    f"row {int(prompts.row_ids[seq])}: {why} before the JSON "
+                                    "output closed"
+                                )
+                            constraint.release(seq)
                         on_finish(
                             FinishedRequest(
                                 position=seq,
@@ -179,6 +201,8 @@ class Engine:
                                 text=text,
                                 logprobs=_collect(logprobs.pop(seq, None), top_n),
                                 target_logprobs=targets[j] if targets is not None else None,
+                                status=status,
+                                message=message,
                             )
                         )
                         del generated[seq]
