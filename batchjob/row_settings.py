@@ -251,7 +251,7 @@ def _select(s: RowSettings, keep: np.ndarray) -> RowSettings:
     )
 
 
-def with_row_settings(job: JobConfig, loaded, tokenizer, max_model_len: int | None = None):
+def with_row_settings(job: JobConfig, loaded, tokenizer, max_model_len: int | None):
     """``TokenizedInput`` with its prompts carrying the rows' settings, and the rows with an
     invalid value moved to the rejected rows (``batchjob.tokenize.load_prompts`` calls it).
     Scoring: a row whose prompt + longest label exceeds ``max_model_len`` is rejected too."""
