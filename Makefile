@@ -37,7 +37,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: $(STAMP) lint typecheck
-	$(VENV)/bin/pytest -n 2 -q
+	$(VENV)/bin/pytest -n 2 -q --durations=12
 
 bench: bench-plan bench-engine
 
