@@ -271,7 +271,9 @@ def _json_schema(v: Any) -> str:
     compact = json.dumps(schema, separators=(",", ":"), sort_keys=True)
     try:
         import xgrammar
-
+    except ImportError:
+        _fail(key, "structured output needs xgrammar: pip install 'batchjob[structured]'", v)
+    try:
         xgrammar.Grammar.from_json_schema(compact)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError on a bad schema
         _fail(key, f"not a usable JSON schema: {str(e).splitlines()[0][:200]}", v)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from batchjob.errors import EXIT_CONFIG
 from tests.e2e.jobkit import build_model, cli, read_results
@@ -90,7 +91,7 @@ def test_max_tokens_cut_is_json_incomplete(setup):
     for row in t:
         assert row["finish_reason"] == "length"
         assert row["status"] == "json_incomplete"
-        assert "max_tokens = 3" in row["message"]
+        assert "incomplete (max_tokens = 3 reached)" in row["message"]
         with pytest.raises(ValueError):
             json.loads(row["output_text"])
 
@@ -105,3 +106,24 @@ def test_bad_schema_is_exit_3(setup, value):
     r = cli("run", f)
     assert r.exit_code == EXIT_CONFIG, r.output
     assert "sampling.json_schema" in r.output
+
+
+def test_utf8_masks_block_surrogates(setup):
+    """xgrammar admits ED A0..BF (a UTF-16 surrogate, invalid UTF-8; found on the labeling
+    example): after a token ending in byte ED, tokens starting with A0..BF are masked."""
+    from batchjob.backends.native.structured import JsonConstraint, _bad_utf8_pair
+
+    assert _bad_utf8_pair(b"\xed\xa0") and _bad_utf8_pair(b"\xc0") and _bad_utf8_pair(b"\xf5")
+    assert not _bad_utf8_pair("é€😀".encode()) and not _bad_utf8_pair(b"\xed")
+    _, model, _ = setup
+    c = JsonConstraint(model, json.dumps({"type": "string"}), 2500, [2])
+    vocab = c._bytes
+    lead = vocab.index(b"\xed")
+    for tok in (vocab.index(b'"'), lead):
+        c.mask(torch.zeros(1, 2500), [0])
+        assert not c.accept(0, tok)
+    logits = torch.zeros(1, 2500)
+    c.mask(logits, [0])
+    assert torch.isinf(logits[0, vocab.index(b"\xa0")])  # surrogate: masked
+    assert not torch.isinf(logits[0, vocab.index(b"\x80")])  # U+D000..: allowed
+    assert c.problem(0) == "the JSON output is incomplete"

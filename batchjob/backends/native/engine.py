@@ -180,17 +180,15 @@ class Engine:
                         finished.add(seq)
                         status = message = None
                         if constraint is not None:
-                            if not constraint.complete(seq):
+                            problem = constraint.problem(seq)
+                            if problem is not None:
                                 status = STATUS_JSON_INCOMPLETE
                                 why = (
                                     f"max_tokens = {p.max_tokens} reached"
                                     if reason == "length"
-                                    else "a stop string/token ended the output"
+                                    else f"finish {reason}"
                                 )
-                                message = (
-                                    f"row {int(prompts.row_ids[seq])}: {why} before the JSON "
-                                    "output closed"
-                                )
+                                message = f"row {int(prompts.row_ids[seq])}: {problem} ({why})"
                             constraint.release(seq)
                         on_finish(
                             FinishedRequest(

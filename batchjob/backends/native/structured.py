@@ -10,6 +10,7 @@ is complete; a request that reaches ``max_tokens`` before that finishes "length"
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,7 +42,21 @@ class JsonConstraint:
         # (Python's json, jsonschema users) reject: ban every token containing one; compact
         # JSON never needs them (escapes such as \u0004 stay possible)
         ban = [i for i, b in enumerate(info.decoded_vocab) if any(c < 0x20 for c in b)]
-        self._ban = torch.tensor(ban, dtype=torch.long)
+        self._bytes: list[bytes] = list(info.decoded_vocab)
+        ban += [i for i, b in enumerate(self._bytes) if _bad_utf8_pair(b)]
+        self._ban = torch.tensor(sorted(set(ban)), dtype=torch.long)
+        # xgrammar admits any lead byte + continuation bytes, so surrogates (ED A0..BF) and
+        # overlong/out-of-range forms slip through: after a token ending in such a lead
+        # byte, ban the tokens whose first byte may not follow it
+        self._after = {
+            lead: torch.tensor(
+                [i for i, b in enumerate(self._bytes) if b and not lo <= b[0] <= hi],
+                dtype=torch.long,
+            )
+            for lead, (lo, hi) in _SECOND_BYTE.items()
+        }
+        self._pending: dict[int, int] = {}  # seq -> its output's trailing special lead byte
+        self._out: dict[int, bytearray] = {}  # seq -> its output's bytes so far
         self._matchers: dict[int, object] = {}
 
     def _matcher(self, seq: int):
@@ -64,18 +79,52 @@ class JsonConstraint:
             logits.copy_(x.to(logits.device, logits.dtype))
         if len(self._ban):
             logits[:, self._ban.to(logits.device)] = float("-inf")
+        for j, s in enumerate(seqs):
+            lead = self._pending.get(s)
+            if lead is not None:
+                logits[j, self._after[lead].to(logits.device)] = float("-inf")
 
     def accept(self, seq: int, token: int) -> bool:
         """Feed the sampled token; True once the JSON is complete and closed by EOS."""
         m = self._matcher(seq)
         if not m.accept_token(int(token)):
             raise RuntimeError(f"request {seq}: token {token} rejected by its JSON grammar")
-        return m.is_terminated()
+        done = m.is_terminated()
+        b = self._bytes[token] if token < len(self._bytes) and not done else b""
+        self._out.setdefault(seq, bytearray()).extend(b)
+        if b and b[-1] in _SECOND_BYTE:
+            self._pending[seq] = b[-1]
+        elif b:
+            self._pending.pop(seq, None)
+        return done
 
-    def complete(self, seq: int) -> bool:
-        """True when the request's output so far is a complete JSON value of the schema."""
+    def problem(self, seq: int) -> str | None:
+        """Why the request's output is not a complete, valid JSON value (None: it is)."""
         m = self._matchers.get(seq)
-        return m is not None and (m.is_terminated() or m.is_completed())
+        if m is None or not (m.is_terminated() or m.is_completed()):
+            return "the JSON output is incomplete"
+        try:
+            bytes(self._out.get(seq, b"")).decode("utf-8")
+        except UnicodeDecodeError as e:  # safety net: the masks above should prevent it
+            return f"the JSON output is not valid UTF-8 ({e.reason})"
+        return None
 
     def release(self, seq: int) -> None:
         self._matchers.pop(seq, None)
+        self._pending.pop(seq, None)
+        self._out.pop(seq, None)
+
+
+# the allowed second byte after the UTF-8 lead bytes with a narrower range than 80..BF
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _bad_utf8_pair(b: bytes) -> bool:
+    """True when ``b`` holds one of those lead bytes followed by a byte it may not take, or a
+    byte that never occurs in UTF-8 (C0, C1, F5..FF)."""
+    if any(c in (0xC0, 0xC1) or c >= 0xF5 for c in b):
+        return True
+    return any(
+        c in _SECOND_BYTE and not _SECOND_BYTE[c][0] <= n <= _SECOND_BYTE[c][1]
+        for c, n in itertools.pairwise(b)
+    )
