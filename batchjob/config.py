@@ -291,6 +291,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running-request cap (baseline policy only)
     enlarge: bool = True  # Algo 1 first-level enlargement
     reorder: bool = True  # Eq. 4 group order
+    decode_reserve: bool = True  # batchllm: admit new prefill against the projected decode peak
 
     def __post_init__(self) -> None:
         _str("scheduler.policy", self.policy, SCHEDULING_POLICIES)
@@ -299,6 +300,7 @@ class SchedulerConfig:
         _int("scheduler.max_num_seqs", self.max_num_seqs, lo=1)
         _bool("scheduler.enlarge", self.enlarge)
         _bool("scheduler.reorder", self.reorder)
+        _bool("scheduler.decode_reserve", self.decode_reserve)
 
     def kv_cap_blocks(self, num_blocks: int) -> int:
         """M_threshold in blocks: floor(kv_threshold * num_blocks)."""

@@ -86,7 +86,11 @@ def run_engine(model, info, prompts, sched: SchedulerConfig, eng: EngineConfig, 
 def test_greedy_matches_hf(family_model, policy, chunk, kv_blocks):
     model, info, prompts, refs = family_model
     bs = 8
-    sched = SchedulerConfig(policy=policy, chunk_size=chunk, kv_threshold=0.9)
+    # tiny KV: admission by blocks in use alone, so that decode growth preempts (recompute)
+    reserve = kv_blocks >= 16
+    sched = SchedulerConfig(
+        policy=policy, chunk_size=chunk, kv_threshold=0.9, decode_reserve=reserve
+    )
     eng = EngineConfig(block_size=bs, kv_cache_bytes=kv_blocks * bs * info.kv_bytes_per_token)
     outs, run, plan = run_engine(model, info, prompts, sched, eng, use_plan=policy == "batchllm")
     assert outs == refs
@@ -97,6 +101,10 @@ def test_greedy_matches_hf(family_model, policy, chunk, kv_blocks):
         assert run.scheduler.prefix_tokens >= shared
     if kv_blocks < 16:
         assert run.scheduler.preemptions > 0, "the small KV budget should force preemption"
+        if policy == "batchllm":  # the decode-growth reserve avoids it on the same budget
+            sched = SchedulerConfig(policy=policy, chunk_size=chunk, kv_threshold=0.9)
+            outs, run, _ = run_engine(model, info, prompts, sched, eng, use_plan=True)
+            assert outs == refs and run.scheduler.preemptions == 0
 
 
 def test_same_seed_same_output_whatever_schedule(family_model):

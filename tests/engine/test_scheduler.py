@@ -105,7 +105,9 @@ def test_batchllm_preemption_then_group_preemption() -> None:
     """7 blocks of 1 token; request 0 decodes long enough to need everything."""
     prompts = TokenizedPrompts.from_lists([[0, 100], [0, 101], [1, 100], [1, 101]], max_tokens=6)
     plan = make_plan(prompts, [(1, [0, 1]), (1, [2, 3])])
-    cfg, kv = SchedulerConfig(chunk_size=16, kv_threshold=1.0), KVLayout(num_blocks=7, block_size=1)
+    # admission by blocks in use alone (no decode reserve), so that decode growth preempts
+    cfg = SchedulerConfig(chunk_size=16, kv_threshold=1.0, decode_reserve=False)
+    kv = KVLayout(num_blocks=7, block_size=1)
     s = make_scheduler(cfg, kv, prompts, plan)
     finish_at = {0: 6, 1: 1, 2: 6, 3: 1}
     trace = []
@@ -173,7 +175,8 @@ def test_batchllm_group_starts_only_if_a_member_can_follow() -> None:
 def test_batchllm_threshold_holds_back_prefill() -> None:
     """kv_threshold 0.5 of 8 blocks: new prefill stops at 4 blocks, decode goes on."""
     prompts = TokenizedPrompts.from_lists([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]], max_tokens=4)
-    cfg, kv = SchedulerConfig(chunk_size=16, kv_threshold=0.5), KVLayout(num_blocks=8, block_size=2)
+    cfg = SchedulerConfig(chunk_size=16, kv_threshold=0.5, decode_reserve=False)
+    kv = KVLayout(num_blocks=8, block_size=2)
     s = make_scheduler(cfg, kv, prompts, None)  # no plan: groups of one in file order
     out = s.schedule()
     assert rows(out) == [
@@ -188,7 +191,8 @@ def test_batchllm_threshold_holds_back_prefill() -> None:
 def test_batchllm_threshold_lifted_when_nothing_fits() -> None:
     """A prompt longer than the threshold still runs: alone, over the threshold."""
     prompts = TokenizedPrompts.from_lists([[1, 2, 3, 4, 5, 6], [7]], max_tokens=1)
-    cfg, kv = SchedulerConfig(chunk_size=16, kv_threshold=0.5), KVLayout(num_blocks=4, block_size=2)
+    cfg = SchedulerConfig(chunk_size=16, kv_threshold=0.5, decode_reserve=False)
+    kv = KVLayout(num_blocks=4, block_size=2)
     s = make_scheduler(cfg, kv, prompts, None)
     out = s.schedule()
     assert rows(out) == [(0, [1, 2, 3, 4], 0, 0, [0, 1], -1, False, False)]

@@ -40,6 +40,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from batchjob.backends.base import IterationRecord
+from batchjob.backends.kv_projection import projected_peak_blocks
 from batchjob.intmath import cdiv
 
 EXTRA_KEY = "batchjob"  # SamplingParams.extra_args key
@@ -236,22 +237,6 @@ class _BatchLLMMixin(_RecordingMixin):
                 hi = mid - 1
         admitted = lo if self.running else max(lo, 1)  # progress: vLLM refuses what cannot fit
         return max(1, min(n + admitted, self.max_num_running_reqs))
-
-
-def projected_peak_blocks(
-    tokens: np.ndarray, remaining: np.ndarray, shared: np.ndarray, block_size: int
-) -> int:
-    """Peak over future steps of the blocks requests own if each grows by one token a step
-    from ``tokens`` to ``tokens + remaining`` and then frees its blocks (all but ``shared``,
-    a group prefix held elsewhere). The peak is just before some request finishes, so only
-    those steps are evaluated: the decode-growth reserve without assuming that every request
-    reaches its maximum length at the same time."""
-    if len(tokens) == 0:
-        return 0
-    steps = np.unique(remaining) - 1  # [T]
-    alive = remaining[None, :] > steps[:, None]  # [T, N]
-    own = cdiv(tokens[None, :] + steps[:, None], block_size) - shared[None, :]
-    return int(np.where(alive, np.maximum(own, 0), 0).sum(axis=1).max())
 
 
 class RecordingScheduler(_RecordingMixin, Scheduler):

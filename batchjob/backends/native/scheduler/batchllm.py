@@ -18,6 +18,14 @@ no request-count cap): a prefill chunk (distinct, recompute or prefix) runs only
 what fits, and the first one that cannot fit at all ends the prefill pass. Decode tokens are
 not capped by the threshold. An iteration that preempted starts no new sequence.
 
+Decode-growth reserve: a new request (or a group start, with its prefix) is admitted only if
+the projected KV peak of the running requests, those admitted before it in the pass and it
+stays under the threshold, every request growing one token a step up to its ``max_tokens``
+and freeing its blocks when it finishes (``projected_peak_blocks``, shared with the vLLM
+backend's scheduler). Decode growth then rarely overruns the cache: preemption is the
+exception, not the steady state of a decode-heavy batch (``scheduler.decode_reserve``,
+on by default; off: admission by blocks in use alone).
+
 Memory: prefix blocks are allocated chunk by chunk by the prefix sequence, held by the group
 and freed when its last member finishes. When a decode needs a block and none is free, the
 youngest running request is preempted (its own KV freed; it recomputes its distinct prompt
@@ -43,6 +51,7 @@ from collections import deque
 
 import numpy as np
 
+from batchjob.backends.kv_projection import projected_peak_blocks
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.base import (
     Scheduler,
@@ -223,9 +232,13 @@ class BatchLLMScheduler(Scheduler):
                 return
         if not allow_new:
             return
+        # the lifted pass only needs progress: no reserve there
+        growth = _GrowthReserve(self) if self.cfg.decode_reserve and not one else None
         while budget > 0:
             if self._waiting:  # distinct queue, waiting part
                 req = self._waiting[0]
+                if growth is not None and not growth.admit(req, 0, cap):
+                    return
                 n = self._reserve(req, req.num_tokens, budget, cap)
                 if n == 0:
                     return
@@ -249,7 +262,7 @@ class BatchLLMScheduler(Scheduler):
                     m.state = WAITING
                     self._waiting.append(m)
                 continue
-            if grp.stamp < 0 and not self._room_to_start(grp, cap):
+            if grp.stamp < 0 and not self._room_to_start(grp, cap, growth):
                 return
             n = self._reserve(p, p.num_tokens - p.computed, budget, cap)
             if n == 0:
@@ -284,16 +297,19 @@ class BatchLLMScheduler(Scheduler):
             seq.blocks += self.pool.allocate(self._blocks_to_add(seq, n))
         return n
 
-    def _room_to_start(self, grp: _Group, cap: int) -> bool:
-        """Start a group only if its whole prefix and one member's prompt fit under ``cap``.
+    def _room_to_start(self, grp: _Group, cap: int, growth: _GrowthReserve | None) -> bool:
+        """Start a group only if its whole prefix and one member's prompt fit under ``cap``
+        (with ``growth``: and that member's decode growth, on top of the running requests').
 
         A prefix is useless until a member runs: starting one that no member can follow
         would only hold blocks (and invite a group preemption later).
         """
         assert grp.prefix is not None
         first = next(m for m in grp.members if m.state != FINISHED)
-        need = cdiv(grp.prefix.num_tokens, self.block_size) + self._prompt_blocks(first)
-        return self.pool.num_used + need <= cap
+        prefix_blocks = cdiv(grp.prefix.num_tokens, self.block_size)
+        if growth is not None:
+            return growth.fits(first, prefix_blocks, cap)
+        return self.pool.num_used + prefix_blocks + self._prompt_blocks(first) <= cap
 
     def _prompt_blocks(self, req: Sequence) -> int:
         return cdiv(req.num_tokens, self.block_size)
@@ -347,3 +363,43 @@ class BatchLLMScheduler(Scheduler):
         else:
             head = self._prefix_queue[0] if self._prefix_queue else -1
         self._preempt_group(self._youngest_idle_group(exclude=head))
+
+
+class _GrowthReserve:
+    """Admission with a decode-growth reserve, for one prefill pass: a new request is admitted
+    only if the projected KV peak (``projected_peak_blocks``: each running request grows one
+    token a step up to its ``max_tokens`` and frees its own blocks when it finishes) of the
+    running requests, those admitted earlier in the pass and it, plus the blocks no request
+    owns (group prefixes), stays under ``cap``. Preemption is then the exception."""
+
+    def __init__(self, sched: BatchLLMScheduler) -> None:
+        self._sched = sched
+        self._tok: list[int] | None = None  # built on first use: own tokens after prefill
+        self._rem: list[int] = []  # decode steps left
+        self._own = 0  # blocks owned by the requests running at the start of the pass
+        self._admitted: list[Sequence] = []  # admitted in this pass
+
+    def fits(self, req: Sequence, extra_blocks: int, cap: int) -> bool:
+        """Whether ``req`` (plus ``extra_blocks`` not yet allocated) keeps the peak <= cap."""
+        s = self._sched
+        if self._tok is None:
+            run = list(s._running.values())
+            self._tok = [r.num_tokens for r in run]  # a prefill ends whole
+            self._rem = [max(r.max_tokens - len(r.outputs), 1) for r in run]
+            self._own = sum(len(r.blocks) for r in run)
+        # blocks no request owns: group prefixes, those started in this pass included
+        base = s.pool.num_used - self._own - sum(len(r.blocks) for r in self._admitted)
+        tok = np.asarray([*self._tok, req.num_tokens], dtype=np.int64)
+        rem = np.asarray([*self._rem, max(req.max_tokens - len(req.outputs), 1)], dtype=np.int64)
+        peak = projected_peak_blocks(tok, rem, np.zeros_like(tok), s.block_size)
+        return base + extra_blocks + peak <= cap
+
+    def admit(self, req: Sequence, extra_blocks: int, cap: int) -> bool:
+        """``fits``, and if so count ``req`` as running for the rest of the pass."""
+        if not self.fits(req, extra_blocks, cap):
+            return False
+        assert self._tok is not None
+        self._tok.append(req.num_tokens)
+        self._rem.append(max(req.max_tokens - len(req.outputs), 1))
+        self._admitted.append(req)
+        return True

@@ -1,0 +1,73 @@
+"""Admission with a decode-growth reserve (batchllm): on a decode-heavy, memory-bound batch
+the projected-peak admission never preempts where admitting by blocks in use alone did."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from batchjob.backends.kv_projection import projected_peak_blocks
+from batchjob.backends.native.kv_cache import KVLayout
+from batchjob.backends.native.scheduler.batchllm import BatchLLMScheduler
+from batchjob.config import SchedulerConfig
+from batchjob.prompts import TokenizedPrompts
+from tests.engine.test_scheduler_properties import Workload, make_plan, simulate
+
+
+def _decode_heavy() -> tuple[TokenizedPrompts, list[int]]:
+    rng = np.random.default_rng(0)
+    lens = rng.integers(3, 9, 12)
+    seqs = [[100 + i, *rng.integers(0, 50, int(n) - 1).tolist()] for i, n in enumerate(lens)]
+    max_tokens = rng.integers(20, 41, 12)
+    return TokenizedPrompts.from_lists(seqs, max_tokens=max_tokens), max_tokens.tolist()
+
+
+def _run(cfg: SchedulerConfig, kv: KVLayout, prompts: TokenizedPrompts, reserve: bool) -> tuple:
+    # reserve off: the admission before it, new prefill whenever its blocks fit under the cap
+    sched = BatchLLMScheduler(replace(cfg, decode_reserve=reserve), kv, prompts, None)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sampled = {c.seq_id: 7 for c in out.chunks if c.samples}
+        sched.update(out, sampled, set())
+    st = sched.stats
+    return st.preemptions, st.peak_blocks, st.iterations
+
+
+def test_reserve_never_preempts_where_blocks_in_use_admission_did() -> None:
+    prompts, _ = _decode_heavy()
+    cfg = SchedulerConfig(chunk_size=64, kv_threshold=0.9)
+    for num_blocks in (16, 24, 40, 64):
+        kv = KVLayout(num_blocks=num_blocks, block_size=4)
+        old_pre, _, _ = _run(cfg, kv, prompts, False)
+        new_pre, new_peak, _ = _run(cfg, kv, prompts, True)
+        assert old_pre > 0, f"{num_blocks} blocks: the old admission should preempt here"
+        assert new_pre == 0, f"{num_blocks} blocks: {new_pre} preemptions with the reserve"
+        assert new_peak <= cfg.kv_cap_blocks(num_blocks)
+
+
+def test_reserve_keeps_the_batch_full_when_memory_is_ample() -> None:
+    prompts, _ = _decode_heavy()
+    cfg = SchedulerConfig(chunk_size=64, kv_threshold=0.9)
+    kv = KVLayout(num_blocks=1000, block_size=4)  # everything fits: the reserve costs nothing
+    assert _run(cfg, kv, prompts, True) == _run(cfg, kv, prompts, False)
+
+
+def test_reserve_run_passes_the_kv_cache_model_checks() -> None:
+    prompts, max_tokens = _decode_heavy()
+    wl = Workload(prompts, make_plan(prompts, [(0, [i]) for i in range(len(prompts))]), max_tokens)
+    sim = simulate(SchedulerConfig(chunk_size=16, kv_threshold=0.9), KVLayout(24, 4), wl)
+    assert sim.preempted == 0
+
+
+def test_projected_peak_equals_a_step_by_step_simulation() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        n, bs = int(rng.integers(1, 12)), int(rng.choice([4, 16]))
+        tok, rem = rng.integers(1, 100, n), rng.integers(1, 40, n)
+        shared = np.minimum(rng.integers(0, 3, n), tok // bs)
+        sim = max(
+            sum(-(-(tok[i] + t) // bs) - shared[i] for i in range(n) if rem[i] > t)
+            for t in range(int(rem.max()))
+        )
+        assert projected_peak_blocks(tok, rem, shared, bs) == sim
