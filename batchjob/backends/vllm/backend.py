@@ -73,11 +73,6 @@ class VllmBackend:
         if job.sampling.labels or job.input.labels_column:
             key = "sampling.labels" if job.sampling.labels else "input.labels_column"
             raise ConfigError(f'{key}: scoring mode runs on engine.backend = "native" (for now)')
-        if job.sampling.json_schema is not None:
-            raise ConfigError(
-                'sampling.json_schema: structured output runs on engine.backend = "native" '
-                "(for now)"
-            )
 
     # --- start-up ---------------------------------------------------------------------
     def _start(self, longest: int, longest_row: int) -> None:

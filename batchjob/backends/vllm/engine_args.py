@@ -134,7 +134,8 @@ def engine_settings(job: JobConfig, dtype: str, longest_request: int) -> EngineS
         "dtype": dtype,
         "block_size": e.block_size,
         "enable_prefix_caching": True,
-        "skip_tokenizer_init": True,
+        # structured outputs compile the schema against vLLM's own tokenizer (the model's)
+        "skip_tokenizer_init": job.sampling.json_schema is None,
         "seed": job.sampling.seed,
         "max_model_len": job.model.max_model_len or longest_request,
         "max_num_batched_tokens": s.chunk_size,
@@ -142,6 +143,8 @@ def engine_settings(job: JobConfig, dtype: str, longest_request: int) -> EngineS
         "max_num_seqs": min(BATCHLLM_MAX_SEQS, s.chunk_size) if batchllm else s.max_num_seqs,
         "disable_log_stats": True,
     }
+    if job.sampling.json_schema is not None:  # compact JSON, as the native engine writes
+        kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     env: dict[str, str | None] = {}
     if e.kv_cache_bytes is not None:
         kw["kv_cache_memory_bytes"] = e.kv_cache_bytes

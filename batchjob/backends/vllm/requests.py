@@ -10,12 +10,14 @@ here, token by token, on the caller's detokenization, and a stopped request is a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from batchjob.backends.base import Detokenize, FinishedRequest, TokenLogprobs
+from batchjob.backends.native.structured import STATUS_JSON_INCOMPLETE
 from batchjob.backends.vllm.scheduler import EXTRA_KEY
 from batchjob.config import SamplingConfig
 from batchjob.plan.plan import Plan
@@ -100,7 +102,11 @@ def plan_order(
     seeded with sampling.seed once.
     """
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = None
+    if sampling.json_schema is not None:  # compact JSON, as on the native engine
+        structured = StructuredOutputsParams(json=sampling.json_schema, disable_any_whitespace=True)
 
     stops = stop_ids(sampling, eos_ids)
     delta = has_stop_strings(sampling, prompts)
@@ -127,9 +133,20 @@ def plan_order(
                 detokenize=False,
                 output_kind=kind,
                 extra_args={EXTRA_KEY: info},
+                structured_outputs=structured,
             )
             subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist()))
         yield subs
+
+
+def _is_json(text: str) -> bool:
+    """vLLM's grammar keeps the output a prefix of schema-valid JSON: it is complete when it
+    parses (strictly, as the native engine guarantees)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 class OutputTracker:
@@ -161,6 +178,13 @@ class OutputTracker:
         lps = None
         if self.top_n is not None:
             lps = token_logprobs(entries or out.outputs[0].logprobs, toks, self.top_n)
+        status = message = None
+        if self.sampling.json_schema is not None:
+            body = [t for t in toks if t not in self.stop_set]
+            if not _is_json(text if text is not None else self.detokenize(body)):
+                status = STATUS_JSON_INCOMPLETE
+                row = int(self.prompts.row_ids[position])
+                message = f"row {row}: the JSON output is incomplete (finish {reason})"
         return FinishedRequest(
             position=position,
             row_id=int(self.prompts.row_ids[position]),
@@ -168,6 +192,8 @@ class OutputTracker:
             finish_reason=reason,
             text=text,
             logprobs=lps,
+            status=status,
+            message=message,
         )
 
     def update(self, out, position: int) -> tuple[FinishedRequest | None, bool]:
