@@ -84,7 +84,7 @@ class NativeBackend:
         constraint = None
         if self.job.sampling.json_schema is not None:
             constraint = JsonConstraint(
-                self.job.model.path,
+                self.info.path,
                 self.job.sampling.json_schema,
                 self.info.vocab_size,
                 self.info.eos_token_ids,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ class JsonConstraint:
         }
         self._pending: dict[int, int] = {}  # seq -> its output's trailing special lead byte
         self._out: dict[int, bytearray] = {}  # seq -> its output's bytes so far
-        self._matchers: dict[int, object] = {}
+        self._matchers: dict[int, Any] = {}  # xgrammar.GrammarMatcher (untyped)
 
     def _matcher(self, seq: int):
         m = self._matchers.get(seq)
