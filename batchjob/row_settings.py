@@ -257,15 +257,14 @@ def with_row_settings(job: JobConfig, loaded, tokenizer, max_model_len: int | No
     Scoring: a row whose prompt + longest label exceeds ``max_model_len`` is rejected too."""
     prompts = loaded.prompts
     encode = None
-    if job.input.stop_column and tokenizer is None:  # stop strings are matched on text
+    scoring = bool(job.sampling.labels or job.input.labels_column)
+    # stop strings are matched on text, labels are tokenized: both need the model's tokenizer
+    if (job.input.stop_column or scoring) and tokenizer is None:
         from batchjob.tokenizer import load_tokenizer  # ModelError without tokenizer.json
 
-        load_tokenizer(job.model.path)
-    if job.sampling.labels or job.input.labels_column:
-        if tokenizer is None:
-            from batchjob.tokenizer import load_tokenizer  # ModelError without tokenizer.json
-
-            tokenizer = load_tokenizer(job.model.path)
+        tokenizer = load_tokenizer(job.model.path)
+    if scoring:
+        assert tokenizer is not None
         tok = tokenizer.tokenizer
 
         def encode(texts: list[str]) -> list[np.ndarray]:
