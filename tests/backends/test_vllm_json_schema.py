@@ -14,20 +14,10 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from tests.backends.vllm_kit import needs_vllm
+from tests.e2e.test_json_schema import SCHEMA  # the same schema on both backends
 
 pytestmark = [needs_vllm, pytest.mark.slow]
 jsonschema = pytest.importorskip("jsonschema")
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "count": {"type": "integer", "minimum": 0, "maximum": 999},
-        "label": {"enum": ["positive", "negative", "neutral"]},
-    },
-    "required": ["name", "count", "label"],
-    "additionalProperties": False,
-}
 
 
 def write_job(tmp: Path, model: Path, data: Path, name: str, max_tokens: int) -> Path:
