@@ -6,19 +6,13 @@ same model and KV budget: preemptions and engine seconds on a decode-heavy, memo
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import click
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import ROOT, WORKLOADS, measure, prompts_from_table
+from bench_engine import ROOT, measure, workload_prompts  # the script's folder is on sys.path
 
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
 from batchjob.config import EngineConfig, SchedulerConfig
-from batchjob.workloads import make_workload
 
 
 @click.command()
@@ -30,17 +24,7 @@ def main(workload: str, kv_mib: int, max_tokens: int, chunk_size: int) -> None:
     torch.manual_seed(0)
     model_dir = ROOT / "models" / "bench-llama"  # built by bench_engine.py on its first run
     model, info = load_model(model_dir, dtype="float32", device="auto", attention="auto")
-    scale, len_scale = WORKLOADS[workload]
-    table = make_workload(
-        workload,
-        scale=scale,
-        len_scale=len_scale,
-        seed=0,
-        form="ids",
-        vocab_size=info.vocab_size,
-        max_tokens=max_tokens,
-    )
-    prompts = prompts_from_table(table)
+    prompts = workload_prompts(workload, info.vocab_size, max_tokens)
     for reserve in (False, True):
         cfg = SchedulerConfig(policy="batchllm", chunk_size=chunk_size, decode_reserve=reserve)
         engine = Engine(model, info, cfg, EngineConfig(kv_cache_bytes=kv_mib << 20, block_size=16))

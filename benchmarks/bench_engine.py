@@ -83,6 +83,21 @@ def prompts_from_table(table: pa.Table) -> TokenizedPrompts:
     )
 
 
+def workload_prompts(name: str, vocab_size: int, max_tokens: int) -> TokenizedPrompts:
+    """Workload ``name`` at this benchmark's scale, as token ids of the model's vocabulary."""
+    scale, len_scale = WORKLOADS[name]
+    table = make_workload(
+        name,
+        scale=scale,
+        len_scale=len_scale,
+        seed=0,
+        form="ids",
+        vocab_size=vocab_size,
+        max_tokens=max_tokens,
+    )
+    return prompts_from_table(table)
+
+
 def measure(engine: Engine, prompts: TokenizedPrompts, name: str, policy: str) -> Measurement:
     t0 = time.perf_counter()
     plan = build_plan(prompts) if policy == "batchllm" else None
@@ -155,17 +170,7 @@ def main(workloads, repeats, kv_mib, chunk_size, max_num_seqs, max_tokens, out) 
     results: list[Measurement] = []
     summary_rows = []
     for name in workloads.split(","):
-        scale, len_scale = WORKLOADS[name]
-        table = make_workload(
-            name,
-            scale=scale,
-            len_scale=len_scale,
-            seed=0,
-            form="ids",
-            vocab_size=info.vocab_size,
-            max_tokens=max_tokens,
-        )
-        prompts = prompts_from_table(table)
+        prompts = workload_prompts(name, info.vocab_size, max_tokens)
         kv_need = int(prompts.lengths.sum() + max_tokens * len(prompts)) * info.kv_bytes_per_token
         per_policy: dict[str, list[Measurement]] = {}
         for _ in range(repeats):
