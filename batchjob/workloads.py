@@ -210,3 +210,30 @@ def make_workload(
     cols["prompt"] = prompt
     cols["max_tokens"] = pa.array(mt.astype(np.int32))
     return pa.table(cols)
+
+
+# ranking/scoring example (jobs/ranking_labels.toml): one instruction, (query, document) rows
+RANKING_INSTRUCTION = " ".join(WORDS[:16])  # shared by every row: "Is the document relevant to ..."
+
+
+def ranking_table(rows: int, seed: int = 0, query_words: int = 16, doc_words: int = 40) -> pa.Table:
+    """``rows`` (query, document) prompts, 8-16 documents per query, shuffled."""
+    rng = np.random.default_rng(seed)
+    words = np.asarray(WORDS[16:])
+    prompts: list[str] = []
+    qids: list[int] = []
+    q = 0
+    while len(prompts) < rows:
+        query = " ".join(rng.choice(words, query_words))
+        for _ in range(min(int(rng.integers(8, 17)), rows - len(prompts))):
+            doc = " ".join(rng.choice(words, doc_words))
+            prompts.append(f"{RANKING_INSTRUCTION} query {query} document {doc} relevant:")
+            qids.append(q)
+        q += 1
+    order = rng.permutation(len(prompts))
+    return pa.table(
+        {
+            "prompt": pa.array([prompts[i] for i in order], pa.string()),
+            "query_id": pa.array(np.asarray(qids, dtype=np.int64)[order]),
+        }
+    )

@@ -20,11 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from batchjob.atomic import write_parquet_atomic, write_text_atomic  # noqa: E402
 from batchjob.workloads import WORDS  # noqa: E402
-from examples.demo import build_model  # noqa: E402
 
 ARTICLES = ROOT / "data" / "snippets" / "articles.parquet"
 REQUESTS = ROOT / "data" / "openai" / "requests.jsonl"
@@ -86,6 +84,8 @@ def make_requests(path: Path, n: int = 24, seed: int = 0) -> Path:
 
 
 def main() -> int:
+    from demo import build_model  # examples/ is on sys.path when run as a script
+
     build_model()
     make_articles(ARTICLES)
     make_requests(REQUESTS)

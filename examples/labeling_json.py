@@ -20,10 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from batchjob.workloads import WORDS  # noqa: E402
-from examples.demo import build_model  # noqa: E402
 
 DATA = ROOT / "data" / "labeling" / "questions.parquet"
 JOB = ROOT / "jobs" / "labeling_json.toml"
@@ -40,6 +38,8 @@ def make_questions(path: Path, n: int = 32, seed: int = 0) -> Path:
 
 
 def main() -> int:
+    from demo import build_model  # examples/ is on sys.path when run as a script
+
     build_model()
     make_questions(DATA)
     rc = subprocess.call([sys.executable, "-m", "batchjob.cli", "run", str(JOB)], cwd=ROOT)

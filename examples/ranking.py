@@ -18,40 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
+from batchjob.atomic import write_parquet_atomic
+from batchjob.workloads import ranking_table
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from batchjob.atomic import write_parquet_atomic  # noqa: E402
-from batchjob.workloads import WORDS  # noqa: E402
 
 DATA = ROOT / "data" / "ranking" / "pairs.parquet"
 JOB = ROOT / "jobs" / "ranking_labels.toml"
-INSTRUCTION = " ".join(WORDS[:16])  # shared by every row: "Is the document relevant to ..."
-
-
-def ranking_table(rows: int, seed: int = 0, query_words: int = 16, doc_words: int = 40):
-    """``rows`` (query, document) prompts, 8-16 documents per query, shuffled."""
-    rng = np.random.default_rng(seed)
-    words = np.asarray(WORDS[16:])
-    prompts, qids = [], []
-    q = 0
-    while len(prompts) < rows:
-        query = " ".join(rng.choice(words, query_words))
-        for _ in range(min(int(rng.integers(8, 17)), rows - len(prompts))):
-            doc = " ".join(rng.choice(words, doc_words))
-            prompts.append(f"{INSTRUCTION} query {query} document {doc} relevant:")
-            qids.append(q)
-        q += 1
-    order = rng.permutation(len(prompts))
-    return pa.table(
-        {
-            "prompt": pa.array([prompts[i] for i in order], pa.string()),
-            "query_id": pa.array(np.asarray(qids, dtype=np.int64)[order]),
-        }
-    )
 
 
 def main() -> int:

@@ -5,7 +5,6 @@ sampling columns with per-row rejections, and the jobs/ranking_labels.toml examp
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 
 from batchjob.errors import EXIT_INPUT
 from batchjob.tokenizer import load_tokenizer
+from batchjob.workloads import ranking_table
 from tests.e2e.jobkit import ROOT, cli, cli_subprocess, read_results, write_job
 
 
@@ -154,9 +154,6 @@ def test_ranking_example_runs(tmp_path):
     """jobs/ranking_labels.toml on the tiny model (examples/ranking.py's dataset)."""
     if not (ROOT / "models" / "tiny-llama" / "config.json").exists():
         pytest.skip("the tiny model of `make demo` is not built")
-    sys.path.insert(0, str(ROOT / "examples"))
-    from ranking import ranking_table
-
     data = tmp_path / "pairs.parquet"
     pq.write_table(ranking_table(60, seed=1), data)
     out = tmp_path / "ranking.parquet"
