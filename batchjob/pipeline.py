@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from batchjob.backends import open_backend
-from batchjob.backends.base import FinishedRequest
+from batchjob.backends.base import FinishedRequest, RunSink
 from batchjob.config import JobConfig
 from batchjob.errors import AllRowsRejectedError, ConfigError, ModelError
 from batchjob.faults import fault_point
@@ -285,7 +285,7 @@ def _run_locked(
             hb.beat(finished, generated, _rec.kv_bytes_used, job.engine.kv_cache_bytes or 0)
 
     try:
-        run_info = backend.run(prompts, plan, on_finish, on_iteration=on_iteration)
+        run_info = backend.run(prompts, plan, RunSink(on_finish, on_iteration))
     finally:
         bar.close()
         backend.close()

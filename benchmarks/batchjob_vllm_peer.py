@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from batchjob.atomic import write_parquet_atomic
+    from batchjob.backends.base import RunSink
     from batchjob.backends.vllm.backend import VllmBackend
     from batchjob.plan.build import build_plan
     from batchjob.prompts import TokenizedPrompts
@@ -92,14 +93,16 @@ def main(argv: list[str] | None = None) -> None:
             startup_s = time.perf_counter() - t0
             # warm-up (vllm_peer.py --warmup does the same): first-call costs out of the timing
             warm = TokenizedPrompts.from_lists([[5] * 40, [6] * 40], max_tokens=4)
-            backend.run(warm, build_plan(warm), lambda o: None)
+            backend.run(warm, build_plan(warm), RunSink(lambda o: None))
             ready_s = time.time() - t_start
         load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
         plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
         plan_s = time.perf_counter() - t0
         out: dict[int, list[int]] = {}
-        info = backend.run(prompts, plan, lambda o, out=out: out.__setitem__(o.row_id, o.token_ids))
+        info = backend.run(
+            prompts, plan, RunSink(lambda o, out=out: out.__setitem__(o.row_id, o.token_ids))
+        )
         generate_s = plan_s + info.wall_s
         prompt_tokens = int(prompts.lengths.sum())
         first_time = info.computed_prefill_tokens - info.recomputed_tokens

@@ -1,8 +1,8 @@
 """The one interface the pipeline calls: tokenized prompts + plan in, finished requests out.
 
 A backend is opened for one job (``open_backend``), then ``run`` executes the plan and hands
-every finished request to ``on_finish`` as soon as it finishes (results stream to disk), and
-every iteration's record to ``on_iteration`` (report, timeline plot, progress). Backends know
+every finished request to ``sink.on_finish`` as soon as it finishes (results stream to disk), and
+every iteration's record to ``sink.on_iteration`` (report, timeline plot, progress). Backends know
 nothing of Parquet; the pipeline knows nothing of models, KV caches or schedulers.
 """
 
@@ -77,6 +77,14 @@ OnIteration = Callable[[IterationRecord], None]
 Detokenize = Callable[[list[int]], str]
 
 
+@dataclass(frozen=True)
+class RunSink:
+    """Where a run's output goes: every finished request, and every iteration's record."""
+
+    on_finish: OnFinish
+    on_iteration: OnIteration | None = None
+
+
 class Backend(Protocol):
     """An engine that executes a plan. Open one with ``batchjob.backends.open_backend``."""
 
@@ -91,12 +99,6 @@ class Backend(Protocol):
     # bool [N], the requests that cannot fit the KV budget even alone. Those rows get status
     # ``kv_budget_exceeded`` and the rest of the job runs; without it ``check_fits`` decides.
 
-    def run(
-        self,
-        prompts: TokenizedPrompts,
-        plan: Plan,
-        on_finish: OnFinish,
-        on_iteration: OnIteration | None = None,
-    ) -> BackendRun: ...
+    def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun: ...
 
     def close(self) -> None: ...

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from batchjob.backends.base import RunSink
 from batchjob.config import load_job
 from batchjob.errors import ConfigError
 from batchjob.pipeline import cap_to_context
@@ -50,9 +51,8 @@ class Opened:
 
     def run(self):
         done, records = {}, []
-        info = self.backend.run(
-            self.prompts, self.plan, lambda o: done.setdefault(o.row_id, o), records.append
-        )
+        sink = RunSink(lambda o: done.setdefault(o.row_id, o), records.append)
+        info = self.backend.run(self.prompts, self.plan, sink)
         assert len(done) == len(self.prompts)
         return done, info, records
 

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
+from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration, RunSink
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
 from batchjob.backends.native.structured import JsonConstraint
@@ -72,13 +72,8 @@ class NativeBackend:
     def rows_over_budget(self, prompts: TokenizedPrompts, plan: Plan) -> np.ndarray:
         return self.engine.rows_over_budget(prompts, plan)
 
-    def run(
-        self,
-        prompts: TokenizedPrompts,
-        plan: Plan,
-        on_finish: OnFinish,
-        on_iteration: OnIteration | None = None,
-    ) -> BackendRun:
+    def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
+        on_finish, on_iteration = sink.on_finish, sink.on_iteration
         if prompts.settings is not None and prompts.settings.labels is not None:
             return self._score(prompts, plan, on_finish, on_iteration)
         constraint = None

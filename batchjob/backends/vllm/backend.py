@@ -15,7 +15,7 @@ import dataclasses
 import time
 from typing import Any
 
-from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
+from batchjob.backends.base import BackendRun, Detokenize, RunSink
 from batchjob.backends.vllm.engine_args import EngineSettings, engine_settings, environment
 from batchjob.backends.vllm.requests import OutputTracker, plan_order
 from batchjob.backends.vllm.scheduler import scheduler_class_path
@@ -167,13 +167,8 @@ class VllmBackend:
             raise ConfigError(problem)
 
     # --- running ----------------------------------------------------------------------
-    def run(
-        self,
-        prompts: TokenizedPrompts,
-        plan: Plan,
-        on_finish: OnFinish,
-        on_iteration: OnIteration | None = None,
-    ) -> BackendRun:
+    def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
+        on_finish, on_iteration = sink.on_finish, sink.on_iteration
         self.check_fits(prompts, plan)
         engine, counters = self.engine, self.scheduler.bj
         if not engine.reset_prefix_cache():  # no run reuses another's prefixes
