@@ -96,8 +96,11 @@ class ResultSink:
         flush_seconds: float = 30.0,
         rows_per_file: int = 100_000,
         extra_columns: tuple[str, ...] = (),
+        writer: str = "",
     ):
         self.schema = result_schema(extra_columns)
+        # parts of concurrent writers (cluster workers) get the writer's id in their names
+        self._suffix = f"-{writer}" if writer else ""
         self.layout = layout
         self.manifest = manifest
         self.parts_dir = layout.parts
@@ -149,7 +152,8 @@ class ResultSink:
             schema=self.schema,
         )
         fault_point("part")
-        write_parquet_atomic(table, self.parts_dir / f"part-{self._next_part:06d}.parquet")
+        name = f"part-{self._next_part:06d}{self._suffix}.parquet"
+        write_parquet_atomic(table, self.parts_dir / name)
         self._next_part += 1
         self._buffer = []
         self._last_flush = time.monotonic()
