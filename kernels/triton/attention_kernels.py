@@ -15,11 +15,12 @@ import triton.language as tl
 from .prefix_attention import (
     MODE_FUSED,
     MODE_PARTIAL,
-    _find_unit,
+    _locate_tile,
     _merge_slots,
     _own_program,
     _prefix_program,
     _splits,
+    _tile_rows,
 )
 
 INTERPRETED = triton.knobs.runtime.interpret
@@ -119,16 +120,10 @@ def merge_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     TOK: tl.constexpr = BLOCK_M // GQA_PAD
-    i = _find_unit(tile, gq_start_ptr, group_order_ptr, G, TOK, True)
-    g = tl.load(group_order_ptr + i)
-    q_lo = tl.load(gq_start_ptr + g)
-    q_hi = tl.load(gq_end_ptr + g)
-    t0 = q_lo + (tile - (q_lo // TOK + i)) * TOK
+    g, q_lo, q_hi, t0 = _locate_tile(tile, gq_start_ptr, gq_end_ptr, group_order_ptr, G, TOK, True)
     if (t0 >= q_lo) & (t0 < q_hi):
-        rows = tl.arange(0, BLOCK_M)
-        tok = (t0 + rows // GQA_PAD).to(tl.int64)
-        head = kvh * GQA + rows % GQA_PAD
-        row_ok = (tok < q_hi) & (rows % GQA_PAD < GQA)
+        tok, head, row_ok = _tile_rows(t0, q_hi, kvh, GQA, GQA_PAD, BLOCK_M)
+        tok = tok.to(tl.int64)
         offs_d = tl.arange(0, D_PAD)
         o = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -56,10 +56,47 @@ def _find_unit(tile, starts_ptr, order_ptr, n_units, TOK: tl.constexpr, ORDERED:
 
 
 @triton.jit
-def _load_q(q_ptr, tok, head, row_ok, offs_d, stride_qt, stride_qh, D: tl.constexpr):
-    # q tile: [BLOCK_M, D_PAD]; tok, head: [BLOCK_M] global token and query head of each row
+def _locate_tile(
+    tile, starts_ptr, ends_ptr, order_ptr, n_units, TOK: tl.constexpr, ORDERED: tl.constexpr
+):
+    """A tile's unit and query tokens: (unit, q_lo, q_hi, t0), the unit's queries [q_lo, q_hi)
+    and the tile's first token t0; the tile has no rows unless q_lo <= t0 < q_hi."""
+    i = _find_unit(tile, starts_ptr, order_ptr, n_units, TOK, ORDERED)
+    unit = i
+    if ORDERED:
+        unit = tl.load(order_ptr + i)
+    q_lo = tl.load(starts_ptr + unit)
+    q_hi = tl.load(ends_ptr + unit)
+    return unit, q_lo, q_hi, q_lo + (tile - (q_lo // TOK + i)) * TOK
+
+
+@triton.jit
+def _tile_rows(t0, q_hi, kvh, GQA: tl.constexpr, GQA_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """int32 [BLOCK_M] each: global query token and query head of each row, and real rows."""
+    rows = tl.arange(0, BLOCK_M)
+    tok = t0 + rows // GQA_PAD
+    head = kvh * GQA + rows % GQA_PAD
+    return tok, head, (tok < q_hi) & (rows % GQA_PAD < GQA)
+
+
+@triton.jit
+def _start_tile(
+    q_ptr, t0, q_hi, kvh, stride_qt, stride_qh,
+    GQA: tl.constexpr, GQA_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """A tile's rows, its q [BLOCK_M, D_PAD] in the dot input dtype and an empty online
+    softmax: (tok, head, row_ok, q, acc, m_i, l_i)."""
+    tok, head, row_ok = _tile_rows(t0, q_hi, kvh, GQA, GQA_PAD, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
     ptrs = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-    return tl.load(ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q = tl.load(ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if DOT_F32:  # interpreter workaround: its tl.dot mishandles bf16 operands
+        q = q.to(tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return tok, head, row_ok, q, acc, m_i, l_i
 
 
 @triton.jit
@@ -213,25 +250,13 @@ def _prefix_program(
     TOK: tl.constexpr = BLOCK_M // GQA_PAD
     tile = pid // N_SPLIT
     piece = pid % N_SPLIT
-    i = _find_unit(tile, gq_start_ptr, group_order_ptr, G, TOK, True)
-    g = tl.load(group_order_ptr + i)
-    q_lo = tl.load(gq_start_ptr + g)
-    q_hi = tl.load(gq_end_ptr + g)
-    t0 = q_lo + (tile - (q_lo // TOK + i)) * TOK
+    g, q_lo, q_hi, t0 = _locate_tile(tile, gq_start_ptr, gq_end_ptr, group_order_ptr, G, TOK, True)
     n_prefix = tl.load(prefix_len_ptr + g)
     splits = _splits(n_prefix, SPLIT_LEN)
     if (t0 >= q_lo) & (t0 < q_hi) & (piece < splits):
-        rows = tl.arange(0, BLOCK_M)
-        tok = t0 + rows // GQA_PAD
-        head = kvh * GQA + rows % GQA_PAD
-        row_ok = (tok < q_hi) & (rows % GQA_PAD < GQA)
-        offs_d = tl.arange(0, D_PAD)
-        q = _load_q(q_ptr, tok, head, row_ok, offs_d, stride_qt, stride_qh, D)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        tok, head, row_ok, q, acc, m_i, l_i = _start_tile(
+            q_ptr, t0, q_hi, kvh, stride_qt, stride_qh, GQA, GQA_PAD, D, D_PAD, BLOCK_M, DOT_F32
+        )
         n_lo = piece * SPLIT_LEN
         n_hi = tl.minimum(n_prefix, n_lo + SPLIT_LEN)
         acc, m_i, l_i = _attend(
@@ -259,25 +284,14 @@ def _own_program(
 ):  # fmt: skip
     """Own part: TOK queries of one sequence x its own paged KV, causal."""
     TOK: tl.constexpr = BLOCK_M // GQA_PAD
-    s = _find_unit(tile, cu_q_ptr, cu_q_ptr, S, TOK, False)
-    q_lo = tl.load(cu_q_ptr + s)
-    q_hi = tl.load(cu_q_ptr + s + 1)
-    t0 = q_lo + (tile - (q_lo // TOK + s)) * TOK
+    s, q_lo, q_hi, t0 = _locate_tile(tile, cu_q_ptr, cu_q_ptr + 1, cu_q_ptr, S, TOK, False)
     if (t0 >= q_lo) & (t0 < q_hi):
         kv_len = tl.load(kv_len_ptr + s)
         pos0 = kv_len - (q_hi - q_lo)  # own-KV position of the sequence's first query
-        rows = tl.arange(0, BLOCK_M)
-        tok = t0 + rows // GQA_PAD
-        head = kvh * GQA + rows % GQA_PAD
-        row_ok = (tok < q_hi) & (rows % GQA_PAD < GQA)
+        tok, head, row_ok, q, acc, m_i, l_i = _start_tile(
+            q_ptr, t0, q_hi, kvh, stride_qt, stride_qh, GQA, GQA_PAD, D, D_PAD, BLOCK_M, DOT_F32
+        )
         q_pos = pos0 + tok - q_lo
-        offs_d = tl.arange(0, D_PAD)
-        q = _load_q(q_ptr, tok, head, row_ok, offs_d, stride_qt, stride_qh, D)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         table = bt_ptr + s.to(tl.int64) * stride_bt
         # Keys every row of the tile may see need no causal mask; the rest (the diagonal
         # band, up to the tile's last query) do.
