@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from batchjob.backends.native.attention.meta import AttentionMetadata
+from batchjob.backends.native.attention.base import BatchMemo
 from batchjob.kernels.triton.wrappers import (
     Workspace,
     cascade_prefix_attention,
@@ -22,7 +22,7 @@ class TritonAttention:
     ``variant="fused"`` (default) runs prefix part, own part and merge in one launch;
     ``"cascade"`` uses three launches (for comparison). The instance owns a reusable
     workspace and caches per-batch derived metadata across layers (keyed on the metadata
-    object's identity), so use one instance per stream.
+    object's identity), so use one instance per stream. Argument types: AttentionBackend.
     """
 
     name = "triton"
@@ -32,22 +32,12 @@ class TritonAttention:
             raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
         self.variant = variant
         self._workspace = Workspace()
-        self._meta: AttentionMetadata | None = None
-        self._order: torch.Tensor | None = None
+        self._order = BatchMemo()
 
     # k, v: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping
     write_kv = staticmethod(write_kv)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """q: [T, Hq, D] -> [T, Hq, D] (q's dtype)."""
-        if meta is not self._meta:  # new batch: derive once, reuse for every layer
-            self._meta, self._order = meta, group_order(meta)
+    def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        order = self._order.get(meta, (), lambda: group_order(meta))  # once per batch
         fn = fused_prefix_attention if self.variant == "fused" else cascade_prefix_attention
-        return fn(q, k_cache, v_cache, meta, scale, workspace=self._workspace, order=self._order)
+        return fn(q, k_cache, v_cache, meta, scale, workspace=self._workspace, order=order)
