@@ -167,15 +167,15 @@ def environment(env: dict[str, str | None]) -> Iterator[None]:
     """Set ``env`` (None: unset) for the duration; spawned engine processes inherit it."""
     old = {k: os.environ.get(k) for k in env}
     try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(env)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(old)
+
+
+def _set_environ(env: dict[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

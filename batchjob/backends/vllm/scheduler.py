@@ -73,6 +73,10 @@ else:
 class _RecordingMixin(_SchedulerBase):
     """One ``IterationRecord`` per step with scheduled tokens."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # vLLM's Scheduler: the next class in the MRO
+        self._bj_setup()
+
     def _bj_setup(self) -> None:
         self.bj = StepCounters()
         self._bj_t0 = 0.0
@@ -242,29 +246,17 @@ class _BatchLLMMixin(_RecordingMixin):
 class RecordingScheduler(_RecordingMixin, Scheduler):
     """vLLM's own scheduler, recording each step."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._bj_setup()
-
 
 class RecordingAsyncScheduler(_RecordingMixin, AsyncScheduler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._bj_setup()
+    """The same with vLLM's async scheduling."""
 
 
 class BatchLLMScheduler(_BatchLLMMixin, Scheduler):
     """The BatchLLM policy inside vLLM (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._bj_setup()
-
 
 class BatchLLMAsyncScheduler(_BatchLLMMixin, AsyncScheduler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._bj_setup()
+    """The same with vLLM's async scheduling."""
 
 
 def scheduler_class_path(policy: str, async_scheduling: bool) -> str:
