@@ -6,6 +6,8 @@ fix the data) apart from a runtime failure (may retry) by the exit code alone.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 EXIT_OK = 0
 EXIT_RUNTIME = 1  # unexpected failure while running: retrying may help
 EXIT_USAGE = 2  # bad command line (click's own code)
@@ -18,36 +20,34 @@ EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM: written results are intact, rerun re
 
 
 class BatchJobError(Exception):
-    """Base class: a user-facing error with a clear message and an exit code."""
+    """Base class: a user-facing error with a clear message and an exit code.
 
-    exit_code = EXIT_RUNTIME
+    A subclass names its code in its header: ``class ConfigError(BatchJobError, exit_code=3)``.
+    """
+
+    exit_code: ClassVar[int] = EXIT_RUNTIME
+
+    def __init_subclass__(cls, exit_code: int | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if exit_code is not None:
+            cls.exit_code = exit_code
 
 
-class ConfigError(BatchJobError):
+class ConfigError(BatchJobError, exit_code=EXIT_CONFIG):
     """The job file or a CLI override is invalid; the message names the key and the file."""
 
-    exit_code = EXIT_CONFIG
 
-
-class InputDataError(BatchJobError):
+class InputDataError(BatchJobError, exit_code=EXIT_INPUT):
     """The input dataset is unusable; the message names the file, row and column."""
 
-    exit_code = EXIT_INPUT
 
-
-class ModelError(BatchJobError):
+class ModelError(BatchJobError, exit_code=EXIT_MODEL):
     """The model folder is missing, incomplete, or of an unsupported architecture."""
 
-    exit_code = EXIT_MODEL
 
-
-class AllRowsRejectedError(BatchJobError):
+class AllRowsRejectedError(BatchJobError, exit_code=EXIT_ALL_REJECTED):
     """No input row can run (every row has a per-row error); nothing is written."""
 
-    exit_code = EXIT_ALL_REJECTED
 
-
-class LockedError(BatchJobError):
+class LockedError(BatchJobError, exit_code=EXIT_LOCKED):
     """Another run is writing the same output; this one started no work."""
-
-    exit_code = EXIT_LOCKED
