@@ -68,13 +68,20 @@ def bad(tmp_path_factory, run_model) -> dict[str, Path]:
 
 def _cases(bad: dict[str, Path], model: Path, tmp: Path):
     o = str(tmp / "o.parquet")
-    m = ["--model", str(model), "--set", "model.device=cpu"]
+
+    def run(data: Path, *rest: str) -> list[str]:
+        return ["run", "--input", str(data), "--output", o, *rest]
+
+    def on_cpu(model_dir: Path) -> list[str]:
+        return ["--model", str(model_dir), "--set", "model.device=cpu"]
+
+    m = on_cpu(model)
     E = errors
     return {
         "bad command line": (["run", "--no-such-flag"], E.EXIT_USAGE, "no-such-flag"),
         "job file missing": (["run", str(tmp / "nope.toml")], E.EXIT_CONFIG, "not found"),
         "unknown key": (
-            ["run", "--input", str(bad["text"]), "--output", o, "--set", "sampling.tempreature=1"],
+            run(bad["text"], "--set", "sampling.tempreature=1"),
             E.EXIT_CONFIG,
             "sampling.tempreature",
         ),
@@ -89,94 +96,35 @@ def _cases(bad: dict[str, Path], model: Path, tmp: Path):
             "output.path",
         ),
         "cuda without a GPU": (
-            [
-                "run",
-                "--input",
-                str(bad["text"]),
-                "--output",
-                o,
-                "--model",
-                str(model),
-                "--set",
-                "model.device=cuda",
-            ],
+            run(bad["text"], "--model", str(model), "--set", "model.device=cuda"),
             E.EXIT_CONFIG,
             "model.device",
         ),
-        "files type a column differently": (
-            ["run", "--input", str(bad["mixed"]), "--output", o, *m],
-            E.EXIT_INPUT,
-            "'x'",
-        ),
-        "missing prompt column": (
-            ["run", "--input", str(bad["nocol"]), "--output", o, *m],
-            E.EXIT_INPUT,
-            "'prompt'",
-        ),
+        "files type a column differently": (run(bad["mixed"], *m), E.EXIT_INPUT, "'x'"),
+        "missing prompt column": (run(bad["nocol"], *m), E.EXIT_INPUT, "'prompt'"),
         "misspelled max_tokens_column": (
-            [
-                "run",
-                "--input",
-                str(bad["text"]),
-                "--output",
-                o,
-                *m,
-                "--set",
-                "input.max_tokens_column=mt",
-            ],
+            run(bad["text"], *m, "--set", "input.max_tokens_column=mt"),
             E.EXIT_INPUT,
             "input.max_tokens_column",
         ),
-        "corrupt parquet": (
-            ["run", "--input", str(bad["corrupt"]), "--output", o, *m],
-            E.EXIT_INPUT,
-            "corrupt.parquet",
-        ),
-        "empty dataset": (
-            ["run", "--input", str(bad["empty"]), "--output", o, *m],
-            E.EXIT_INPUT,
-            "0 rows",
-        ),
+        "corrupt parquet": (run(bad["corrupt"], *m), E.EXIT_INPUT, "corrupt.parquet"),
+        "empty dataset": (run(bad["empty"], *m), E.EXIT_INPUT, "0 rows"),
         "model folder missing": (
-            [
-                "run",
-                "--input",
-                str(bad["text"]),
-                "--output",
-                o,
-                "--model",
-                str(tmp / "nomodel"),
-                "--set",
-                "model.device=cpu",
-            ],
+            run(bad["text"], *on_cpu(tmp / "nomodel")),
             E.EXIT_MODEL,
             "nomodel",
         ),
         "truncated safetensors": (
-            [
-                "run",
-                "--input",
-                str(bad["text"]),
-                "--output",
-                o,
-                "--model",
-                str(bad["trunc_model"]),
-                "--set",
-                "model.device=cpu",
-            ],
+            run(bad["text"], *on_cpu(bad["trunc_model"])),
             E.EXIT_MODEL,
             "safetensors",
         ),
         "token ids, model.path none": (
-            ["run", "--input", str(bad["ids"]), "--output", o, "--set", "model.path=none"],
+            run(bad["ids"], "--set", "model.path=none"),
             E.EXIT_MODEL,
             "model.path",
         ),
-        "every row rejected": (
-            ["run", "--input", str(bad["oov"]), "--output", o, *m],
-            E.EXIT_ALL_REJECTED,
-            "invalid_tokens: 2",
-        ),
+        "every row rejected": (run(bad["oov"], *m), E.EXIT_ALL_REJECTED, "invalid_tokens: 2"),
     }
 
 
