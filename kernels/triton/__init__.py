@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from .variants import UnsharedKV, plain_paged_attention, unshare_kv
 from .wrappers import (
+    VARIANTS,
     Workspace,
     cascade_prefix_attention,
     fused_prefix_attention,
     group_order,
     paged_attention,
+    prefix_attention,
     write_kv,
 )
 
 __all__ = [
+    "VARIANTS",
     "UnsharedKV",
     "Workspace",
     "cascade_prefix_attention",
@@ -25,6 +28,7 @@ __all__ = [
     "group_order",
     "paged_attention",
     "plain_paged_attention",
+    "prefix_attention",
     "unshare_kv",
     "write_kv",
 ]

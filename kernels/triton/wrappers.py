@@ -1,16 +1,18 @@
 """Host wrappers: validate inputs (checks.py), then launch the jit kernels.
 
-``fused_prefix_attention`` is the production path (one launch). ``cascade_prefix_attention``
-and ``paged_attention`` (variants.py builds its inputs) are the comparison variants;
-``write_kv`` stores new K/V in the paged caches. On CPU tensors the kernels run under
-Triton's interpreter, which needs TRITON_INTERPRET=1 set before triton is first imported.
+``prefix_attention`` is the entry: variant "fused" (the production path, one launch) or
+"cascade" (three launches, for comparison), also named ``fused_prefix_attention`` and
+``cascade_prefix_attention``. ``paged_attention`` (no sharing; variants.py builds its
+inputs) is the other comparison variant; ``write_kv`` stores new K/V in the paged caches.
+On CPU tensors the kernels run under Triton's interpreter, which needs TRITON_INTERPRET=1
+set before triton is first imported.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from types import ModuleType
 
 import torch
@@ -137,43 +139,79 @@ def _own_tiles(dims: Dims, num_seqs: int, block_m: int) -> int:
     return dims.num_tokens // dims.tok(block_m) + num_seqs
 
 
-def _prepare(q, k_cache, v_cache, meta, scale, out, workspace, order, split_len):
-    dims = check_qkv(q, k_cache, v_cache)
-    check_meta(dims, meta, q.device)
-    scale = check_scale(scale)
-    out = check_out(out, q)
-    split = choose_split(dims, meta, split_len)
-    ws = (workspace or Workspace()).get(dims, split.pieces + 1, q.device)
-    order = group_order(meta) if order is None else order
-    return dims, scale * math.log2(math.e), out, split, ws, order
+VARIANTS = ("fused", "cascade")  # how prefix_attention launches (see its docstring)
 
 
-def fused_prefix_attention(
+@dataclass(frozen=True)
+class _Checked:
+    """A call's inputs after the checks, and what every variant derives from them."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    dims: Dims
+    qk_scale: float  # scale * log2(e)
+    out: torch.Tensor
+    split: Split
+    ws: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ws_o, ws_lse, counters
+    order: torch.Tensor
+
+
+def prefix_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     *,
+    variant: str = "fused",
     workspace: Workspace | None = None,
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     split_len: int | None = None,
 ) -> torch.Tensor:
-    """Prefix-shared paged attention in ONE launch. q: [T, Hq, D] -> out: [T, Hq, D].
+    """Prefix-shared paged attention. q: [T, Hq, D] -> out: [T, Hq, D].
 
+    ``variant="fused"`` (production) runs prefix part, own part and merge in ONE launch;
+    ``"cascade"`` in three (prefix, own, merge: FlashInfer-cascade style) with the same
+    tiles, prefix pieces and partials (for comparison).
     ``order`` (int32 [G], from ``group_order(meta)``) may be passed to reuse it across layers.
-    ``config`` (BLOCK_M_P, BLOCK_N_P, BLOCK_M_O, BLOCK_N_O, optional num_warps, num_stages)
-    fixes the tiles instead of autotuning (or of the interpreter's small default tiles).
+    ``config`` (fused only: BLOCK_M_P, BLOCK_N_P, BLOCK_M_O, BLOCK_N_O, optional num_warps,
+    num_stages) fixes the tiles instead of autotuning (or of the interpreter's small tiles).
     ``split_len`` fixes the prefix keys per program (default: choose_split's heuristic).
     """
-    dims, qk_scale, out, split, (ws_o, ws_lse, cnt), order = _prepare(
-        q, k_cache, v_cache, meta, scale, out, workspace, order, split_len
-    )
-    s, g = meta.num_seqs, meta.num_groups
-    if dims.num_tokens == 0 or s == 0:
+    if variant not in VARIANTS:
+        _fail(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+    if config is not None and variant != "fused":
+        _fail(f"config is for the fused variant only, got variant {variant!r}")
+    dims = check_qkv(q, k_cache, v_cache)
+    check_meta(dims, meta, q.device)
+    qk_scale = check_scale(scale) * math.log2(math.e)
+    out = check_out(out, q)
+    split = choose_split(dims, meta, split_len)
+    ws = (workspace or Workspace()).get(dims, split.pieces + 1, q.device)
+    order = group_order(meta) if order is None else order
+    c = _Checked(q, k_cache, v_cache, meta, dims, qk_scale, out, split, ws, order)
+    if dims.num_tokens == 0 or meta.num_seqs == 0:
         return out
+    if variant == "fused":
+        _launch_fused(c, config)
+    else:
+        _launch_cascade(c)
+    return out
+
+
+fused_prefix_attention = partial(prefix_attention, variant="fused")
+cascade_prefix_attention = partial(prefix_attention, variant="cascade")
+
+
+def _launch_fused(c: _Checked, config: dict[str, int] | None) -> None:
+    q, k_cache, v_cache, meta, dims, out, split = (
+        c.q, c.k_cache, c.v_cache, c.meta, c.dims, c.out, c.split
+    )  # fmt: skip
+    s, g, (ws_o, ws_lse, cnt) = meta.num_seqs, meta.num_groups, c.ws
     mod = jit_module("attention_kernels")
 
     def grid(c: dict) -> tuple[int, int]:
@@ -183,8 +221,8 @@ def fused_prefix_attention(
     args = (
         q, k_cache, v_cache, out, ws_o, ws_lse, cnt,
         meta.cu_q, meta.kv_len, meta.block_table, meta.seq_group,
-        meta.prefix_len, meta.prefix_block_table, meta.group_q_start, meta.group_q_end, order,
-        s, g, dims.num_tokens, dims.num_q_heads, split.pieces, split.length, qk_scale,
+        meta.prefix_len, meta.prefix_block_table, meta.group_q_start, meta.group_q_end, c.order,
+        s, g, dims.num_tokens, dims.num_q_heads, split.pieces, split.length, c.qk_scale,
         q.stride(0), q.stride(1), *_kv_strides(k_cache, v_cache), out.stride(0), out.stride(1),
         meta.block_table.stride(0), meta.prefix_block_table.stride(0),
         tune_key(meta.max_q_len, g > 0),
@@ -197,31 +235,13 @@ def fused_prefix_attention(
         if min(config["BLOCK_M_P"], config["BLOCK_M_O"]) < max(16, dims.gqa_pad):
             _fail(f"config {config}: BLOCK_M_P and BLOCK_M_O must be >= max(16, GQA)")
         mod.fused_kernel[grid(config)](*args, **_consts(dims, q.dtype), **config)
-    return out
 
 
-def cascade_prefix_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    *,
-    workspace: Workspace | None = None,
-    out: torch.Tensor | None = None,
-    order: torch.Tensor | None = None,
-    split_len: int | None = None,
-) -> torch.Tensor:
-    """Cascade variant: prefix launch, own launch, merge launch (FlashInfer-cascade style).
-
-    Same tiles, prefix pieces and partials as the fused kernel; only the launches differ.
-    """
-    dims, qk_scale, out, split, (ws_o, ws_lse, _), order = _prepare(
-        q, k_cache, v_cache, meta, scale, out, workspace, order, split_len
-    )
-    s, g = meta.num_seqs, meta.num_groups
-    if dims.num_tokens == 0 or s == 0:
-        return out
+def _launch_cascade(c: _Checked) -> None:
+    q, k_cache, v_cache, meta, dims, out, split = (
+        c.q, c.k_cache, c.v_cache, c.meta, c.dims, c.out, c.split
+    )  # fmt: skip
+    s, g, (ws_o, ws_lse, _) = meta.num_seqs, meta.num_groups, c.ws
     mod = jit_module("attention_kernels")
     consts = _consts(dims, q.dtype)
     hq, key = dims.num_q_heads, tune_key(meta.max_q_len, g > 0)
@@ -229,15 +249,15 @@ def cascade_prefix_attention(
     if g:
         args = (
             q, k_cache, v_cache, ws_o, ws_lse, meta.prefix_len, meta.prefix_block_table,
-            meta.group_q_start, meta.group_q_end, order, g, hq, split.pieces, split.length,
-            qk_scale, q.stride(0), q.stride(1), *kv_strides, meta.prefix_block_table.stride(0),
+            meta.group_q_start, meta.group_q_end, c.order, g, hq, split.pieces, split.length,
+            c.qk_scale, q.stride(0), q.stride(1), *kv_strides, meta.prefix_block_table.stride(0),
             key,
         )  # fmt: skip
         tiles = lambda bm: _prefix_tiles(dims, g, bm) * split.pieces  # noqa: E731
         _launch_part(mod, "prefix_kernel", args, consts, tiles, dims)
     args = (
         q, k_cache, v_cache, out, ws_o, ws_lse, meta.cu_q, meta.kv_len, meta.block_table,
-        meta.seq_group, meta.prefix_len, s, hq, split.pieces, split.length, qk_scale,
+        meta.seq_group, meta.prefix_len, s, hq, split.pieces, split.length, c.qk_scale,
         q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
         meta.block_table.stride(0), key,
     )  # fmt: skip
@@ -246,11 +266,10 @@ def cascade_prefix_attention(
     if g:
         bm = max(mod.MERGE_BLOCK_M, dims.gqa_pad)
         mod.merge_kernel[(_prefix_tiles(dims, g, bm), dims.num_kv_heads)](
-            out, ws_o, ws_lse, meta.prefix_len, meta.group_q_start, meta.group_q_end, order,
+            out, ws_o, ws_lse, meta.prefix_len, meta.group_q_start, meta.group_q_end, c.order,
             g, hq, split.pieces, split.length, out.stride(0), out.stride(1),
             GQA=dims.gqa, GQA_PAD=dims.gqa_pad, D=dims.head_dim, D_PAD=dims.d_pad, BLOCK_M=bm,
         )  # fmt: skip
-    return out
 
 
 def paged_attention(

@@ -6,14 +6,12 @@ import torch
 
 from batchjob.backends.native.attention.base import BatchMemo
 from batchjob.kernels.triton.wrappers import (
+    VARIANTS,
     Workspace,
-    cascade_prefix_attention,
-    fused_prefix_attention,
     group_order,
+    prefix_attention,
     write_kv,
 )
-
-VARIANTS = ("fused", "cascade")
 
 
 class TritonAttention:
@@ -39,5 +37,7 @@ class TritonAttention:
 
     def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         order = self._order.get(meta, (), lambda: group_order(meta))  # once per batch
-        fn = fused_prefix_attention if self.variant == "fused" else cascade_prefix_attention
-        return fn(q, k_cache, v_cache, meta, scale, workspace=self._workspace, order=order)
+        return prefix_attention(
+            q, k_cache, v_cache, meta, scale,
+            variant=self.variant, workspace=self._workspace, order=order,
+        )  # fmt: skip
