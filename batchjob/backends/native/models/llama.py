@@ -3,7 +3,12 @@
 No batch dimension and no padding: ``T`` tokens of many sequences go through every layer
 together; attention is the only place that knows about sequences, through
 ``AttentionMetadata`` and the attention backend (``model.attn_backend``). q/k/v and
-gate/up projections are fused into one matmul each at load time.
+gate/up projections are fused into one matmul each at load time (weights concatenated).
+
+Glue done in place, each bit-equal to HF's formula in float32: residual adds (``add_``),
+RMSNorm with torch's fused ``rms_norm`` (float32; HF's two roundings in bf16/fp16), RoPE on
+q and k together as one strided view of the qkv output with cos/sin cached per position
+(``RopeTable``), SiLU-mul written into the gate half of the gate_up output.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from torch import nn
 
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.backends.native.models.config import ModelConfig
-from batchjob.backends.native.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+from batchjob.backends.native.models.rope import RopeTable, apply_rope_, inv_frequencies
 from batchjob.errors import ModelError
 
 
@@ -25,9 +30,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # normalise in float32, like HF
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, round to x's dtype, then scale by ``weight``."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, bit-equal in float32
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul_(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up written into the gate half of ``gate_up`` [T, 2I]; returns that half
+    (a [T, I] view with row stride 2I, which the next matmul reads in place)."""
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 class Attention(nn.Module):
@@ -50,20 +69,25 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D]
+        cos: torch.Tensor,  # [T, 1, D/2]
         sin: torch.Tensor,
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         backend,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv(x)  # [T, q + 2 kv]; q, k, v below are views of it
+        qk_end = self.q_size + self.kv_size
+        v = qkv[:, qk_end:].view(t, self.num_kv_heads, d)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, d))  # [T, H, D]
+            k = self.k_norm(qkv[:, self.q_size : qk_end].view(t, self.num_kv_heads, d))
+            apply_rope_(q, cos, sin)
+            apply_rope_(k, cos, sin)
+        else:  # q and k rotated together, in place
+            qk = qkv[:, :qk_end].view(t, self.num_heads + self.num_kv_heads, d)
+            apply_rope_(qk, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o = backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
@@ -78,8 +102,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)  # [T, I] each
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul_(self.gate_up(x), self.inter))
 
 
 class DecoderLayer(nn.Module):
@@ -91,8 +114,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype)
 
     def forward(self, h, cos, sin, layer_cache, meta, backend) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), cos, sin, layer_cache, meta, backend)
-        return h + self.mlp(self.post_norm(h))
+        """h [T, hidden] is updated in place (the residual stream) and returned."""
+        h.add_(self.attn(self.input_norm(h), cos, sin, layer_cache, meta, backend))
+        return h.add_(self.mlp(self.post_norm(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         )
         inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)  # on CPU even under a meta context
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # float32 [D/2]
+        self.rope = RopeTable(dtype)  # cos/sin per position, filled on first use
         self.attn_backend = attn_backend  # write_kv/attend provider, see engine.attention
 
     @torch.inference_mode()
@@ -129,8 +154,8 @@ class LlamaForCausalLM(nn.Module):
         if self.attn_backend is None:
             raise RuntimeError("model.attn_backend is not set")
         self._check_window(meta)
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)  # [T, 1, D]
+        h = self.embed_tokens(input_ids)  # [T, hidden]: a fresh tensor, updated in place
+        cos, sin = self.rope.lookup(positions, self.inv_freq)  # [T, 1, D/2]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend)
         h = self.norm(h[logits_index])  # [K, hidden]

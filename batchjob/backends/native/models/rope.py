@@ -39,7 +39,46 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D] -> [T, H, D]."""
+    """x: [T, H, D]; cos, sin: [T, 1, D] -> [T, H, D] (out of place, HF's formula)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class RopeTable:
+    """cos/sin of every position up to the largest seen, cached in the model's dtype.
+
+    Built from the same float32 products as ``rope_cos_sin`` (position * inv_freq), so a
+    row of the table is bit-equal to computing it per call; grows by doubling.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.cos = self.sin = torch.empty(0, dtype=dtype, device="cpu")  # [P, D/2]
+
+    def lookup(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: int64 [T] -> cos, sin: [T, 1, D/2] (the half both rotations share)."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self.cos.shape[0] or self.cos.device != inv_freq.device:
+            size = max(need, 2 * self.cos.shape[0], 256)
+            pos = torch.arange(size, dtype=torch.int64, device=inv_freq.device).float()
+            freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] float32
+            self.cos, self.sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x in place: x [T, H, D] (a strided view is fine, e.g. q and k of the fused
+    qkv output as one [T, H + Hkv, D] view); cos, sin: [T, 1, D/2] from ``RopeTable``.
+
+    Bit-equal to ``apply_rope``: the first half is x1*cos - x2*sin (HF: x1*cos + (-x2)*sin),
+    the second x2*cos + x1*sin, each product rounded before the sum (no fused multiply-add).
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    first = x1 * cos
+    first.sub_(x2 * sin)
+    x2.mul_(cos).add_(x1 * sin)
+    x1.copy_(first)
