@@ -4,9 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+AIRFLOW_VENV := .venv-airflow
+AIRFLOW_STAMP := $(AIRFLOW_VENV)/.installed
 # Triton kernel tests set TRITON_INTERPRET=1 themselves when there is no GPU (CPU interpreter).
 
-.PHONY: install demo demo-inputs test lint typecheck bench bench-plan bench-engine bench-peers bench-kernels clean
+.PHONY: install demo demo-inputs test test-integration lint typecheck bench bench-plan bench-engine bench-peers bench-kernels clean
 
 install: $(STAMP)
 
@@ -36,8 +38,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# tests/integration needs .venv-airflow: `make test-integration` runs it (CI runs both)
 test: $(STAMP) lint typecheck
-	$(VENV)/bin/pytest -n 2 -q --durations=12
+	$(VENV)/bin/pytest -n 2 -q --durations=12 --ignore=tests/integration
+
+# jobs/airflow_dag.py under a real Airflow 3.3.2 (own venv, SQLite metadata, `airflow dags test`)
+test-integration: $(STAMP) $(AIRFLOW_STAMP)
+	BATCHJOB_REQUIRE_AIRFLOW=1 $(VENV)/bin/pytest -n 0 -q --durations=6 tests/integration
+
+$(AIRFLOW_STAMP): benchmarks/setup_airflow_venv.sh benchmarks/airflow-constraints.txt
+	PYTHON=$(PYTHON) bash benchmarks/setup_airflow_venv.sh $(AIRFLOW_VENV)
+	touch $(AIRFLOW_STAMP)
 
 bench: bench-plan bench-engine
 
@@ -57,4 +68,4 @@ bench-kernels: $(STAMP)
 	$(PY) benchmarks/bench_kernels.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm out runs data models .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm $(AIRFLOW_VENV) out runs data models .pytest_cache .ruff_cache .mypy_cache .hypothesis
