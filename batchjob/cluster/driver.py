@@ -1,0 +1,225 @@
+"""Run a planned job over the workers of a Ray cluster, surviving the loss of workers.
+
+Work items are shards of the global plan (``batchjob.plan.shard``: groups whole, LPT by
+cost), one per worker at the start. A worker that dies (its process killed, its node lost)
+fails its pending call with ``RayActorError``; the rows of its item that are not in a part
+file yet are planned again as a new item, which a replacement worker (up to
+``cluster.max_restarts`` per worker) or the next worker to go idle takes. Rows a dead
+worker wrote stay written and are not redone. When every worker is gone with work left, the
+job stops with ``WorkersLostError`` (exit 1: retry; a rerun resumes from the parts).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchjob.cluster.worker import ShardWorker, workers_dir
+from batchjob.config import ClusterConfig, JobConfig
+from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
+from batchjob.execute import Execution, merge, select_rows
+from batchjob.output_layout import OutputLayout
+from batchjob.plan.build import build_plan
+from batchjob.plan.plan import Plan
+from batchjob.plan.shard import shard_plan, take_groups
+from batchjob.prompts import TokenizedPrompts
+from batchjob.results import ResultSink
+
+log = logging.getLogger(__name__)
+
+ACTOR_PREFIX = "batchjob-"  # actor names: batchjob-<run token>-<writer id>
+
+
+class WorkersLostError(BatchJobError):
+    """Every worker of the cluster died with rows left; the written rows are kept."""
+
+    exit_code = EXIT_RUNTIME
+
+
+@dataclass
+class _Work:
+    what: str  # for the log: "shard 1", "12 rows left by w0"
+    prompts: TokenizedPrompts
+    plan: Plan
+
+
+@dataclass
+class _Slot:
+    index: int
+    restarts: int = 0
+    actor: Any = None  # None: dead, no replacement left
+    busy: bool = False
+
+    @property
+    def writer(self) -> str:
+        return f"w{self.index}" + (f"r{self.restarts}" if self.restarts else "")
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of a Ray error that says something (they start with boilerplate)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if "Error" in ln and "The actor died" not in ln]
+    return (useful[-1] if useful else lines[0] if lines else type(err).__name__)[:300]
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "cluster.address: running on a cluster needs Ray: pip install 'batchjob[ray]'"
+        ) from None
+    return ray
+
+
+def connect(ray, cfg: ClusterConfig) -> bool:
+    """Join (or start, for "local") the cluster; True when this call started Ray here."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(
+            address=cfg.address,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise WorkersLostError(
+            f"cluster.address: cannot reach the Ray cluster at {cfg.address!r}: {e}"
+        ) from None
+    return True
+
+
+def run_on_cluster(
+    job: JobConfig,
+    layout: OutputLayout,
+    manifest: dict,
+    prompts: TokenizedPrompts,
+    plan: Plan,
+    text_prompts: bool,
+    progress: bool = False,
+) -> Execution:
+    """Run ``plan`` over ``prompts`` on ``job.cluster.workers`` engine actors; every row ends
+    in a part file of ``layout`` (or the call raises). The driver commits the parts after."""
+    ray = _import_ray()
+    started = connect(ray, job.cluster)
+    try:
+        return _Driver(ray, job, layout, manifest, text_prompts).run(prompts, plan)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+class _Driver:
+    def __init__(self, ray, job: JobConfig, layout: OutputLayout, manifest: dict, text: bool):
+        self.ray, self.job, self.layout, self.manifest, self.text = ray, job, layout, manifest, text
+        self.actor_cls = ray.remote(ShardWorker)
+        self.token = uuid.uuid4().hex[:8]
+        self.slots = [_Slot(i) for i in range(job.cluster.workers)]
+        self.last_error = ""
+
+    def _start(self, slot: _Slot) -> None:
+        cfg = self.job.cluster
+        slot.actor = self.actor_cls.options(
+            name=f"{ACTOR_PREFIX}{self.token}-{slot.writer}",
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            max_restarts=0,  # a replacement is a new actor with a new writer id
+        ).remote(self.job, self.layout, self.manifest, self.text, slot.writer)
+        slot.busy = False
+
+    def _left_over(self, work: _Work) -> _Work | None:
+        """The rows of ``work`` that no part file holds, planned again (None: all written)."""
+        done = ResultSink(self.layout, self.manifest).done_row_ids()
+        rest = select_rows(work.prompts, ~np.isin(work.prompts.row_ids, done))
+        if not len(rest):
+            return None
+        sched = self.job.scheduler
+        return _Work(
+            f"{len(rest)} rows left by {work.what}",
+            rest,
+            build_plan(rest, enlarge=sched.enlarge, order=sched.reorder),
+        )
+
+    def run(self, prompts: TokenizedPrompts, plan: Plan) -> Execution:
+        ray, cfg = self.ray, self.job.cluster
+        t0 = time.perf_counter()
+        sharding = shard_plan(plan, prompts.lengths, cfg.workers)
+        queue: deque[_Work] = deque()
+        for s in range(cfg.workers):
+            groups = sharding.groups(s)
+            if len(groups):
+                queue.append(_Work(f"shard {s}", *take_groups(prompts, plan, groups)))
+        log.info(
+            "cluster: %d rows, %d groups over %d workers (cost spread %.2f%%)",
+            len(prompts),
+            plan.num_groups,
+            cfg.workers,
+            100 * sharding.spread,
+        )
+        for slot in self.slots:
+            self._start(slot)
+        running: dict[Any, tuple[_Slot, _Work]] = {}
+        results: list[Execution] = []
+        try:
+            while queue or running:
+                for slot in self.slots:
+                    if queue and slot.actor is not None and not slot.busy:
+                        work = queue.popleft()
+                        running[slot.actor.run.remote(work.prompts, work.plan)] = (slot, work)
+                        slot.busy = True
+                if not running:
+                    raise WorkersLostError(
+                        f"every cluster worker died ({cfg.workers} workers, "
+                        f"cluster.max_restarts = {cfg.max_restarts}) with "
+                        f"{sum(len(w.prompts) for w in queue)} rows left; the rows written "
+                        f"are kept: rerun the job to resume (last: {self.last_error})"
+                    )
+                [ref], _ = ray.wait(list(running), num_returns=1)
+                slot, work = running.pop(ref)
+                slot.busy = False
+                try:
+                    results.append(ray.get(ref))
+                    log.info("cluster: %s done on %s", work.what, slot.writer)
+                except ray.exceptions.RayActorError as e:
+                    self._lost(slot, work, queue, e)
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    if isinstance(cause, BatchJobError):
+                        raise cause from None  # bad config/model: its own exit code
+                    raise
+        finally:
+            for slot in self.slots:
+                if slot.actor is not None:
+                    ray.kill(slot.actor, no_restart=True)
+        if isinstance(info := workers_dir(self.layout), Path):  # (on a store: left, tiny)
+            shutil.rmtree(info, ignore_errors=True)
+        return merge(results, plan, self._device(results), time.perf_counter() - t0)
+
+    def _lost(self, slot: _Slot, work: _Work, queue: deque[_Work], err: Exception) -> None:
+        rest = self._left_over(work)
+        self.last_error = f"{slot.writer}: {_first_line(err)}"
+        log.warning(
+            "cluster: worker %s died (%s); %s",
+            slot.writer,
+            _first_line(err),
+            f"{rest.what} run again" if rest else f"{work.what} was fully written",
+        )
+        if rest is not None:
+            queue.appendleft(rest)
+        slot.actor = None
+        if slot.restarts < self.job.cluster.max_restarts:
+            slot.restarts += 1
+            self._start(slot)
+
+    def _device(self, results: list[Execution]) -> str:
+        devices = sorted({e.device for e in results})
+        return f"ray:{self.job.cluster.workers}x{'+'.join(devices) or 'none'}"
