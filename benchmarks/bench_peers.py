@@ -2,6 +2,12 @@
 
     .venv/bin/python benchmarks/bench_peers.py --workloads case1 --repeats 1 --with-vllm
     .venv/bin/python benchmarks/bench_peers.py --smoke            # tiny, < 1 min, no vLLM
+    .venv/bin/python benchmarks/bench_peers.py --head-dims 32,64,128 --workloads natural-qa
+
+Head dims: one benchmark model per ``--head-dims`` entry (models/bench-peer[-d<D>]: Llama,
+hidden 256, 8 layers, 8 heads x D, random weights, built locally on first use); every system
+runs on each. Every run and table row records the head dim and the machine's CPU (model name
+and the ISA flags that pick kernel paths: avx2, fma, avx512f, avx512_bf16, amx_bf16).
 
 Systems, all on the same model folder, token ids, fixed output lengths, fp32 and KV budget:
 ``batchjob`` (native engine, batchllm policy, `batchjob run` in a subprocess), ``baseline``
@@ -40,6 +46,7 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parent.parent
 
 from batchjob.atomic import save_figure_atomic, write_parquet_atomic  # noqa: E402
+from batchjob.cpu_info import host_cpu  # noqa: E402
 from batchjob.tiny_model import default_corpus, make_tiny_model  # noqa: E402
 from batchjob.workloads import make_workload  # noqa: E402
 
@@ -102,19 +109,30 @@ class RunResult:
     cpu_s: float  # vLLM: CPU seconds during generate; batchjob: user+sys of the process
     loadavg_1m: float
     match_frac: float  # rows whose output ids equal batchjob's (nan if not compared)
+    head_dim: int = 128  # the benchmark model's (models/bench-peer[-d<D>])
+    cpu_model: str = ""  # /proc/cpuinfo "model name" of the machine it ran on
+    cpu_flags: str = ""  # the ISA flags that pick kernel paths and dtype (cpu_info.KEY_FLAGS)
 
     @property
     def requests_per_s(self) -> float:
         return self.requests / self.run_s
 
 
+def model_dir(head_dim: int) -> Path:
+    """models/bench-peer (head dim 128, the original) or models/bench-peer-d<D>."""
+    return ROOT / "models" / ("bench-peer" if head_dim == 128 else f"bench-peer-d{head_dim}")
+
+
 def build_model(path: Path, smoke: bool, head_dim: int = 128) -> Path:
     """models/bench-peer: Llama 256 / 8 layers / 8 heads x 128, vocab 1000 (64 KiB KV/token);
-    ``head_dim``: the same shape at another head dim (profile_engine.py)."""
+    ``head_dim``: the same shape at another head dim (--head-dims, profile_engine.py); smoke:
+    hidden 64, 2 layers, 2 heads x ``head_dim``."""
     if (path / "config.json").exists():
         return path
     if smoke:
-        return make_tiny_model(path, vocab_size=320, hidden=64, layers=2, heads=2, kv_heads=2)
+        return make_tiny_model(
+            path, vocab_size=320, hidden=64, layers=2, heads=2, kv_heads=2, head_dim=head_dim
+        )
     corpus = [s for k in range(4) for s in default_corpus(400, seed=k)]  # enough for 1000 ids
     return make_tiny_model(
         path,
@@ -163,14 +181,22 @@ def run_child(cmd: list[str], log: Path) -> tuple[float, float, float]:
 
 
 def job_toml(
-    data: Path, model: Path, out: Path, policy: str, max_tokens: int, kv_bytes: int, chunk_size: int
+    data: Path,
+    model: Path,
+    out: Path,
+    policy: str,
+    max_tokens: int,
+    kv_bytes: int,
+    chunk_size: int,
+    dtype: str = "float32",  # the peers run float32 (bench_dtype.py compares bfloat16)
+    threads: int = 2,
 ) -> str:
     return f"""[input]
 path = "{data}"
 prompt_column = "prompt"
 [model]
 path = "{model}"
-dtype = "float32"
+dtype = "{dtype}"
 device = "cpu"
 [sampling]
 max_tokens = {max_tokens}
@@ -181,7 +207,7 @@ policy = "{policy}"
 chunk_size = {chunk_size}
 [engine]
 kv_cache_bytes = {kv_bytes}
-threads = 2
+threads = {threads}
 [output]
 path = "{out}"
 overwrite = true
@@ -384,10 +410,10 @@ def median(runs: list[RunResult], field: str) -> float:
 def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
     """One row per (workload, system): medians over repeats, ratio of batchjob to it, target."""
     rows = []
-    for name in dict.fromkeys(r.workload for r in runs):
+    for hd, name in dict.fromkeys((r.head_dim, r.workload) for r in runs):
         by_sys: dict[str, list[RunResult]] = {}
         for r in runs:
-            if r.workload == name:
+            if (r.head_dim, r.workload) == (hd, name):
                 by_sys.setdefault(r.system, []).append(r)
         rps = {s: median(rs, "requests_per_s") for s, rs in by_sys.items()}
         ours = rps.get("batchjob")
@@ -400,7 +426,7 @@ def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
             ratio = ours / rps[system] if ours else float("nan")
             target, status = "", ""
             if system == best:
-                want = TARGETS.get(name)
+                want = TARGETS.get(name, 1.0)  # issue 12: >= 1.0x everywhere
                 sav_ok = (
                     (
                         by_sys["batchjob"][0].saving_ratio >= r0.saving_ratio - 1e-9
@@ -419,6 +445,7 @@ def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
             rows.append(
                 {
                     "workload": name,
+                    "head_dim": hd,
                     "scale/len_scale/max_tokens": f"{sc}/{ls}/{mt}",
                     "system": system + (" (vLLM best)" if system == best else ""),
                     "repeats": len(rs),
@@ -438,6 +465,8 @@ def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
                     "target": target,
                     "status": status,
                     "load_1m": median(rs, "loadavg_1m"),
+                    "cpu_model": r0.cpu_model,
+                    "cpu_flags": r0.cpu_flags,
                 }
             )
     return rows
@@ -458,7 +487,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(r["workload"] for r in rows))
+    names = list(dict.fromkeys(f"{r['workload']} d{r['head_dim']}" for r in rows))
     systems = list(dict.fromkeys(r["system"].split(" ")[0] for r in rows))
     fig, ax = plt.subplots(figsize=(max(5, 2 * len(names)), 3.5))
     w = 0.8 / len(systems)
@@ -468,7 +497,7 @@ def plot(rows: list[dict], path: Path) -> None:
                 (
                     r["req_per_s"]
                     for r in rows
-                    if r["workload"] == n and r["system"].split(" ")[0] == s
+                    if f"{r['workload']} d{r['head_dim']}" == n and r["system"].split(" ")[0] == s
                 ),
                 0.0,
             )
@@ -560,6 +589,13 @@ def profile_split(stats_path: Path) -> dict[str, float]:
     help="Give the vLLM peer --chunk-size as max_num_batched_tokens (default: vLLM's own, 4096 "
     "on CPU).",
 )
+@click.option(
+    "--head-dims",
+    default="128",
+    show_default=True,
+    help="Comma list: one benchmark model per head dim (the same shape otherwise: hidden 256, "
+    "8 layers, 8 heads), built locally with random weights; e.g. 32,64,128.",
+)
 @click.option("--smoke", is_flag=True, help="Tiny model and workload; vLLM only with --with-vllm.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_peers")
 @click.option(
@@ -585,6 +621,7 @@ def main(
     chunk_size,
     vllm_budget,
     max_model_len,
+    head_dims,
     smoke,
     out,
     resume,
@@ -599,36 +636,37 @@ def main(
     out = out.resolve()  # job files and peers get absolute paths
     out.mkdir(parents=True, exist_ok=True)
     chosen = [s for s in systems.split(",") if s]
+    dims = [int(d) for d in head_dims.split(",") if d]
     if smoke:
         name, sc, ls, mt = SMOKE_WORKLOAD
         scales = {name: (sc, ls, mt)}
-        model = build_model(out / "smoke-model", smoke=True)
         kv_gib = 1 / 64  # 16 MiB: 16k tokens of the 1 KiB/token tiny model (vLLM: >= max len)
         chosen = [s for s in chosen if "vllm" not in s or "--with-vllm" in sys.argv]
+        if "--head-dims" not in sys.argv:
+            dims = [32]  # the tiny model's own (hidden 64, 2 heads)
     else:
         scales = {n: WORKLOADS[n] for n in workloads.split(",")}
         if scale or len_scale:
             scales = {n: (scale or a, len_scale or b, c) for n, (a, b, c) in scales.items()}
-        model = build_model(ROOT / "models" / "bench-peer", smoke=False)
     if not with_vllm or not VLLM_PY.exists():
         chosen = [s for s in chosen if not s.startswith("vllm")]
     if not with_vllm or not HAVE_VLLM:
         chosen = [s for s in chosen if s not in BACKEND_POLICY]
     if with_hf and "hf" not in chosen:
         chosen.append("hf")
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     kv_bytes = int(kv_gib * (1 << 30))
+    cpu = host_cpu()
+    print(f"CPU: {cpu.summary()}; head dims {dims}", flush=True)
     runs: list[RunResult] = []
     if resume and (out / "peers_runs.parquet").exists():  # keep runs an earlier call finished
         runs = [RunResult(**r) for r in pq.read_table(out / "peers_runs.parquet").to_pylist()]
-    done = {(r.workload, r.system, r.repeat) for r in runs}
-    datas: dict[str, Path] = {}
-    ours_by: dict[tuple[str, int], dict[int, list[int]] | None] = {}
+    done = {(r.workload, r.system, r.repeat, r.head_dim) for r in runs}
 
-    def record(r: RunResult) -> None:
+    def record(r: RunResult, hd: int) -> None:
+        r = replace(r, head_dim=hd, cpu_model=cpu.model, cpu_flags=" ".join(cpu.key_flags))
         runs.append(r)
         print(
-            f"  {r.workload} rep {r.repeat} {r.system}: run {r.run_s:.1f} s "
+            f"  d{hd} {r.workload} rep {r.repeat} {r.system}: run {r.run_s:.1f} s "
             f"({r.requests_per_s:.2f} req/s), end-to-end {r.end_to_end_s:.1f} s, "
             f"saving {r.saving_ratio:.3f}, mem {r.peak_mem_mib:.0f} MiB, "
             f"match {r.match_frac:.2f}, load {r.loadavg_1m:.1f}",
@@ -639,80 +677,89 @@ def main(
             out / "peers_runs.parquet",
         )
 
-    for name, (sc, ls, mt) in scales.items():
-        data = datas[name] = out / "data" / f"{name}-{sc}-{ls}-{mt}.parquet"
-        t = write_workload(name, sc, ls, mt, vocab, data)
-        print(
-            f"{name}: {t.num_rows} requests, {sum(map(len, t['prompt'].to_pylist()))} prompt "
-            f"tokens, {mt} out each; systems {chosen}",
-            flush=True,
-        )
-        for rep in range(repeats):
-            ours = None
-            for system in sorted(chosen, key=lambda s: s != "batchjob"):  # batchjob first
-                if (name, system, rep) in done:  # --resume: reuse, re-check against batchjob
-                    ours = (
-                        ours
-                        if system != "batchjob"
-                        else outputs_by_row(
-                            out / "runs" / f"{name}-batchllm-{rep}" / "results.parquet"
+    for hd in dims:  # one model per head dim; every system runs on each
+        path = out / f"smoke-model-d{hd}" if smoke else model_dir(hd)
+        model = build_model(path, smoke=smoke, head_dim=hd)
+        runs_dir = out / "runs" / f"d{hd}"
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        datas: dict[str, Path] = {}
+        ours_by: dict[tuple[str, int], dict[int, list[int]] | None] = {}
+        for name, (sc, ls, mt) in scales.items():
+            data = datas[name] = out / "data" / f"{name}-{sc}-{ls}-{mt}-v{vocab}.parquet"
+            t = write_workload(name, sc, ls, mt, vocab, data)
+            print(
+                f"d{hd} {name}: {t.num_rows} requests, "
+                f"{sum(map(len, t['prompt'].to_pylist()))} prompt tokens, {mt} out each; "
+                f"systems {chosen}",
+                flush=True,
+            )
+            for rep in range(repeats):
+                ours = None
+                for system in sorted(chosen, key=lambda s: s != "batchjob"):  # batchjob first
+                    if (name, system, rep, hd) in done:  # --resume: reuse, re-check
+                        ours = (
+                            ours
+                            if system != "batchjob"
+                            else outputs_by_row(
+                                runs_dir / f"{name}-batchllm-{rep}" / "results.parquet"
+                            )
                         )
-                    )
-                    runs = [
-                        recheck(r, out / "runs", ours)
-                        if r.system == system and (r.workload, r.repeat) == (name, rep)
-                        else r
-                        for r in runs
-                    ]
-                    continue
-                if "vllm" in system:
-                    continue  # all vLLM runs: one process per system, below
-                if system in ("batchjob", "baseline"):
-                    policy = "batchllm" if system == "batchjob" else "baseline"
-                    r, outs = run_batchjob(
-                        name, policy, rep, data, model, out / "runs", mt, kv_bytes, chunk_size, ours
-                    )
-                    ours = outs if system == "batchjob" else ours
-                else:
-                    r = run_hf(name, rep, data, model, out / "runs", ours)
-                record(r)
-            ours_by[(name, rep)] = ours
-    # per repeat, each workload in file order then sorted: slow drift spreads over all
-    pending = [
-        (name, system, rep, datas[name])
-        for rep in range(repeats)
-        for name in scales
-        for system in ("vllm-file", "vllm-sorted")
-        if system in chosen and (name, system, rep) not in done
-    ]
-    if pending:
-        print(f"vLLM: {len(pending)} runs in one vllm_peer.py --plan process", flush=True)
-        finished, err = run_vllm_plan(
-            pending,
-            model,
-            out / "runs",
-            kv_gib,
-            ours_by,
-            chunk_size if vllm_budget else None,
-            max_model_len,
-        )
-        for r in finished:
-            record(r)
-        if err is not None:
-            raise err
-    for system in BACKEND_POLICY:
-        todo = [
-            (name, rep, datas[name])
+                        runs = [
+                            recheck(r, runs_dir, ours)
+                            if r.system == system
+                            and (r.workload, r.repeat, r.head_dim) == (name, rep, hd)
+                            else r
+                            for r in runs
+                        ]
+                        continue
+                    if "vllm" in system:
+                        continue  # all vLLM runs: one process per system, below
+                    if system in ("batchjob", "baseline"):
+                        policy = "batchllm" if system == "batchjob" else "baseline"
+                        r, outs = run_batchjob(
+                            name, policy, rep, data, model, runs_dir, mt, kv_bytes, chunk_size, ours
+                        )
+                        ours = outs if system == "batchjob" else ours
+                    else:
+                        r = run_hf(name, rep, data, model, runs_dir, ours)
+                    record(r, hd)
+                ours_by[(name, rep)] = ours
+        # per repeat, each workload in file order then sorted: slow drift spreads over all
+        pending = [
+            (name, system, rep, datas[name])
             for rep in range(repeats)
             for name in scales
-            if system in chosen and (name, system, rep) not in done
+            for system in ("vllm-file", "vllm-sorted")
+            if system in chosen and (name, system, rep, hd) not in done
         ]
-        if todo:
-            print(f"{system}: {len(todo)} runs in one batchjob_vllm_peer.py process", flush=True)
-            for r in run_backend_plan(
-                system, todo, model, out / "runs", kv_bytes, chunk_size, ours_by, max_model_len
-            ):
-                record(r)
+        if pending:
+            print(f"d{hd} vLLM: {len(pending)} runs in one vllm_peer.py --plan process", flush=True)
+            finished, err = run_vllm_plan(
+                pending,
+                model,
+                runs_dir,
+                kv_gib,
+                ours_by,
+                chunk_size if vllm_budget else None,
+                max_model_len,
+            )
+            for r in finished:
+                record(r, hd)
+            if err is not None:
+                raise err
+        for system in BACKEND_POLICY:
+            todo = [
+                (name, rep, datas[name])
+                for rep in range(repeats)
+                for name in scales
+                if system in chosen and (name, system, rep, hd) not in done
+            ]
+            if todo:
+                print(f"d{hd} {system}: {len(todo)} runs in one batchjob_vllm_peer.py process")
+                for r in run_backend_plan(
+                    system, todo, model, runs_dir, kv_bytes, chunk_size, ours_by, max_model_len
+                ):
+                    record(r, hd)
     rows = summary_rows(runs, scales)
     table = markdown(rows)
     (out / "peers.md").write_text(table + "\n")

