@@ -9,7 +9,7 @@ import numpy as np
 
 from batchjob.backends.kv_projection import projected_peak_blocks
 from batchjob.backends.native.kv_cache import KVLayout
-from batchjob.backends.native.scheduler.batchllm import BatchLLMScheduler
+from batchjob.backends.native.scheduler.batchllm import BatchLLMScheduler, _Projection
 from batchjob.config import SchedulerConfig
 from batchjob.prompts import TokenizedPrompts
 from tests.engine.test_scheduler_properties import Workload, make_plan, simulate
@@ -71,3 +71,22 @@ def test_projected_peak_equals_a_step_by_step_simulation() -> None:
             for t in range(int(rem.max()))
         )
         assert projected_peak_blocks(tok, rem, shared, bs) == sim
+
+
+def test_incremental_projection_equals_projected_peak_blocks() -> None:
+    """The scheduler's per-pass projection (built once, one request added at a time) gives
+    ``projected_peak_blocks`` of the whole set, with and without each candidate."""
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        n, bs = int(rng.integers(0, 12)), int(rng.choice([1, 4, 16]))
+        tok, rem = rng.integers(1, 100, n), rng.integers(1, 40, n)
+        proj = _Projection(tok.copy(), rem.copy(), bs)
+        for _ in range(int(rng.integers(1, 8))):
+            t, r = int(rng.integers(1, 100)), int(rng.integers(1, 40))
+            want = projected_peak_blocks(
+                np.append(tok, t), np.append(rem, r), np.zeros(n + 1, np.int64), bs
+            )
+            assert proj.peak_with(t, r) == want
+            if rng.integers(0, 2):
+                proj.add(t, r)
+                tok, rem, n = np.append(tok, t), np.append(rem, r), n + 1

@@ -6,12 +6,13 @@ The scheduler never touches torch; this module is the one place that crosses ove
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
 
 from batchjob.backends.native.attention.meta import AttentionMetadata
-from batchjob.backends.native.scheduler.output import SchedulerOutput
+from batchjob.backends.native.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -23,28 +24,44 @@ class ModelBatch:
     meta: AttentionMetadata
     logits_index: torch.Tensor  # int64 [K]: token index of the last token of sampling chunks
     sample_seq_ids: tuple[int, ...]  # [K]: seq_id of each sampled row, in logits order
+    sample_seqs: np.ndarray  # int64 [K]: the same, as an array (to gather per-request arrays)
 
 
 def _pad_tables(tables: list[np.ndarray]) -> np.ndarray:
-    """Stack ragged int32 block tables into [N, max_len], padding with block 0."""
-    width = max((len(t) for t in tables), default=0)
-    out = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = t
+    """Stack ragged int32 block tables into [N, max_len], padding with block 0 (one scatter)."""
+    n = len(tables)
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+    out = np.zeros((n, max(int(lens.max(initial=0)), 1)), dtype=np.int32)
+    if lens.sum():
+        flat = np.concatenate(tables)
+        row = np.repeat(np.arange(n), lens)
+        start = np.cumsum(lens) - lens
+        out[row, np.arange(len(flat)) - start[row]] = flat
     return out
 
 
-def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelBatch:
-    chunks = out.chunks
-    lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-    cu_q = np.zeros(len(chunks) + 1, dtype=np.int64)
-    np.cumsum(lens, out=cu_q[1:])
-    kv_start = np.fromiter((c.kv_start for c in chunks), dtype=np.int64, count=len(chunks))
-    pos_start = np.fromiter((c.position_start for c in chunks), dtype=np.int64, count=len(chunks))
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
-    input_ids = np.concatenate([c.token_ids for c in chunks]).astype(np.int64)
+
+def _field(chunks: tuple[ScheduledChunk, ...], name: str) -> np.ndarray:
+    """int64 [S]: one scalar field of every chunk (a C-level loop)."""
+    return np.fromiter(map(attrgetter(name), chunks), dtype=np.int64, count=len(chunks))
+
+
+def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelBatch:
+    """The batch's tensors: one pass over the chunks to gather their fields, then numpy."""
+    chunks = out.chunks
+    s = len(chunks)
+    tokens = [c.token_ids for c in chunks]
+    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=s)
+    kv_start, pos_start = _field(chunks, "kv_start"), _field(chunks, "position_start")
+    group, samples, seq_id = (_field(chunks, n) for n in ("group", "samples", "seq_id"))
+    cu_q = np.zeros(s + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu_q[1:])
+
+    input_ids = np.concatenate(tokens).astype(np.int64)
     # per token: offset within its chunk, then own-KV and absolute positions
-    seq_of_token = np.repeat(np.arange(len(chunks)), lens)
+    seq_of_token = np.repeat(np.arange(s), lens)
     within = np.arange(len(input_ids)) - cu_q[:-1][seq_of_token]
     own_pos = kv_start[seq_of_token] + within
     positions = pos_start[seq_of_token] + within
@@ -55,20 +72,27 @@ def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> 
         + own_pos % block_size
     )
 
-    group_index = {p.group: i for i, p in enumerate(out.prefixes)}
-    seq_group = np.array([group_index.get(c.group, -1) for c in chunks], dtype=np.int32)
+    # group index of each chunk in this batch's prefixes (-1: none)
     num_groups = len(out.prefixes)
-    group_q_start = np.full(num_groups, np.iinfo(np.int32).max, dtype=np.int64)
+    prefix_group = np.fromiter((p.group for p in out.prefixes), dtype=np.int64, count=num_groups)
+    seq_group = np.full(s, -1, dtype=np.int32)
+    member = group >= 0
+    if num_groups and member.any():
+        order = np.argsort(prefix_group, kind="stable")
+        at = np.minimum(np.searchsorted(prefix_group[order], group[member]), num_groups - 1)
+        found = prefix_group[order][at] == group[member]
+        seq_group[member] = np.where(found, order[at], -1)
+    group_q_start = np.full(num_groups, _INT32_MAX, dtype=np.int64)
     group_q_end = np.zeros(num_groups, dtype=np.int64)
     member = seq_group >= 0
     if member.any():
         np.minimum.at(group_q_start, seq_group[member], cu_q[:-1][member])
         np.maximum.at(group_q_end, seq_group[member], cu_q[1:][member])
     group_q_start = np.minimum(group_q_start, group_q_end)  # groups with no query (not expected)
-    prefix_len = np.array([p.prefix_len for p in out.prefixes], dtype=np.int32)
+    prefix_len = np.fromiter((p.prefix_len for p in out.prefixes), np.int32, count=num_groups)
 
     kv_len = kv_start + lens
-    sampling = [i for i, c in enumerate(chunks) if c.samples]
+    sampling = np.flatnonzero(samples)
 
     def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
@@ -89,10 +113,12 @@ def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> 
         max_kv_len=int(kv_len.max(initial=0)),
         max_prefix_len=int(prefix_len.max(initial=0)),
     )
+    sample_seq = seq_id[sampling]
     return ModelBatch(
         input_ids=t(input_ids, torch.int64),
         positions=t(positions, torch.int64),
         meta=meta,
         logits_index=t(cu_q[1:][sampling] - 1, torch.int64),
-        sample_seq_ids=tuple(chunks[i].seq_id for i in sampling),
+        sample_seq_ids=tuple(sample_seq.tolist()),
+        sample_seqs=sample_seq,
     )

@@ -109,6 +109,8 @@ class Scheduler(ABC):
         self._running: dict[int, Sequence] = {}  # running requests, oldest admission first
         self._num_unfinished = len(requests)
         self._pending: SchedulerOutput | None = None
+        self._samplers: dict[int, None] = {}  # sampling seq_ids of the pending output
+        self._partial: dict[int, Sequence] = {}  # running, own prompt not all scheduled yet
         self._preempted_now: list[int] = []
         self._next_stamp = 0
         self._c = _Counters()
@@ -138,10 +140,7 @@ class Scheduler(ABC):
         chunks, lifted = self._schedule()
         if not chunks:
             raise RuntimeError("internal error: scheduler made no progress")
-        chunks = _group_contiguous(chunks)
-        groups = dict.fromkeys(c.group for c in chunks if c.group >= 0)
-        n_dec = sum(c.num_tokens for c in chunks if c.is_decode)
-        n_all = sum(c.num_tokens for c in chunks)
+        chunks, groups, samplers, n_dec, n_all = _collate(chunks)
         used = self.pool.num_used
         c = self._c
         c.peak_blocks = max(c.peak_blocks, used)
@@ -157,6 +156,7 @@ class Scheduler(ABC):
             iteration=c.iterations,
             threshold_lifted=lifted,
         )
+        self._samplers = samplers
         c.iterations += 1
         self._pending = out
         return out
@@ -165,23 +165,26 @@ class Scheduler(ABC):
         """Record one sampled token per sampling chunk of ``out``; retire finished requests."""
         if out is not self._pending:
             raise ValueError("update() must get the output of the last schedule() call")
-        sampling = {c.seq_id for c in out.chunks if c.samples}
-        if sampling != set(sampled):
+        samplers = self._samplers  # seq_ids of the sampling chunks, in chunk order
+        if len(sampled) != len(samplers) or sampled.keys() != samplers.keys():
+            sampling = set(samplers)
             raise ValueError(
                 f"sampled must have exactly the sampling seq_ids: missing "
                 f"{sorted(sampling - set(sampled))}, unexpected {sorted(set(sampled) - sampling)}"
             )
-        if not finished <= sampling:
-            raise ValueError(f"finished seq_ids that did not sample: {sorted(finished - sampling)}")
+        if not finished <= samplers.keys():
+            extra = sorted(finished - set(samplers))
+            raise ValueError(f"finished seq_ids that did not sample: {extra}")
         self._pending = None
-        for chunk in out.chunks:
+        for chunk in out.chunks:  # prefix chunks: a few per iteration at most
             if chunk.seq_id < 0:
                 self._prefix_chunk_done(chunk)
-            elif chunk.samples:
-                req = self._reqs[chunk.seq_id]
-                req.outputs.append(int(sampled[chunk.seq_id]))
-                if chunk.seq_id in finished or len(req.outputs) >= req.max_tokens:
-                    self._finish(req)
+        reqs = self._reqs
+        for seq_id in samplers:
+            req = reqs[seq_id]
+            req.outputs.append(int(sampled[seq_id]))
+            if seq_id in finished or len(req.outputs) >= req.max_tokens:
+                self._finish(req)
 
     # --- policy hooks -------------------------------------------------------------------
     @abstractmethod
@@ -225,9 +228,31 @@ class Scheduler(ABC):
         seq.computed = 0
         seq.num_cached_blocks = 0
 
+    def _emit_decode(self, seq: Sequence) -> ScheduledChunk:
+        """``_emit(seq, 1)`` for a request in decode (its latest sampled token)."""
+        start = seq.computed
+        c = self._c
+        c.decode_tokens += 1
+        if seq.high_water > start:
+            c.recomputed_tokens += 1
+        else:
+            seq.high_water = start + 1
+        seq.computed = start + 1
+        return ScheduledChunk(  # positional: seq_id, token_ids, kv_start, position_start,
+            seq.seq_id,  # block_table, group, is_decode, samples
+            np.array(seq.outputs[-1:], dtype=np.int32),
+            start,
+            seq.own_start + start,
+            seq.block_table(),
+            seq.chunk_group,
+            True,
+            True,
+        )
+
     def _preempt(self, req: Sequence) -> None:
         """Recompute preemption: drop the request's own KV and put it back in line."""
         self._free_blocks(req)
+        self._partial.pop(req.seq_id, None)
         del self._running[req.seq_id]
         req.state = WAITING
         self._c.preemptions += 1
@@ -237,6 +262,7 @@ class Scheduler(ABC):
 
     def _finish(self, req: Sequence) -> None:
         self._free_blocks(req)
+        self._partial.pop(req.seq_id, None)
         del self._running[req.seq_id]
         req.state = FINISHED
         self._num_unfinished -= 1
@@ -259,6 +285,11 @@ class Scheduler(ABC):
         c.recomputed_tokens += max(0, min(end, seq.high_water) - start)
         seq.high_water = max(seq.high_water, end)
         seq.computed = end
+        if seq.seq_id >= 0:
+            if end < num_tokens:
+                self._partial[seq.seq_id] = seq  # keeps its place (admission order) if there
+            else:
+                self._partial.pop(seq.seq_id, None)
         return ScheduledChunk(
             seq_id=seq.seq_id,
             token_ids=seq.tokens(start, end),
@@ -271,10 +302,29 @@ class Scheduler(ABC):
         )
 
 
-def _group_contiguous(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    """Stable reorder so chunks of the same group (>= 0) are adjacent."""
-    buckets: dict[object, list[ScheduledChunk]] = {}
-    for c in chunks:
-        key = c.group if c.group >= 0 else ("seq", c.seq_id)
-        buckets.setdefault(key, []).append(c)
-    return [c for bucket in buckets.values() for c in bucket]
+def _collate(
+    chunks: list[ScheduledChunk],
+) -> tuple[list[ScheduledChunk], list[int], dict[int, None], int, int]:
+    """One pass: chunks stably reordered so those of a group (>= 0) are adjacent, the groups
+    in order of appearance, the sampling seq_ids in the new order, decode and all tokens."""
+    buckets: dict[int, list[ScheduledChunk]] = {}
+    n_dec = n_all = 0
+    for i, c in enumerate(chunks):
+        g = c.group
+        key = g if g >= 0 else -1 - i  # a chunk of no group: a bucket of its own
+        b = buckets.get(key)
+        if b is None:
+            buckets[key] = [c]
+        else:
+            b.append(c)
+        n = len(c.token_ids)
+        n_all += n
+        if c.is_decode:
+            n_dec += n
+    if len(buckets) == len(chunks):
+        ordered = chunks  # no group has two chunks: nothing moves
+    else:
+        ordered = [c for bucket in buckets.values() for c in bucket]
+    groups = [k for k in buckets if k >= 0]
+    samplers = dict.fromkeys(c.seq_id for c in ordered if c.samples)
+    return ordered, groups, samplers, n_dec, n_all

@@ -22,7 +22,7 @@ Decode-growth reserve: a new request (or a group start, with its prefix) is admi
 the projected KV peak of the running requests, those admitted before it in the pass and it
 stays under the threshold, every request growing one token a step up to its ``max_tokens``
 and freeing its blocks when it finishes (``projected_peak_blocks``, shared with the vLLM
-backend's scheduler). Decode growth then rarely overruns the cache: preemption is the
+backend's scheduler; kept incrementally here, ``_Projection``). Decode growth then rarely overruns the cache: preemption is the
 exception, not the steady state of a decode-heavy batch (``scheduler.decode_reserve``,
 on by default; off: admission by blocks in use alone).
 
@@ -51,7 +51,6 @@ from collections import deque
 
 import numpy as np
 
-from batchjob.backends.kv_projection import projected_peak_blocks
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.base import (
     Scheduler,
@@ -188,20 +187,23 @@ class BatchLLMScheduler(Scheduler):
             self._preempt_for_progress()
 
     def _schedule_decodes(self, chunks: list[ScheduledChunk], budget: int) -> int:
-        for req in [r for r in self._running.values() if r.in_decode]:
+        partial = self._partial
+        decoding = [r for r in self._running.values() if r.outputs and r.seq_id not in partial]
+        bs = self.block_size
+        for req in decoding:
             if budget == 0:
                 break
             if req.state != RUNNING:  # preempted as a victim earlier in this pass
                 continue
-            if self._grow_decode(req):
-                chunks.append(self._emit(req, 1))
-                budget -= 1
+            if req.computed == len(req.blocks) * bs and not self._grow_decode(req):
+                continue  # needed a block; preempted itself
+            chunks.append(self._emit_decode(req))
+            budget -= 1
         return budget
 
     def _grow_decode(self, req: Sequence) -> bool:
-        """A block for ``req``'s next token if it needs one; False if ``req`` was preempted."""
-        need = self._blocks_to_add(req, 1)
-        while need > self.pool.num_free:
+        """A block for ``req``'s next token; False if ``req`` was preempted."""
+        while self.pool.num_free == 0:
             victim = self._youngest_running()
             if victim is req and len(self._running) == 1:
                 self._preempt_group(self._youngest_idle_group(exclude=req.group))
@@ -209,7 +211,7 @@ class BatchLLMScheduler(Scheduler):
             self._preempt(victim)
             if victim is req:
                 return False
-        req.blocks += self.pool.allocate(need)
+        req.blocks += self.pool.allocate(1)
         return True
 
     def _schedule_prefill(
@@ -217,12 +219,11 @@ class BatchLLMScheduler(Scheduler):
     ) -> None:
         """Distinct then prefix queue under ``cap`` blocks; ``one``: stop after one chunk."""
         # distinct queue, active part: running requests with prompt/recompute tokens left
-        for req in list(self._running.values()):
+        # (``_partial``, in admission order: no scan of the requests in decode)
+        for req in list(self._partial.values()):
             if budget == 0:
                 return
             left = req.num_tokens - req.computed
-            if left == 0 or req.in_decode:
-                continue
             n = self._reserve(req, left, budget, cap)
             if n == 0:
                 return
@@ -370,36 +371,81 @@ class _GrowthReserve:
     only if the projected KV peak (``projected_peak_blocks``: each running request grows one
     token a step up to its ``max_tokens`` and frees its own blocks when it finishes) of the
     running requests, those admitted earlier in the pass and it, plus the blocks no request
-    owns (group prefixes), stays under ``cap``. Preemption is then the exception."""
+    owns (group prefixes), stays under ``cap``. Preemption is then the exception.
+
+    The projection is kept incrementally (``_Projection``): built once per pass over the
+    running requests, then each candidate costs O(distinct finish steps), not O(running)."""
 
     def __init__(self, sched: BatchLLMScheduler) -> None:
         self._sched = sched
-        self._tok: list[int] | None = None  # built on first use: own tokens after prefill
-        self._rem: list[int] = []  # decode steps left
+        self._proj: _Projection | None = None  # built on first use
         self._own = 0  # blocks owned by the requests running at the start of the pass
         self._admitted: list[Sequence] = []  # admitted in this pass
 
     def fits(self, req: Sequence, extra_blocks: int, cap: int) -> bool:
         """Whether ``req`` (plus ``extra_blocks`` not yet allocated) keeps the peak <= cap."""
         s = self._sched
-        if self._tok is None:
+        if self._proj is None:
             run = list(s._running.values())
-            self._tok = [r.num_tokens for r in run]  # a prefill ends whole
-            self._rem = [max(r.max_tokens - len(r.outputs), 1) for r in run]
+            tok = np.fromiter((r.num_tokens for r in run), np.int64, len(run))  # prefill whole
+            rem = np.fromiter((r.max_tokens - len(r.outputs) for r in run), np.int64, len(run))
+            self._proj = _Projection(tok, np.maximum(rem, 1), s.block_size)
             self._own = sum(len(r.blocks) for r in run)
         # blocks no request owns: group prefixes, those started in this pass included
         base = s.pool.num_used - self._own - sum(len(r.blocks) for r in self._admitted)
-        tok = np.asarray([*self._tok, req.num_tokens], dtype=np.int64)
-        rem = np.asarray([*self._rem, max(req.max_tokens - len(req.outputs), 1)], dtype=np.int64)
-        peak = projected_peak_blocks(tok, rem, np.zeros_like(tok), s.block_size)
+        peak = self._proj.peak_with(req.num_tokens, _remaining(req))
         return base + extra_blocks + peak <= cap
 
     def admit(self, req: Sequence, extra_blocks: int, cap: int) -> bool:
         """``fits``, and if so count ``req`` as running for the rest of the pass."""
         if not self.fits(req, extra_blocks, cap):
             return False
-        assert self._tok is not None
-        self._tok.append(req.num_tokens)
-        self._rem.append(max(req.max_tokens - len(req.outputs), 1))
+        assert self._proj is not None
+        self._proj.add(req.num_tokens, _remaining(req))
         self._admitted.append(req)
         return True
+
+
+def _remaining(req: Sequence) -> int:
+    return max(req.max_tokens - len(req.outputs), 1)
+
+
+class _Projection:
+    """``projected_peak_blocks(tok, rem, 0, block_size)`` of a growing set of requests, kept
+    as the blocks they own at each step where one of them is about to finish (the only steps
+    where the peak can be): adding a request or asking for the peak with one more is
+    O(steps), plus O(requests) when its finish step is new."""
+
+    def __init__(self, tok: np.ndarray, rem: np.ndarray, block_size: int) -> None:
+        self.tok, self.rem, self.bs = tok, rem, block_size
+        self.steps = np.unique(rem) - 1  # sorted
+        self.load = self._load(self.steps)  # [T]: blocks owned just before each step's finish
+
+    def _load(self, steps: np.ndarray) -> np.ndarray:
+        alive = self.rem[None, :] > steps[:, None]
+        own = cdiv(self.tok[None, :] + steps[:, None], self.bs)
+        return np.where(alive, own, 0).sum(axis=1).astype(np.int64)
+
+    def _one(self, tok: int, rem: int, steps: np.ndarray) -> np.ndarray:
+        return np.where(rem > steps, cdiv(tok + steps, self.bs), 0)
+
+    def peak_with(self, tok: int, rem: int) -> int:
+        """The projected peak of the set plus a request with ``tok`` tokens, ``rem`` to go."""
+        peak = int((self.load + self._one(tok, rem, self.steps)).max(initial=0))
+        t = rem - 1
+        i = int(np.searchsorted(self.steps, t))
+        if i == len(self.steps) or self.steps[i] != t:  # its own finish step is a new one
+            at = np.asarray([t], dtype=np.int64)
+            peak = max(peak, int(self._load(at)[0]) + cdiv(tok + t, self.bs))
+        return peak
+
+    def add(self, tok: int, rem: int) -> None:
+        t = rem - 1
+        i = int(np.searchsorted(self.steps, t))
+        if i == len(self.steps) or self.steps[i] != t:
+            at = np.asarray([t], dtype=np.int64)
+            self.steps = np.insert(self.steps, i, t)
+            self.load = np.insert(self.load, i, self._load(at)[0])
+        self.load = self.load + self._one(tok, rem, self.steps)
+        self.tok = np.append(self.tok, tok)
+        self.rem = np.append(self.rem, rem)

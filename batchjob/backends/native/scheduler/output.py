@@ -9,6 +9,7 @@ shared-prefix group attends to its group's prefix KV (``ScheduledPrefix``) befor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,9 +24,10 @@ def prefix_group(seq_id: int) -> int:
     return -seq_id - 1
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """One sequence's tokens in this iteration's ragged batch."""
+class ScheduledChunk(NamedTuple):
+    """One sequence's tokens in this iteration's ragged batch (a NamedTuple, immutable like
+    the frozen dataclasses around it: built once per sequence per iteration, it constructs
+    in half their time)."""
 
     seq_id: int  # request: its position in TokenizedPrompts (>= 0); group prefix g: -(g + 1)
     token_ids: np.ndarray  # int32 [n]: a prompt chunk, a recompute chunk, or the last sampled token
