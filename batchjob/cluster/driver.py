@@ -29,7 +29,7 @@ from batchjob.execute import Execution, merge, select_rows
 from batchjob.output_layout import OutputLayout
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
-from batchjob.plan.shard import shard_plan, take_groups
+from batchjob.plan.shard import shard_plan, split
 from batchjob.prompts import TokenizedPrompts
 from batchjob.results import ResultSink
 
@@ -38,10 +38,8 @@ log = logging.getLogger(__name__)
 ACTOR_PREFIX = "batchjob-"  # actor names: batchjob-<run token>-<writer id>
 
 
-class WorkersLostError(BatchJobError):
+class WorkersLostError(BatchJobError, exit_code=EXIT_RUNTIME):
     """Every worker of the cluster died with rows left; the written rows are kept."""
-
-    exit_code = EXIT_RUNTIME
 
 
 @dataclass
@@ -154,10 +152,9 @@ class _Driver:
         t0 = time.perf_counter()
         sharding = shard_plan(plan, prompts.lengths, cfg.workers)
         queue: deque[_Work] = deque()
-        for s in range(cfg.workers):
-            groups = sharding.groups(s)
-            if len(groups):
-                queue.append(_Work(f"shard {s}", *take_groups(prompts, plan, groups)))
+        for s, (shard, shard_plan_) in enumerate(split(prompts, plan, sharding)):
+            if len(shard):
+                queue.append(_Work(f"shard {s}", shard, shard_plan_))
         log.info(
             "cluster: %d rows, %d groups over %d workers (cost spread %.2f%%)",
             len(prompts),

@@ -18,6 +18,7 @@ Pure numpy (no torch, no Ray): the driver plans and shards, the workers run.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +110,65 @@ def shard_plan(
     return balance(group_costs(plan, lengths, decode_weight), num_shards)
 
 
+def split(
+    prompts: TokenizedPrompts, plan: Plan, sharding: Sharding
+) -> Iterator[tuple[TokenizedPrompts, Plan]]:
+    """Every shard's prompts and plan, as ``take_groups`` gives them, in one pass over the
+    rows and tokens (``take_groups`` per shard reads all of them each time)."""
+    sizes = np.diff(plan.group_offsets)
+    row_shard = np.empty(len(prompts), dtype=np.int32)
+    row_shard[plan.members] = np.repeat(sharding.shard_of_group, sizes)
+    by_shard = np.argsort(row_shard, kind="stable")  # rows by shard, by position within
+    row_start = np.zeros(sharding.num_shards + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row_shard, minlength=sharding.num_shards), out=row_start[1:])
+    local = np.empty(len(prompts), dtype=np.int64)  # position -> position in its shard
+    local[by_shard] = np.arange(len(prompts)) - np.repeat(row_start[:-1], np.diff(row_start))
+    groups_by_shard = np.argsort(sharding.shard_of_group, kind="stable")
+    group_start = np.zeros(sharding.num_shards + 1, dtype=np.int64)
+    np.cumsum(
+        np.bincount(sharding.shard_of_group, minlength=sharding.num_shards), out=group_start[1:]
+    )
+    lengths = prompts.lengths
+    for s in range(sharding.num_shards):
+        rows = by_shard[row_start[s] : row_start[s + 1]]
+        groups = groups_by_shard[group_start[s] : group_start[s + 1]]
+        sub_len = lengths[rows]
+        tok_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(sub_len, out=tok_offsets[1:])
+        sub = TokenizedPrompts(
+            row_ids=prompts.row_ids[rows],
+            tokens=prompts.tokens[_ranges(prompts.offsets[rows], sub_len)],
+            offsets=tok_offsets,
+            max_tokens=prompts.max_tokens[rows],
+            settings=prompts.settings,
+        )
+        yield sub, _sub_plan(plan, groups, sub_len, lambda pos: local[pos])
+
+
+def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """int64: starts[i] .. starts[i] + sizes[i] - 1, concatenated."""
+    seg = np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return np.repeat(starts, sizes) + (np.arange(int(sizes.sum()), dtype=np.int64) - seg)
+
+
+def _sub_plan(plan: Plan, groups: np.ndarray, lengths: np.ndarray, renumber) -> Plan:
+    """The plan of ``groups`` (ascending), members renumbered by ``renumber(positions)``."""
+    sizes = np.diff(plan.group_offsets)[groups]
+    offsets = np.zeros(len(groups) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    idx = _ranges(plan.group_offsets[:-1][groups], sizes)
+    prefix = plan.group_prefix_len[groups]
+    single = plan_stats(lengths, prefix, offsets, 0).single_level_prefill_tokens
+    return Plan(
+        group_prefix_len=prefix,
+        group_offsets=offsets,
+        members=renumber(plan.members[idx]),
+        row_ids=plan.row_ids[idx],
+        decode_estimate=plan.decode_estimate[idx],
+        stats=plan_stats(lengths, prefix, offsets, single),
+    )
+
+
 def take_groups(
     prompts: TokenizedPrompts, plan: Plan, groups: np.ndarray
 ) -> tuple[TokenizedPrompts, Plan]:
@@ -118,14 +178,8 @@ def take_groups(
     shard is not rebuilt)."""
     groups = np.sort(np.asarray(groups, dtype=np.int64))
     sizes = np.diff(plan.group_offsets)[groups]
-    offsets = np.zeros(len(groups) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    starts = plan.group_offsets[:-1][groups]
-    idx = np.repeat(starts - offsets[:-1], sizes) + np.arange(offsets[-1])
-    positions = plan.members[idx]
-
     keep = np.zeros(len(prompts), dtype=bool)
-    keep[positions] = True
+    keep[plan.members[_ranges(plan.group_offsets[:-1][groups], sizes)]] = True
     new_pos = np.cumsum(keep) - 1  # old position -> position among the kept prompts
     lengths = prompts.lengths[keep]
     tok_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -137,14 +191,4 @@ def take_groups(
         max_tokens=prompts.max_tokens[keep],
         settings=prompts.settings,  # keyed by row_id: valid for any selection
     )
-    prefix = plan.group_prefix_len[groups]
-    single = plan_stats(lengths, prefix, offsets, 0).single_level_prefill_tokens
-    sub_plan = Plan(
-        group_prefix_len=prefix,
-        group_offsets=offsets,
-        members=new_pos[positions],
-        row_ids=plan.row_ids[idx],
-        decode_estimate=plan.decode_estimate[idx],
-        stats=plan_stats(lengths, prefix, offsets, single),
-    )
-    return sub, sub_plan
+    return sub, _sub_plan(plan, groups, lengths, lambda pos: new_pos[pos])

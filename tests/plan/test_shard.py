@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.plan import build_plan
-from batchjob.plan.shard import balance, group_costs, shard_plan, take_groups
+from batchjob.plan.shard import balance, group_costs, shard_plan, split, take_groups
 from batchjob.prompts import TokenizedPrompts
 from batchjob.workloads import make_workload
 from tests.plan.test_plan_build import check_plan
@@ -93,6 +93,20 @@ def test_shards_keep_groups_whole_and_every_row_once(shards: int) -> None:
         seen += sub.row_ids.tolist()
     assert sorted(seen) == sorted(prompts.row_ids.tolist())  # each row in exactly one shard
     assert np.isclose(total, group_costs(plan, prompts.lengths).sum())
+
+
+@pytest.mark.parametrize("shards", [1, 3, 5])
+def test_split_in_one_pass_equals_take_groups(shards: int) -> None:
+    prompts = prompts_with_groups(seed=4)
+    plan = build_plan(prompts)
+    sh = shard_plan(plan, prompts.lengths, shards)
+    for s, (sub, sub_plan) in enumerate(split(prompts, plan, sh)):
+        want, want_plan = take_groups(prompts, plan, sh.groups(s))
+        for name in ("row_ids", "tokens", "offsets", "max_tokens"):
+            assert np.array_equal(getattr(sub, name), getattr(want, name)), name
+        for name in ("group_prefix_len", "group_offsets", "members", "row_ids", "decode_estimate"):
+            assert np.array_equal(getattr(sub_plan, name), getattr(want_plan, name)), name
+        assert sub_plan.stats == want_plan.stats
 
 
 def test_group_cost_counts_the_prefix_once() -> None:
