@@ -7,11 +7,16 @@ included, the temp file is removed and the target is left untouched. The file's 
 the umask (``0o666 & ~umask``) like a plain ``open``, not mkstemp's 0600.
 
 Temp names are ``.<name>.<random>.tmp``: hidden, and never matching a ``*.parquet`` glob.
+
+An object-store path (``batchjob.storage.ObjectPath``, ``s3://bucket/key``) is written into
+memory and uploaded as one PUT when the block ends without an exception: readers see the old
+object or the whole new one (there are no temp objects, and nothing to fsync).
 Stdlib only at import time (the planner and the kernels' callers import this).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -20,11 +25,16 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, overload
 
+from batchjob.storage import ObjectPath, ObjectStore
+
 if TYPE_CHECKING:
     import pyarrow as pa
     from matplotlib.figure import Figure
 
+Target = str | os.PathLike[str] | ObjectPath  # a local path, or an object-store URI path
+
 __all__ = [
+    "Target",
     "atomic_open",
     "current_umask",
     "fsync_dir",
@@ -60,19 +70,29 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
 
 
 @overload
-def atomic_open(
-    path: str | os.PathLike[str], mode: Literal["wb"] = "wb"
-) -> AbstractContextManager[IO[bytes]]: ...
+def atomic_open(path: Target, mode: Literal["wb"] = "wb") -> AbstractContextManager[IO[bytes]]: ...
 @overload
-def atomic_open(
-    path: str | os.PathLike[str], mode: Literal["w"]
-) -> AbstractContextManager[IO[str]]: ...
-def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> AbstractContextManager[IO[Any]]:
+def atomic_open(path: Target, mode: Literal["w"]) -> AbstractContextManager[IO[str]]: ...
+def atomic_open(path: Target, mode: str = "wb") -> AbstractContextManager[IO[Any]]:
     """``with atomic_open(path) as f: f.write(...)`` publishes ``path`` only if the block ends
     without an exception. ``mode`` is "wb" (bytes) or "w" (UTF-8 text)."""
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open mode must be 'wb' or 'w', not {mode!r}")
+    if isinstance(path, ObjectPath):
+        return _object_open(path, mode)
     return _atomic_open(Path(path), mode)
+
+
+@contextmanager
+def _object_open(path: ObjectPath, mode: str) -> Iterator[IO[Any]]:
+    buf = io.BytesIO()
+    if mode == "w":
+        text = io.TextIOWrapper(buf, encoding="utf-8", write_through=True)
+        yield text
+        text.flush()
+    else:
+        yield buf
+    ObjectStore(path.scheme).write_bytes(path, buf.getvalue())
 
 
 @contextmanager
@@ -98,23 +118,23 @@ def _atomic_open(path: Path, mode: str) -> Iterator[IO[Any]]:
     fsync_dir(path.parent)
 
 
-def write_bytes_atomic(data: bytes, path: str | os.PathLike[str]) -> None:
+def write_bytes_atomic(data: bytes, path: Target) -> None:
     with atomic_open(path, "wb") as f:
         f.write(data)
 
 
-def write_text_atomic(text: str, path: str | os.PathLike[str]) -> None:
+def write_text_atomic(text: str, path: Target) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)
 
 
-def write_json_atomic(obj: Any, path: str | os.PathLike[str], *, indent: int | None = 2) -> None:
+def write_json_atomic(obj: Any, path: Target, *, indent: int | None = 2) -> None:
     """JSON with a trailing newline. Serialised before the temp file is made, so an object
     that cannot be serialised leaves nothing behind."""
     write_text_atomic(json.dumps(obj, indent=indent) + "\n", path)
 
 
-def write_parquet_atomic(table: pa.Table, path: str | os.PathLike[str], **kwargs: Any) -> None:
+def write_parquet_atomic(table: pa.Table, path: Target, **kwargs: Any) -> None:
     """``kwargs`` go to ``pyarrow.parquet.write_table`` (compression, row_group_size, ...)."""
     import pyarrow.parquet as pq
 
@@ -122,8 +142,9 @@ def write_parquet_atomic(table: pa.Table, path: str | os.PathLike[str], **kwargs
         pq.write_table(table, f, **kwargs)
 
 
-def save_figure_atomic(fig: Figure, path: str | os.PathLike[str], **kwargs: Any) -> None:
+def save_figure_atomic(fig: Figure, path: Target, **kwargs: Any) -> None:
     """``fig.savefig`` to ``path``; the format comes from the suffix unless given."""
-    kwargs.setdefault("format", Path(path).suffix.lstrip(".") or "png")
+    suffix = path.suffix if isinstance(path, ObjectPath) else Path(path).suffix
+    kwargs.setdefault("format", suffix.lstrip(".") or "png")
     with atomic_open(path, "wb") as f:
         fig.savefig(f, **kwargs)

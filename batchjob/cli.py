@@ -136,9 +136,11 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     plan = build_plan(data.prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
     plan_s = time.perf_counter() - t0
     logical = len(data.prompts.tokens)
-    path = (plan_out or job.output.plan_file).expanduser().resolve()
+    target = plan_out or job.output.plan_file
+    path = target.expanduser().resolve() if isinstance(target, Path) else target  # or a URI
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(path, Path):
+            path.parent.mkdir(parents=True, exist_ok=True)
         write_plan(plan, path)
     except OSError as e:
         key = "--plan-out" if plan_out else "output.path"

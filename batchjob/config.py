@@ -19,7 +19,6 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -31,6 +30,8 @@ from typing import Any
 
 from batchjob.backends.names import ATTENTION_BACKENDS, BACKENDS, SCHEDULING_POLICIES
 from batchjob.errors import ConfigError
+from batchjob.storage import ObjectPath, is_uri
+from batchjob.storage import configure as configure_storage
 
 _SIZE_UNITS = {
     "": 1,
@@ -99,15 +100,18 @@ def _str(key: str, v: Any, choices: tuple[str, ...] = (), optional: bool = False
         _fail(key, f"must be one of {', '.join(choices)}", v)
 
 
-def _path(obj: Any, name: str, key: str, optional: bool) -> None:
+def _path(obj: Any, name: str, key: str, optional: bool, uri: bool = False) -> None:
+    """A local Path, or with ``uri`` an object-store URI as ``ObjectPath`` (batchjob.storage)."""
     v = getattr(obj, name)
     if v is None:
         if not optional:
             raise ConfigError(f"{key}: required")
         return
-    if not isinstance(v, str | Path) or not str(v):
+    if not isinstance(v, str | Path | ObjectPath) or not str(v):
         _fail(key, "must be a path", v)
-    object.__setattr__(obj, name, Path(v))
+    if is_uri(v) and not uri:
+        _fail(key, "must be a local path (object-store URIs are for input.path, output.*)", v)
+    object.__setattr__(obj, name, ObjectPath(str(v)) if is_uri(v) else Path(v))
 
 
 def _list(obj: Any, name: str, key: str, item: type) -> None:
@@ -201,6 +205,8 @@ class ModelConfig:
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", str(self.chat_template))
         _str("model.chat_template", self.chat_template, optional=True)
+        if is_uri(self.chat_template):
+            _fail("model.chat_template", "must be auto, none or a local file", self.chat_template)
 
 
 MAX_LOGPROBS = 20
@@ -340,18 +346,18 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    path: Path  # results: a .parquet file, or a directory (any other name)
-    report_path: Path | None = None  # default: see `report_file`
-    plan_path: Path | None = None  # default: see `plan_file`
+    path: Path | ObjectPath  # results: a .parquet file, or a directory (any other name)
+    report_path: Path | ObjectPath | None = None  # default: see `report_file`
+    plan_path: Path | ObjectPath | None = None  # default: see `plan_file`
     overwrite: bool = False
     rows_per_file: int = 100000
     flush_rows: int = 4096  # finished rows per atomic part file (what a crash can lose)
     format: str = "parquet"  # parquet | openai-jsonl (also writes OpenAI Batch output lines)
 
     def __post_init__(self) -> None:
-        _path(self, "path", "output.path", optional=False)
-        _path(self, "report_path", "output.report_path", optional=True)
-        _path(self, "plan_path", "output.plan_path", optional=True)
+        _path(self, "path", "output.path", optional=False, uri=True)
+        _path(self, "report_path", "output.report_path", optional=True, uri=True)
+        _path(self, "plan_path", "output.plan_path", optional=True, uri=True)
         _bool("output.overwrite", self.overwrite)
         _int("output.rows_per_file", self.rows_per_file, lo=1)
         _int("output.flush_rows", self.flush_rows, lo=1)
@@ -363,7 +369,7 @@ class OutputConfig:
         return self.path.suffix == ".parquet"
 
     @property
-    def meta_dir(self) -> Path:
+    def meta_dir(self) -> Path | ObjectPath:
         """Everything but results (plan, report, manifest, unfinished parts, lock) goes to a
         sibling folder: ``out/results.parquet`` -> ``out/results.meta/``; the results folder
         ``out/day1`` -> ``out/day1.meta/`` (so the results folder is a plain dataset)."""
@@ -371,50 +377,41 @@ class OutputConfig:
         return self.path.with_name(name + ".meta")
 
     @property
-    def jsonl_file(self) -> Path:
+    def jsonl_file(self) -> Path | ObjectPath:
         """OpenAI Batch output lines (output.format = "openai-jsonl") beside the results:
         ``out/results.parquet`` -> ``out/results.jsonl``, ``out/day1`` -> ``out/day1.jsonl``."""
         return self.path.with_name((self.path.stem if self.is_file else self.path.name) + ".jsonl")
 
     @property
-    def report_file(self) -> Path:
+    def report_file(self) -> Path | ObjectPath:
         """Default ``<meta_dir>/report.json``."""
         return self.report_path or self.meta_dir / "report.json"
 
     @property
-    def plan_file(self) -> Path:
+    def plan_file(self) -> Path | ObjectPath:
         """Default ``<meta_dir>/plan.parquet``."""
         return self.plan_path or self.meta_dir / "plan.parquet"
 
 
-_RAY_ADDRESS = re.compile(r"none|local|auto|ray://\S+|[A-Za-z0-9_.\-]+:[0-9]+")
-
-
 @dataclass(frozen=True)
-class ClusterConfig:
-    """Where the plan runs: in this process ("none"), or split over the workers of a Ray
-    cluster (``batchjob.cluster``; Ray is imported only then)."""
+class StorageConfig:
+    """Object-store access for URI paths (``s3://bucket/prefix``; batchjob.storage). Unset
+    values come from the environment: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION /
+    AWS_DEFAULT_REGION; credentials always from the AWS chain (AWS_ACCESS_KEY_ID, ...)."""
 
-    address: str = "none"  # none | local (start one here) | auto (this node's) | ray://host:port
-    workers: int = 1  # engine actors; the plan is split into this many shards, groups whole
-    num_cpus: float = 1.0  # Ray CPUs reserved by each worker
-    num_gpus: float = 0.0  # Ray GPUs reserved by each worker (1: one engine per GPU)
-    max_restarts: int = 1  # per worker: replacements after it dies (0: others take its rows)
+    endpoint_url: str | None = None  # an S3-compatible server, e.g. http://127.0.0.1:9000
+    region: str | None = None
+    anonymous: bool = False  # unsigned requests (public buckets)
+    options: dict[str, Any] = field(default_factory=dict)  # more pyarrow.fs.S3FileSystem args
 
     def __post_init__(self) -> None:
-        _str("cluster.address", self.address)
-        if not _RAY_ADDRESS.fullmatch(self.address):
-            _fail(
-                "cluster.address",
-                "must be none, local, auto, ray://HOST:PORT or HOST:PORT",
-                self.address,
-            )
-        _int("cluster.workers", self.workers, lo=1)
-        _float(self, "num_cpus", "cluster.num_cpus", 0.0, 1e6, lo_open=True)
-        _float(self, "num_gpus", "cluster.num_gpus", 0.0, 1e6)
-        _int("cluster.max_restarts", self.max_restarts, lo=0)
-        if self.address != "none" and importlib.util.find_spec("ray") is None:
-            _fail("cluster.address", "needs Ray: pip install 'batchjob[ray]'", self.address)
+        _str("storage.endpoint_url", self.endpoint_url, optional=True)
+        if self.endpoint_url is not None and not re.match(r"https?://", self.endpoint_url):
+            _fail("storage.endpoint_url", "must start with http:// or https://", self.endpoint_url)
+        _str("storage.region", self.region, optional=True)
+        _bool("storage.anonymous", self.anonymous)
+        if not isinstance(self.options, dict):
+            _fail("storage.options", "must be a table of S3FileSystem arguments", self.options)
 
 
 _SECTIONS: dict[str, type] = {
@@ -424,7 +421,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "engine": EngineConfig,
     "output": OutputConfig,
-    "cluster": ClusterConfig,
+    "storage": StorageConfig,
 }
 _PATH_KEYS = {
     "input.path",
@@ -444,10 +441,11 @@ class JobConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     source: Path | None = None  # the TOML file it came from
 
     def __post_init__(self) -> None:
+        self._check_storage()
         if self.model.chat_template == "none" and (
             self.input.messages_column or self.input.system_prompt is not None
         ):
@@ -462,11 +460,32 @@ class JobConfig:
         if attn == "triton" and dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             _fail("engine.attention", "'triton' needs CUDA (model.device is cpu)", attn)
 
+    def _check_storage(self) -> None:
+        """Every URI path has a filesystem under [storage]; local-only features refuse URIs."""
+        from batchjob.storage import check_uri
+
+        out = self.output
+        uris: list[tuple[str, object]] = [("input.path", self.input.path)]
+        uris += [("output.path", out.path), ("output.report_path", out.report_path)]
+        uris += [("output.plan_path", out.plan_path)]
+        for key, value in uris:
+            if value is None or not is_uri(value):
+                continue
+            try:
+                check_uri(str(value), self.storage)
+            except ValueError as e:
+                opts = "storage.options" if self.storage.options else key
+                raise ConfigError(f"{opts}: {e} (for {key} = {value})") from None
+        if is_uri(self.input.path) and self.input.path.endswith(".jsonl"):
+            _fail("input.path", "OpenAI JSONL input must be a local file", self.input.path)
+        if isinstance(out.path, ObjectPath) and out.format == "openai-jsonl":
+            _fail("output.format", "openai-jsonl needs a local output.path", out.format)
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain JSON-able dict (paths as strings, tuples as lists), for reports and logs."""
 
         def plain(v: Any) -> Any:
-            if isinstance(v, Path):
+            if isinstance(v, Path | ObjectPath):
                 return str(v)
             return list(v) if isinstance(v, tuple) else v
 
@@ -516,6 +535,10 @@ def _parse_value(dotted: str, raw: str) -> Any:
 def _resolve(value: Any, base: Path) -> Any:
     if value is None or not isinstance(value, str | Path) or value in ("auto", "none"):
         return value
+    if is_uri(value):
+        return str(value)  # s3://bucket/key: not a local path
+    if str(value).startswith("file://"):
+        value = str(value)[len("file://") :]
     p = Path(value).expanduser()
     return os.path.normpath(p if p.is_absolute() else base / p)  # globs survive normpath
 
@@ -584,6 +607,8 @@ def load_job(
             if "path" not in raw.get(section, {}):
                 raise ConfigError(f"{section}.path: required")
         sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
-        return JobConfig(**sections, source=source)
+        job = JobConfig(**sections, source=source)
     except ConfigError as e:
         raise ConfigError(f"{e}{suffix}") from None
+    configure_storage(job.storage)  # the process's object-store settings (batchjob.storage)
+    return job

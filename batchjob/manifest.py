@@ -5,7 +5,7 @@ results (``manifest.json`` in the metadata folder). A resumed run and an "alread
 answer require the stored fingerprint to equal this run's; otherwise the output belongs to
 another job and the run stops with exit 3 naming the first field that differs.
 
-In the fingerprint: the input files (path, size, mtime) and row count, every other input
+In the fingerprint: the input files (path or URI, size, mtime) and row count, every other input
 setting (prompt and max_tokens columns, row limit, ...); the model folder's identity
 (config.json and tokenizer.json hashes, weight file names, sizes and mtimes) and every other
 model setting (dtype, max_model_len); every sampling setting; the plan-shaping scheduler
@@ -19,21 +19,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from batchjob.atomic import write_json_atomic
 from batchjob.config import JobConfig
+from batchjob.storage import ObjectPath, file_stat, store_for
 from batchjob.version import __version__
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def _stat(path: str | Path) -> list[Any]:
-    st = os.stat(path)
-    return [str(path), st.st_size, st.st_mtime_ns]
+    size, mtime_ns = file_stat(str(path))  # a local file or an object
+    return [str(path), size, mtime_ns]
 
 
 def _sha256(path: Path) -> str | None:
@@ -95,16 +95,16 @@ def manifest(job: JobConfig, input_files: Sequence[str], num_rows: int) -> dict[
     }
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
+def read_manifest(path: Path | ObjectPath) -> dict[str, Any] | None:
     """The stored manifest, or None when absent or unreadable (treated as foreign)."""
     try:
-        m = json.loads(path.read_text())
+        m = json.loads(store_for(path).read_text(path))
     except (OSError, ValueError):
         return None
     return m if isinstance(m, dict) and isinstance(m.get("fingerprint"), dict) else None
 
 
-def write_manifest(m: dict[str, Any], path: Path) -> None:
+def write_manifest(m: dict[str, Any], path: Path | ObjectPath) -> None:
     write_json_atomic(m, path)
 
 

@@ -274,6 +274,7 @@ def _line(r: dict[str, Any], url: str, model: str, created: int) -> dict[str, An
 def write_responses(job: JobConfig, results_path: Path) -> Path:
     """The committed results -> ``output.jsonl_file`` in the Batch API's output format."""
     out = job.output.jsonl_file
+    assert isinstance(out, Path)  # an object-store output.path is refused at load for this
     table = pq.read_table(results_path).sort_by("row_id")
     names = set(table.column_names)
     if "custom_id" not in names and job.input.id_column in names:

@@ -11,6 +11,11 @@ polars, Spark, DuckDB). Everything else lives in the sibling metadata folder
     parts/           finished rows of the unfinished run, + parts/manifest.json (its job)
     staging/         the final files being written, moved into place at commit
     plan.parquet, report.json, report.*.parquet, report.timeline.png
+
+On an object store (``output.path = "s3://bucket/prefix"``, batchjob.storage) the layout is the
+same, less what needs a rename: no ``staging/`` (results are written in place at commit and the
+folder is complete only once ``_SUCCESS`` is written, last), no temp files (one PUT is atomic),
+and ``lock`` is an object created with a conditional put (batchjob.lock).
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import fnmatch
 import os
 import shutil
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from batchjob.config import OutputConfig
 from batchjob.errors import ConfigError
+from batchjob.storage import ObjectPath, is_uri, store_for
 
 SUCCESS = "_SUCCESS"
 RESULT_GLOB = "results-*.parquet"
@@ -30,53 +38,83 @@ RESULT_GLOB = "results-*.parquet"
 
 @dataclass(frozen=True)
 class OutputLayout:
-    output: Path  # the results file or folder
+    output: Path | ObjectPath  # the results file or folder
     single_file: bool
-    meta: Path  # sibling metadata folder
+    meta: Path | ObjectPath  # sibling metadata folder
 
     @classmethod
     def of(cls, cfg: OutputConfig) -> OutputLayout:
         return cls(cfg.path, cfg.is_file, cfg.meta_dir)
 
     @property
-    def lock_file(self) -> Path:
+    def remote(self) -> bool:
+        """On an object store: no rename, no fcntl (see the module doc)."""
+        return isinstance(self.output, ObjectPath)
+
+    @cached_property
+    def store(self) -> Any:
+        """batchjob.storage.LocalStore or ObjectStore for this output's paths."""
+        return store_for(self.output)
+
+    @property
+    def lock_file(self) -> Any:
         return self.meta / "lock"
 
     @property
-    def manifest_file(self) -> Path:
+    def manifest_file(self) -> Any:
         """Manifest of the committed results (absent while none are committed)."""
         return self.meta / "manifest.json"
 
     @property
-    def parts(self) -> Path:
+    def parts(self) -> Any:
         return self.meta / "parts"
 
     @property
-    def parts_manifest(self) -> Path:
+    def parts_manifest(self) -> Any:
         return self.parts / "manifest.json"
 
     @property
-    def staging(self) -> Path:
+    def staging(self) -> Any:
         return self.meta / "staging"
 
     @property
-    def trash(self) -> Path:
+    def trash(self) -> Any:
         """Parts being removed after a commit (renamed first, so cleanup is all or nothing)."""
         return self.meta / ".parts.trash"
 
     @property
-    def done_marker(self) -> Path:
+    def done_marker(self) -> Any:
         return self.output if self.single_file else self.output / SUCCESS
 
     def complete(self) -> bool:
-        return self.done_marker.is_file()
+        return bool(self.store.is_file(self.done_marker))
 
     def has_parts(self) -> bool:
-        return self.parts.is_dir() and any(self.parts.glob("part-*.parquet"))
+        return bool(self.part_files())
+
+    def part_files(self) -> list[Any]:
+        """The parts written so far (sorted by name)."""
+        if not self.remote and not self.parts.is_dir():
+            return []
+        return list(self.store.glob(self.parts, "part-*.parquet"))
+
+    def drop_parts(self) -> None:
+        """Remove another job's parts (all or nothing locally: renamed away first)."""
+        if self.remote:
+            self.store.delete_tree(self.parts)
+            return
+        if self.parts.exists():
+            shutil.rmtree(self.trash, ignore_errors=True)
+            self.parts.rename(self.trash)
+            shutil.rmtree(self.trash)
 
     def check(self, input_path: str, input_files: tuple[str, ...] | list[str]) -> None:
         """Refuse an output that is, holds or sits inside the input, or the wrong kind of
         path; ``ConfigError`` (exit 3) naming output.path."""
+        if isinstance(self.output, ObjectPath):
+            self._check_remote(input_path, input_files)
+            return
+        assert isinstance(self.meta, Path)
         out = self.output.resolve()
         meta = self.meta.resolve()
         for f in input_files:
@@ -110,8 +148,52 @@ class OutputLayout:
                 "a results folder"
             )
 
+    def _check_remote(self, input_path: str, input_files: tuple[str, ...] | list[str]) -> None:
+        """check() for an object-store output: the same rules on URI strings."""
+        assert isinstance(self.output, ObjectPath) and isinstance(self.meta, ObjectPath)
+        out, meta = self.output, self.meta
+        for f in input_files:
+            if is_uri(f) and (
+                ObjectPath(f).is_relative_to(out) or ObjectPath(f).is_relative_to(meta)
+            ):
+                raise ConfigError(
+                    f"output.path: {out} is or holds the input file {f} (input.path); results "
+                    "would replace the input: choose another output.path"
+                )
+        if is_uri(input_path):
+            inp = ObjectPath(input_path)
+            if (
+                fnmatch.fnmatchcase(out.uri, inp.uri)
+                or out.is_relative_to(inp)
+                or meta.is_relative_to(inp)
+            ):
+                raise ConfigError(
+                    f"output.path: {out} is inside or matches the input {input_path} "
+                    "(input.path); the next run would read the results as input: choose "
+                    "another output.path"
+                )
+        store = self.store
+        if self.single_file and store.is_dir(out):
+            raise ConfigError(
+                f"output.path: {out} is a folder; a path ending in .parquet names one results "
+                "file (drop the suffix for a results folder)"
+            )
+        if not self.single_file and store.is_file(out):
+            raise ConfigError(
+                f"output.path: {out} is an object; a path not ending in .parquet names a "
+                "results folder"
+            )
+
     def prepare(self) -> None:
         """Create the metadata folder; an unwritable place is a ConfigError, not a traceback."""
+        if isinstance(self.meta, ObjectPath):
+            bucket = ObjectPath(f"{self.meta.scheme}://{self.meta.bucket}")
+            if self.meta.scheme in ("s3", "s3a") and not self.store.exists(bucket):
+                raise ConfigError(
+                    f"output.path: bucket {bucket} not found (or not visible with these "
+                    "credentials); create it or choose another output.path"
+                )
+            return
         try:
             self.meta.mkdir(parents=True, exist_ok=True)
             if not os.access(self.meta, os.W_OK | os.X_OK):
@@ -124,7 +206,10 @@ class OutputLayout:
 
     def clean_stale(self) -> None:
         """Remove what a killed run can leave: staging, half-removed parts, temp files.
-        Call with the lock held. Parts and their manifest are kept (they resume)."""
+        Call with the lock held. Parts and their manifest are kept (they resume). An object
+        store has none of these (no staging, no temp objects)."""
+        if not isinstance(self.meta, Path) or not isinstance(self.output, Path):
+            return
         shutil.rmtree(self.staging, ignore_errors=True)
         shutil.rmtree(self.trash, ignore_errors=True)
         for folder in (self.meta, self.parts, self.output.parent):

@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from batchjob.atomic import save_figure_atomic, write_json_atomic, write_parquet_atomic
 from batchjob.backends.base import BackendRun, IterationRecord
+from batchjob.storage import ObjectPath, store_for
 
 
 @dataclass(frozen=True)
@@ -56,19 +57,26 @@ class RunSummary:
     job: dict = field(default_factory=dict)
 
 
-def outcome_counts(results: Path) -> dict[str, int]:
+def outcome_counts(results: Path | ObjectPath) -> dict[str, int]:
     """Rows per (status, finish_reason) of a results file or folder of Parquet parts.
 
-    A polars lazy scan reads only the two columns and groups without building Python rows.
+    A polars lazy scan reads only the two columns and groups without building Python rows
+    (on an object store the two columns are read through its filesystem).
     """
     import polars as pl
 
-    files = sorted(results.glob("*.parquet")) if results.is_dir() else [results]
-    if not files:
+    if isinstance(results, Path):
+        files = sorted(results.glob("*.parquet")) if results.is_dir() else [results]
+        scan = pl.scan_parquet(files) if files else None
+    else:
+        store, cols = store_for(results), ["status", "finish_reason"]
+        found = store.glob(results, "*.parquet") if store.is_dir(results) else [results]
+        tables = [store.read_parquet(f, columns=cols) for f in found]
+        scan = pl.LazyFrame(pa.concat_tables(tables)) if tables else None
+    if scan is None:
         return {}
     counts = (
-        pl.scan_parquet(files)
-        .group_by("status", "finish_reason")
+        scan.group_by("status", "finish_reason")
         .len()
         .sort("status", "finish_reason", nulls_last=True)
         .collect()
@@ -98,7 +106,7 @@ def summarize(
     stage_s: dict[str, float],
     policy: str,
     device: str,
-    results: Path | None = None,
+    results: Path | ObjectPath | None = None,
 ) -> RunSummary:
     tokens = np.array([r.decode_tokens + r.prefill_tokens for r in run.iterations], dtype=np.int64)
     computed = run.computed_prefill_tokens
@@ -136,7 +144,7 @@ def summarize(
     )
 
 
-def plot_timeline(records: list[IterationRecord], path: Path, title: str) -> None:
+def plot_timeline(records: list[IterationRecord], path: Path | ObjectPath, title: str) -> None:
     """Tokens per iteration, decode and prefill stacked (the paper's Figures 2 and 6)."""
     import matplotlib
 
@@ -160,7 +168,9 @@ def plot_timeline(records: list[IterationRecord], path: Path, title: str) -> Non
         plt.close(fig)
 
 
-def write_report(summary: RunSummary, run: BackendRun, report_json: Path) -> dict[str, Path]:
+def write_report(
+    summary: RunSummary, run: BackendRun, report_json: Path | ObjectPath
+) -> dict[str, Path | ObjectPath]:
     """Write summary JSON, iterations Parquet and the PNG next to it; returns the paths."""
     base = report_json.with_suffix("")
     paths = {

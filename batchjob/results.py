@@ -11,6 +11,12 @@ them over the output (earlier results stay untouched until this point) and recor
 manifest beside them; ``cleanup`` removes the parts. A crash anywhere from staging to
 cleanup leaves the parts and their manifest, so a rerun commits again (rolls forward).
 
+On an object store (``layout.remote``; batchjob.storage) there is no rename: every part is
+one PUT under a unique name (a random token per run), and the commit writes the final files in
+place after removing ``_SUCCESS`` and the committed manifest, then the manifest and ``_SUCCESS``
+last; a reader treats a folder without ``_SUCCESS`` as incomplete. A crash during the commit
+leaves the parts, so the rerun commits again, as locally.
+
 Exactly one result row per input row: the parts never hold a row twice (resumed runs skip
 done rows), and ``finalize`` checks the count against the input before it commits.
 """
@@ -23,10 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchjob.atomic import fsync_dir, write_parquet_atomic, write_text_atomic
 from batchjob.faults import fault_point
@@ -34,6 +40,7 @@ from batchjob.io import ROW_ID
 from batchjob.manifest import write_manifest
 from batchjob.output_layout import RESULT_GLOB, SUCCESS, OutputLayout
 from batchjob.score_columns import OPTIONAL_COLUMNS, optional_columns
+from batchjob.storage import ObjectPath
 
 RESULT_SCHEMA = pa.schema(
     [
@@ -101,7 +108,10 @@ class ResultSink:
         self.schema = result_schema(extra_columns)
         # parts of concurrent writers (cluster workers) get the writer's id in their names
         self._suffix = f"-{writer}" if writer else ""
+        if layout.remote:  # no atomic rename: unique names keep any two writers apart
+            self._suffix += f"-{uuid4().hex[:12]}"
         self.layout = layout
+        self.store = layout.store
         self.manifest = manifest
         self.parts_dir = layout.parts
         self.flush_rows = flush_rows
@@ -109,16 +119,16 @@ class ResultSink:
         self.rows_per_file = rows_per_file
         self._buffer: list[ResultRow] = []
         self._last_flush = time.monotonic()
-        self.parts_dir.mkdir(parents=True, exist_ok=True)
-        existing = sorted(self.parts_dir.glob("part-*.parquet"))
+        self.store.mkdir(self.parts_dir)
+        existing = layout.part_files()
         self._next_part = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
 
     def done_row_ids(self) -> np.ndarray:
         """row_ids already written by earlier (interrupted) runs of the same job."""
-        parts = sorted(self.parts_dir.glob("part-*.parquet"))
+        parts = self.layout.part_files()
         if not parts:
             return np.zeros(0, dtype=np.int64)
-        cols = [pq.read_table(p, columns=[ROW_ID])[ROW_ID].to_numpy() for p in parts]
+        cols = [self.store.read_parquet(p, columns=[ROW_ID])[ROW_ID].to_numpy() for p in parts]
         return np.concatenate(cols).astype(np.int64)
 
     def add(self, row: ResultRow) -> None:
@@ -130,7 +140,7 @@ class ResultSink:
     def flush(self) -> None:
         if not self._buffer:
             return
-        if not self.layout.parts_manifest.exists():  # the job's identity before its first row
+        if not self.store.exists(self.layout.parts_manifest):  # the job's identity, first
             write_manifest(self.manifest, self.layout.parts_manifest)
             fault_point("manifest")
         rows = self._buffer
@@ -158,18 +168,21 @@ class ResultSink:
         self._buffer = []
         self._last_flush = time.monotonic()
 
-    def finalize(self, passthrough: pa.Table, expected_rows: int) -> Path:
+    def finalize(self, passthrough: pa.Table, expected_rows: int) -> Path | ObjectPath:
         """Join parts with pass-through columns, stage the final files, commit them."""
         self.flush()
         results = self._joined(passthrough, expected_rows)
+        if self.layout.remote:
+            self._commit_in_place(results)
+            return self.layout.output
         staged = self._stage(results)
         self._commit(staged)
         return self.layout.output
 
     def _joined(self, passthrough: pa.Table, expected_rows: int) -> pa.Table:
-        parts = sorted(self.parts_dir.glob("part-*.parquet"))
+        parts = self.layout.part_files()
         results = (
-            pa.concat_tables([pq.read_table(p, schema=self.schema) for p in parts])
+            pa.concat_tables([self.store.read_parquet(p, schema=self.schema) for p in parts])
             if parts
             else self.schema.empty_table()
         )
@@ -217,6 +230,7 @@ class ResultSink:
     def _commit(self, staged: list[Path]) -> None:
         """Swap the staged files in, then record the manifest of what is now committed."""
         layout = self.layout
+        assert isinstance(layout.output, Path)  # local (an object store: _commit_in_place)
         layout.manifest_file.unlink(missing_ok=True)  # the old results lose their voucher
         fault_point("commit")
         if layout.single_file:
@@ -244,10 +258,45 @@ class ResultSink:
         fault_point("committed")
         shutil.rmtree(layout.staging, ignore_errors=True)
 
+    def _commit_in_place(self, results: pa.Table) -> None:
+        """The commit on an object store (no rename): the old results lose their voucher
+        (manifest, ``_SUCCESS``), the new files are PUT over them, stale ones deleted, then the
+        manifest and ``_SUCCESS`` are written last. One results object is one atomic PUT."""
+        layout, store, out = self.layout, self.store, self.layout.output
+        store.delete(layout.manifest_file)
+        fault_point("commit")
+        if layout.single_file:
+            write_parquet_atomic(results, out)
+            fault_point("commit_file")
+        else:
+            store.delete(out / SUCCESS)  # readers: incomplete from here until the end
+            names = set()
+            for i, start in enumerate(range(0, max(results.num_rows, 1), self.rows_per_file)):
+                names.add(f"results-{i:05d}.parquet")
+                write_parquet_atomic(
+                    results.slice(start, self.rows_per_file), out / f"results-{i:05d}.parquet"
+                )
+                fault_point("commit_file")
+            for old in store.glob(out, RESULT_GLOB):
+                if old.name not in names:
+                    store.delete(old)  # a previous, longer run's extra files
+        write_manifest(self.manifest, layout.manifest_file)
+        if not layout.single_file:
+            write_text_atomic(f"{results.num_rows} rows\n", out / SUCCESS)
+        fault_point("committed")
+
     def cleanup(self) -> None:
         """Remove the parts of a committed job: renamed away first (one atomic step), then
-        deleted, so a kill leaves either the whole parts folder or none of it."""
+        deleted, so a kill leaves either the whole parts folder or none of it. On an object
+        store the part files go first and their manifest last: a kill in between leaves some
+        parts of the committed job, whose rows a rerun redoes and commits again, identical."""
         layout = self.layout
+        if layout.remote:
+            for p in layout.part_files():
+                self.store.delete(p)
+            fault_point("cleanup")
+            self.store.delete_tree(layout.parts)
+            return
         if not layout.parts.exists():
             return
         shutil.rmtree(layout.trash, ignore_errors=True)

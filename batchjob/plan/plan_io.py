@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.atomic import write_parquet_atomic
+from batchjob.atomic import Target, write_parquet_atomic
 from batchjob.errors import InputDataError
 from batchjob.plan.plan import Plan, PlanStats
 
@@ -41,7 +41,7 @@ def plan_to_table(plan: Plan) -> pa.Table:
     return table.replace_schema_metadata(meta)
 
 
-def write_plan(plan: Plan, path: str | os.PathLike) -> None:
+def write_plan(plan: Plan, path: Target) -> None:
     """Write atomically: readers see the old file or the complete new one, never a part."""
     write_parquet_atomic(plan_to_table(plan), path)
 
