@@ -69,3 +69,58 @@ class TokenizedPrompts:
         ids = np.arange(len(seqs), dtype=np.int64) if row_ids is None else np.asarray(row_ids)
         mt = np.broadcast_to(np.asarray(max_tokens, dtype=np.int32), (len(seqs),)).copy()
         return cls(row_ids=ids, tokens=tokens.astype(np.int32), offsets=offsets, max_tokens=mt)
+
+
+class _Growing:
+    """A 1-D array appended to in place: ``np.empty`` pages become resident only when written,
+    so a capacity above the need costs address space, not memory; a short one doubles."""
+
+    def __init__(self, capacity: int, dtype: type):
+        self._buf: np.ndarray = np.empty(max(int(capacity), 1024), dtype=dtype)
+        self.size = 0
+
+    def append(self, values: np.ndarray) -> None:
+        end = self.size + len(values)
+        if end > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), end), dtype=self._buf.dtype)
+            grown[: self.size] = self._buf[: self.size]
+            self._buf = grown
+        self._buf[self.size : end] = values
+        self.size = end
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self.size]
+
+
+class PromptsBuilder:
+    """Builds ``TokenizedPrompts`` batch by batch straight into its flat arrays.
+
+    Replaces collecting per-batch arrays and concatenating them at the end, which held every
+    token twice at the peak. ``rows`` and ``tokens``: capacities, ideally upper bounds (the
+    dataset's row count; a token-id column's value count from the Parquet metadata).
+    """
+
+    def __init__(self, rows: int, tokens: int):
+        self._row_ids = _Growing(rows, np.int64)
+        self._tokens = _Growing(tokens, np.int32)
+        self._offsets = _Growing(rows + 1, np.int64)
+        self._offsets.append(np.zeros(1, dtype=np.int64))
+        self._max_tokens = _Growing(rows, np.int32)
+
+    def add(
+        self, row_ids: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, max_tokens: np.ndarray
+    ) -> None:
+        """Append rows (tokens: their prompts one after another, ``lengths`` each)."""
+        base = self._tokens.size
+        self._row_ids.append(row_ids)
+        self._tokens.append(tokens)
+        self._offsets.append(base + np.cumsum(lengths, dtype=np.int64))
+        self._max_tokens.append(max_tokens)
+
+    def build(self) -> TokenizedPrompts:
+        return TokenizedPrompts(
+            row_ids=self._row_ids.view(),
+            tokens=self._tokens.view(),
+            offsets=self._offsets.view(),
+            max_tokens=self._max_tokens.view(),
+        )

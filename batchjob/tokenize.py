@@ -10,12 +10,14 @@ vocab size, prompt + 1 within its context length.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from batchjob.config import JobConfig
 from batchjob.errors import ModelError
@@ -31,7 +33,7 @@ from batchjob.io import (
     RejectedRows,
 )
 from batchjob.model_info import ModelInfo, model_info_for_job
-from batchjob.prompts import TokenizedPrompts
+from batchjob.prompts import PromptsBuilder, TokenizedPrompts
 from batchjob.row_settings import with_row_settings
 from batchjob.timing import StageTiming
 from batchjob.tokenizer import PromptTokenizer, load_tokenizer, parallelism_disabled
@@ -172,6 +174,29 @@ def tokenize_batch(
     return part, rejected
 
 
+def _token_capacity(dataset: InputDataset) -> int:
+    """Upper bound of a token-id column's tokens: its values in the Parquet metadata of local
+    files (0 when unknown: text prompts, a prompt builder, an object store)."""
+    if dataset.prompt_is_text or dataset.builder is not None:
+        return 0
+    total = 0
+    try:
+        for path in dataset.files:
+            if not os.path.isfile(path):
+                return 0
+            meta = pq.read_metadata(path)
+            cols = [
+                i
+                for i in range(meta.num_columns)
+                if meta.schema.column(i).path.split(".")[0] == dataset.prompt_column
+            ]
+            for rg in range(meta.num_row_groups):
+                total += sum(meta.row_group(rg).column(i).num_values for i in cols)
+    except (OSError, pa.ArrowException):
+        return 0
+    return total
+
+
 def tokenize_dataset(
     dataset: InputDataset,
     tokenizer: PromptTokenizer | None,
@@ -185,7 +210,7 @@ def tokenize_dataset(
         raise ModelError("a text prompt column needs model.path (for its tokenizer.json)")
     if dataset.prompt_is_text and parallelism_disabled():
         log.warning("TOKENIZERS_PARALLELISM disables parallel tokenization (one core)")
-    parts: list[_Part] = []
+    built = PromptsBuilder(dataset.num_rows, _token_capacity(dataset))
     rejected: list[RejectedRows] = []
     passthrough = PassthroughCollector()
     t_read = t_tok = 0.0
@@ -206,24 +231,13 @@ def tokenize_dataset(
             prompt_column=dataset.prompt_column,
         )
         passthrough.add(batch)
-        parts.append(part)
+        built.add(part.row_ids, part.tokens, part.lengths, part.max_tokens)
         rejected.append(rej)
         t_tok += time.perf_counter() - t1
 
-    def cat(name: str, dtype: type) -> np.ndarray:
-        return np.concatenate([getattr(p, name) for p in parts]) if parts else np.zeros(0, dtype)
-
-    lengths = cat("lengths", np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    prompts = TokenizedPrompts(
-        row_ids=cat("row_ids", np.int64),
-        tokens=cat("tokens", np.int32),
-        offsets=offsets,
-        max_tokens=cat("max_tokens", np.int32),
-    )
+    prompts = built.build()
     num_rows = len(prompts) + sum(len(r) for r in rejected)
-    total = int(offsets[-1])
+    total = len(prompts.tokens)
     return TokenizedInput(
         prompts=prompts,
         rejected=RejectedRows.concat(rejected),
