@@ -222,3 +222,14 @@ def test_any_fsspec_filesystem_round_trip(s3, model, data, local_results, caplog
     assert store.read_parquet(files[1]).sort_by("row_id").equals(local_results)
     assert "assumes it is the only one writing" in caplog.text
     assert not store.exists(ObjectPath(out + ".meta/lock"))
+
+
+def test_plan_with_the_endpoint_from_the_storage_section(s3, model, data, monkeypatch):
+    """No AWS_ENDPOINT_URL: [storage] endpoint_url alone reaches the server (input and plan)."""
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    out = f"s3://{BUCKET}/out/planned"
+    args = _job(model, data[1], out, f"storage.endpoint_url={endpoint}")
+    res = cli("plan", *args)
+    assert res.exit_code == 0, res.output
+    assert _keys(s3, "out/planned.meta") == ["plan.parquet"]
