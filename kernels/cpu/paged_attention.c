@@ -405,6 +405,22 @@ INLINE const float *pack_bf16(float *dst, const uint16_t *src, int nv, int64_t D
     return dst;
 }
 
+/* nv key (or value) rows of one head from element `at` of a cache whose rows are ks apart, as
+   float32 rows D apart in dst: a tile's packed copy (see pack), widened if bfloat16. */
+INLINE const float *packed_rows(float *dst, const void *cache, int64_t at, int nv, int64_t D,
+                                int64_t ks, const int BF) {
+    return BF ? pack_bf16(dst, (const uint16_t *)cache + at, nv, D, ks)
+              : pack(dst, (const float *)cache + at, nv, D, ks);
+}
+
+/* The same for row-major dot products (decode), rows *stride apart: a float32 cache is read
+   in place (no copy), a bfloat16 one is widened into dst. */
+INLINE const float *head_rows(float *dst, const void *cache, int64_t at, int nv, int64_t D,
+                              int64_t ks, const int BF, int64_t *stride) {
+    *stride = BF ? D : ks;
+    return BF ? packed_rows(dst, cache, at, nv, D, ks, BF) : (const float *)cache + at;
+}
+
 /* Ask for the next chunk's rows (into L2) while this one is computed: chunks come from
    scattered blocks, and a head's rows are Hkv * D apart, which the hardware does not follow. */
 INLINE void prefetch_rows(const char *p, int rows, int64_t row_bytes, int64_t stride) {
@@ -448,52 +464,42 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     } while (0)
     for (int64_t kb = 0; kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
-        for (int c = 0; c < n; c += CH) {
-            const int nv = n - c < CH ? n - c : CH;
-            const int64_t at = KV_AT(kb + c);
-            if (c + CH < n) /* the next K chunk, or the span's first V chunk */
-                PREFETCH(a->k, kb + c + CH);
-            else
-                PREFETCH(a->v, kb);
-            const float *K = (const float *)a->k + at;
-            const uint16_t *Kb = (const uint16_t *)a->k + at;
-            if (few && BF)
-                for (int64_t hh = 0; hh < nh; hh++)
-                    scores_dot(w->qs + hh * rh * D, w->s + hh * rh * SC + c, rh, D,
-                               pack_bf16(w->kv, Kb + hh * D, nv, D, ks), D, nv);
-            else if (few)
-                for (int64_t hh = 0; hh < nh; hh++)
-                    scores_dot(w->qs + hh * rh * D, w->s + hh * rh * SC + c, rh, D, K + hh * D,
-                               ks, nv);
-            else
-                scores_km(w, w->s + c * RP, NV, D,
-                          BF ? pack_bf16(w->kv, Kb, nv, D, ks) : pack(w->kv, K, nv, D, ks), nv);
-        }
-        if (few)
-            softmax_span(w, rows, rh, R, D, causal, kb, n);
-        else
-            softmax_km(w, rows, NV, R, D, causal, kb, n);
-        for (int c = 0; c < n; c += CH) {
-            const int64_t at = KV_AT(kb + c);
-            if (c + CH < n) /* the next V chunk, or the next span's first K chunk */
-                PREFETCH(a->v, kb + c + CH);
-            else
-                PREFETCH(a->k, kb + SC);
-            const float *V = (const float *)a->v + at;
-            const uint16_t *Vb = (const uint16_t *)a->v + at;
-            const int nv = n - c < CH ? n - c : CH;
-            if (few && BF)
-                for (int64_t hh = 0; hh < nh; hh++)
-                    accumulate_rows(w->o + hh * rh * D, w->s + hh * rh * SC + c, rh, D,
-                                    pack_bf16(w->kv, Vb + hh * D, nv, D, ks), D, nv);
-            else if (few)
-                for (int64_t hh = 0; hh < nh; hh++)
-                    accumulate_rows(w->o + hh * rh * D, w->s + hh * rh * SC + c, rh, D,
-                                    V + hh * D, ks, nv);
-            else
-                accumulate_km(w->o, w->s + c * RP, RP, rows, D,
-                              BF ? pack_bf16(w->kv, Vb, nv, D, ks) : pack(w->kv, V, nv, D, ks),
-                              nv);
+        /* Two walks over the span's chunks: K (scores), then V (weighted sum) after softmax;
+           unrolled, so each walk is compiled with its own work. */
+#pragma GCC unroll 2
+        for (int pass_v = 0; pass_v < 2; pass_v++) {
+            const void *cache = pass_v ? a->v : a->k;
+            if (pass_v && few)
+                softmax_span(w, rows, rh, R, D, causal, kb, n);
+            else if (pass_v)
+                softmax_km(w, rows, NV, R, D, causal, kb, n);
+            for (int c = 0; c < n; c += CH) {
+                const int nv = n - c < CH ? n - c : CH;
+                const int64_t at = KV_AT(kb + c);
+                if (c + CH < n) /* this walk's next chunk */
+                    PREFETCH(cache, kb + c + CH);
+                else if (pass_v) /* the next span's first K chunk */
+                    PREFETCH(a->k, kb + SC);
+                else /* the span's first V chunk */
+                    PREFETCH(a->v, kb);
+                if (few)
+                    for (int64_t hh = 0; hh < nh; hh++) {
+                        int64_t st;
+                        const float *x = head_rows(w->kv, cache, at + hh * D, nv, D, ks, BF, &st);
+                        float *s = w->s + hh * rh * SC + c;
+                        if (pass_v)
+                            accumulate_rows(w->o + hh * rh * D, s, rh, D, x, st, nv);
+                        else
+                            scores_dot(w->qs + hh * rh * D, s, rh, D, x, st, nv);
+                    }
+                else {
+                    const float *x = packed_rows(w->kv, cache, at, nv, D, ks, BF);
+                    if (pass_v)
+                        accumulate_km(w->o, w->s + c * RP, RP, rows, D, x, nv);
+                    else
+                        scores_km(w, w->s + c * RP, NV, D, x, nv);
+                }
+            }
         }
     }
 #undef KV_AT
