@@ -74,6 +74,11 @@ class OutputLayout:
         return self.parts / "manifest.json"
 
     @property
+    def cleanup_marker(self) -> Any:
+        """Object-store parts being deleted after their commit (see results.cleanup)."""
+        return self.parts / "_CLEANUP"
+
+    @property
     def staging(self) -> Any:
         return self.meta / "staging"
 
@@ -207,8 +212,10 @@ class OutputLayout:
     def clean_stale(self) -> None:
         """Remove what a killed run can leave: staging, half-removed parts, temp files.
         Call with the lock held. Parts and their manifest are kept (they resume). An object
-        store has none of these (no staging, no temp objects)."""
+        store has no staging and no temp objects; its half-removed parts carry a marker."""
         if not isinstance(self.meta, Path) or not isinstance(self.output, Path):
+            if self.store.exists(self.cleanup_marker):  # a kill during results.cleanup
+                self.store.delete_tree(self.parts)
             return
         shutil.rmtree(self.staging, ignore_errors=True)
         shutil.rmtree(self.trash, ignore_errors=True)

@@ -288,13 +288,14 @@ class ResultSink:
     def cleanup(self) -> None:
         """Remove the parts of a committed job: renamed away first (one atomic step), then
         deleted, so a kill leaves either the whole parts folder or none of it. On an object
-        store the part files go first and their manifest last: a kill in between leaves some
-        parts of the committed job, whose rows a rerun redoes and commits again, identical."""
+        store (no rename) a ``_CLEANUP`` marker is written into the parts folder first: a kill
+        during the deletes leaves it, and the rerun finishes the deletion (``clean_stale``)."""
         layout = self.layout
         if layout.remote:
+            write_text_atomic("parts of committed results: delete\n", layout.cleanup_marker)
             for p in layout.part_files():
                 self.store.delete(p)
-            fault_point("cleanup")
+                fault_point("cleanup")
             self.store.delete_tree(layout.parts)
             return
         if not layout.parts.exists():

@@ -140,12 +140,19 @@ def test_kill_mid_run_and_mid_commit_then_resume_exactly_once(s3, model, data, l
     partial = _keys(s3, "out/killed")
     assert partial == ["results-00000.parquet"]  # no _SUCCESS: readers see it incomplete
 
-    res = cli("run", "--no-progress", *args)
-    assert res.exit_code == 0, res.output
+    # the next rerun commits, then is killed after deleting its first part
+    killed = cli_subprocess(
+        "run", "--no-progress", *args, env={"BATCHJOB_FAULT_POINT": "cleanup:1"}
+    )
+    assert killed.returncode == -9, killed.stderr
+    assert "_SUCCESS" in _keys(s3, "out/killed")
+    assert "parts/_CLEANUP" in _keys(s3, "out/killed.meta")
+
+    res = cli("run", "--no-progress", *args)  # complete: the leftover parts are just removed
+    assert res.exit_code == 0 and "already complete" in res.output, res.output
     got = _read(s3, out)
     assert got["row_id"].to_pylist() == list(range(local_results.num_rows))
     assert got.equals(local_results)
-    assert "_SUCCESS" in _keys(s3, "out/killed")
     assert not [k for k in _keys(s3, "out/killed.meta") if k.startswith(("parts/", "lock"))]
 
 
