@@ -22,6 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from batchjob.cpu_info import CpuInfo, host_cpu
 from batchjob.errors import ModelError
 from batchjob.hf_config import ModelConfig, parse_hf_config
 
@@ -49,7 +50,7 @@ class ModelInfo:
 
     - ``config``: the parsed architecture (layers, heads, rope, biases, eos/bos ids).
     - ``dtype``: resolved weight/activation/KV dtype name, one of ``DTYPE_BYTES``: an explicit
-      job dtype, else ``auto`` = the checkpoint's dtype on CUDA and float32 on CPU.
+      job dtype, else ``auto`` = the checkpoint's dtype on CUDA and ``auto_cpu_dtype`` on CPU.
     - ``device``: resolved ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (``auto`` = cuda if available).
     - ``max_model_len``: longest prompt + output a request may have: the job's
       ``model.max_model_len`` if set, else ``max_seq_len`` (max positions, capped by the
@@ -169,11 +170,34 @@ def resolve_device(device: str = "auto") -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_dtype(dtype: str, checkpoint_dtype: str | None, device: str) -> str:
-    """``auto`` -> float32 on CPU (bf16/fp16 matmuls are slow there), else the checkpoint's."""
+# ``auto`` on CPU runs a half-precision checkpoint in bfloat16 where the CPU has bf16 matmul
+# hardware (AMX-bf16 / AVX-512-BF16) and this is True. Measured on a Sapphire Rapids VM
+# (benchmarks/bench_dtype.py; docs/benchmarks.md, "dtype auto"): bf16 engine throughput
+# 1.3-1.7x float32's on the peer models.
+CPU_AUTO_BF16 = True
+
+
+def auto_cpu_dtype(
+    checkpoint_dtype: str | None, cpu: CpuInfo | None = None, prefer_bf16: bool = CPU_AUTO_BF16
+) -> str:
+    """``auto`` on CPU: a bf16/fp16 checkpoint runs in bfloat16 when ``prefer_bf16`` and the
+    CPU (default: this host) has bf16 hardware, else in float32 (without the hardware
+    half-precision matmuls are emulated, slower than float32; fp16 has no fast CPU path
+    either way). A float32 (or unnamed) checkpoint stays float32: ``auto`` never rounds
+    weights below the checkpoint's precision (as vLLM's ``auto``)."""
+    cpu = cpu or host_cpu()
+    half = DTYPE_ALIASES.get(checkpoint_dtype or "", checkpoint_dtype) in ("bfloat16", "float16")
+    return "bfloat16" if half and prefer_bf16 and cpu.has_fast_bf16 else "float32"
+
+
+def resolve_dtype(
+    dtype: str, checkpoint_dtype: str | None, device: str, cpu: CpuInfo | None = None
+) -> str:
+    """``auto`` -> ``auto_cpu_dtype`` on CPU (``cpu``: default this host), else the
+    checkpoint's dtype."""
     if dtype == "auto":
         if device == "cpu":
-            return "float32"
+            return auto_cpu_dtype(checkpoint_dtype, cpu)
         dtype = checkpoint_dtype or "float32"
     name = DTYPE_ALIASES.get(dtype, dtype)
     if name not in DTYPE_BYTES:

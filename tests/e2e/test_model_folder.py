@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from batchjob.backends import open_backend
 from batchjob.cli import build_job, main
 from batchjob.errors import EXIT_MODEL
+from batchjob.model_info import DTYPE_BYTES, auto_cpu_dtype
 from batchjob.pipeline import run
 from batchjob.tiny_model import make_tiny_model
 from batchjob.workloads import WORDS
@@ -65,12 +66,15 @@ def invoke(*args: str | Path):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-@pytest.mark.parametrize("dtype,itemsize", [("auto", 4), ("bfloat16", 2)])
+# auto on CPU: this bf16 checkpoint runs in bf16 where the CPU has bf16 hardware, else float32
+@pytest.mark.parametrize(
+    "dtype,itemsize", [("auto", DTYPE_BYTES[auto_cpu_dtype("bfloat16")]), ("bfloat16", 2)]
+)
 def test_plan_and_run_report_the_same_kv_bytes_per_token(
     tmp_path: Path, bf16_model: Path, prompts: Path, dtype: str, itemsize: int
 ) -> None:
     assert json.loads((bf16_model / "config.json").read_text())["dtype"] == "bfloat16"
-    want = 2 * LAYERS * KV_HEADS * HEAD_DIM * itemsize  # auto on CPU = float32, as the engine
+    want = 2 * LAYERS * KV_HEADS * HEAD_DIM * itemsize  # plan, engine and report agree
     job = job_file(tmp_path, bf16_model, prompts, dtype)
 
     r = invoke("plan", job, "--json")

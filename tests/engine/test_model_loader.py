@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from batchjob.backends.native.models import SUPPORTED_ARCHITECTURES, load_model
 from batchjob.errors import EXIT_MODEL, ModelError
 from batchjob.kernels.reference import SeqSpec, build_metadata
+from batchjob.model_info import auto_cpu_dtype
 from batchjob.tiny_model import make_tiny_model
 
 pytest.importorskip("transformers")
@@ -56,7 +57,7 @@ def test_sharded_checkpoint_matches_single_file(models):
 
 def test_model_info(model_copy):
     cfg = json.loads((model_copy / "config.json").read_text())
-    cfg["dtype"] = "bfloat16"  # "auto" on CPU still means float32
+    cfg["dtype"] = "bfloat16"  # "auto" on CPU: bf16 with bf16 hardware, else float32
     (model_copy / "config.json").write_text(json.dumps(cfg))
     gen = json.loads((model_copy / "generation_config.json").read_text())
     gen["eos_token_id"] = [cfg["eos_token_id"], 7]
@@ -67,8 +68,9 @@ def test_model_info(model_copy):
     assert info.vocab_size == 280 and info.max_position == 4096 and info.max_seq_len == 4096
     assert info.eos_token_ids == (cfg["eos_token_id"], 7)
     assert info.bos_token_id == cfg["bos_token_id"]
-    assert info.dtype == "float32" and info.device == "cpu" and info.torch_dtype == torch.float32
-    assert info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    auto = auto_cpu_dtype("bfloat16")
+    assert info.dtype == auto and info.device == "cpu" and info.torch_dtype == getattr(torch, auto)
+    assert info.kv_bytes_per_token == 2 * 2 * 2 * 16 * info.torch_dtype.itemsize
     assert info.kv_cache_shape(10, 16) == (2, 2, 10, 16, 2, 16)
     _, info16 = load_model(model_copy, dtype="bf16", device="cpu")
     assert info16.torch_dtype == torch.bfloat16 and info16.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2

@@ -124,7 +124,7 @@ def _greedy_decode(engine: MiniEngine, seqs: list[Seq], first: list[torch.Tensor
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_single_sequence_chunked_prefill_and_decode(tiny_models, variant):
     folder = tiny_models[variant]
-    model, info = load_model(folder, dtype="auto", device="cpu", attention="torch")
+    model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")
     hf = _hf(folder)
     prompt = random.Random(1).choices(range(3, info.vocab_size), k=11)
     engine = MiniEngine(model, info, block_size=4)
@@ -146,7 +146,7 @@ def test_single_sequence_chunked_prefill_and_decode(tiny_models, variant):
 @pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2"])
 def test_shared_prefix_members_decode_together(tiny_models, variant):
     folder = tiny_models[variant]
-    model, info = load_model(folder, device="cpu", attention="torch")
+    model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")
     hf = _hf(folder)
     rng = random.Random(2)
     vocab = range(3, info.vocab_size)
@@ -175,7 +175,7 @@ def test_shared_prefix_members_decode_together(tiny_models, variant):
 
 def test_logits_index_selects_rows(tiny_models):
     folder = tiny_models["llama"]
-    model, info = load_model(folder, device="cpu", attention="torch")
+    model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")
     ids = random.Random(3).choices(range(3, info.vocab_size), k=9)
     full = MiniEngine(model, info, block_size=16).step([(Seq(list(ids)), 9)])[0]
     engine = MiniEngine(model, info, block_size=16)

@@ -11,7 +11,13 @@ import pytest
 from tokenizers import Tokenizer
 
 from batchjob.errors import EXIT_MODEL, ModelError
-from batchjob.model_info import read_model_info, resolve_dtype, safetensors_tensor_names
+from batchjob.model_info import (
+    DTYPE_BYTES,
+    auto_cpu_dtype,
+    read_model_info,
+    resolve_dtype,
+    safetensors_tensor_names,
+)
 from tests.conftest import TINY_MAX_LEN, TINY_VOCAB, write_model_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +50,7 @@ def test_reads_config_generation_config_and_weights(folder: Path) -> None:
 @pytest.mark.parametrize(
     "checkpoint,asked,device,want",
     [
-        ("bfloat16", "auto", "cpu", "float32"),  # bf16 matmuls are slow on CPU: the engine's rule
+        ("bfloat16", "auto", "cpu", auto_cpu_dtype("bfloat16")),  # host CPU: tests/io/test_cpu_info
         ("bfloat16", "auto", "cuda", "bfloat16"),
         (None, "auto", "cuda:1", "float32"),
         ("bfloat16", "float16", "cpu", "float16"),
@@ -57,7 +63,8 @@ def test_dtype_resolution(checkpoint, asked, device, want) -> None:
 
 def test_kv_bytes_follow_the_resolved_dtype(folder: Path) -> None:
     _edit_config(folder, torch_dtype="bfloat16")
-    assert read_model_info(folder, device="cpu").kv_bytes_per_token == KV_ELEMS * 4
+    auto = DTYPE_BYTES[auto_cpu_dtype("bfloat16")]  # bf16 on a CPU with bf16 hardware
+    assert read_model_info(folder, device="cpu").kv_bytes_per_token == KV_ELEMS * auto
     assert read_model_info(folder, "bfloat16", "cpu").kv_bytes_per_token == KV_ELEMS * 2
     assert read_model_info(folder, "float16", "cpu").dtype == "float16"
     with pytest.raises(ModelError, match="unknown dtype 'int8'"):

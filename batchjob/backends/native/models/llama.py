@@ -5,10 +5,12 @@ together; attention is the only place that knows about sequences, through
 ``AttentionMetadata`` and the attention backend (``model.attn_backend``). q/k/v and
 gate/up projections are fused into one matmul each at load time (weights concatenated).
 
-Glue done in place, each bit-equal to HF's formula in float32: residual adds (``add_``),
-RMSNorm with torch's fused ``rms_norm`` (float32; HF's two roundings in bf16/fp16), RoPE on
-q and k together as one strided view of the qkv output with cos/sin cached per position
-(``RopeTable``), SiLU-mul written into the gate half of the gate_up output.
+Glue done in place: residual adds (``add_``); RMSNorm with torch's fused ``rms_norm`` in
+float32 (bit-equal to HF's formula; HF's two roundings kept in bf16/fp16); RoPE on q and k
+together as one strided view of the qkv output with cos/sin cached per position
+(``RopeTable``, bit-equal to HF's); SiLU-mul written into the gate half of the gate_up output,
+which the down projection reads in place (torch's strided loops may differ from HF's
+contiguous ones in the last bit, as the split views before did).
 """
 
 from __future__ import annotations
