@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -29,8 +31,12 @@ def cluster_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cluster_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """case1 as text: 150 rows in ~22 groups sharing long prefixes, 24 tokens each."""
-    table = make_workload("case1", scale=0.05, len_scale=0.05, seed=5, form="text", max_tokens=24)
+    """case1 as text: 150 rows in ~22 groups sharing long prefixes; 4-40 output tokens per
+    row, so rows finish (and parts are written) over many iterations, not all at once."""
+    table = make_workload("case1", scale=0.05, len_scale=0.05, seed=5, form="text")
+    rng = np.random.default_rng(5)
+    mt = pa.array(rng.integers(4, 41, len(table)).astype(np.int32))
+    table = table.set_column(table.schema.get_field_index("max_tokens"), "max_tokens", mt)
     path = tmp_path_factory.mktemp("cluster-data") / "prompts.parquet"
     pq.write_table(table, path)
     return path

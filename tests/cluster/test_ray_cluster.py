@@ -27,7 +27,7 @@ from tests.e2e.jobkit import cli, read_results, write_job
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
-SAMPLING = {"sampling.ignore_eos": "true"}  # every row decodes its 24 tokens
+SAMPLING = {"sampling.ignore_eos": "true"}  # every row decodes its max_tokens
 
 
 def cluster_job(tmp: Path, model: Path, data: Path, out: str, workers: int, **cluster: str):
@@ -130,6 +130,7 @@ def test_all_workers_dead_exit_1_then_resume(
     written = sum(map(len, parts.values()))  # both wrote before dying; nothing committed yet
     assert not load_job(job, sets).output.path.exists()
 
-    resumed = run_job(job, sets)  # same job, workers alive: resumes from the parts
+    # same job on one worker ([cluster] is not in the manifest): resumes from the parts
+    resumed = run_job(job, {**sets, "cluster.workers": "1"})
     assert resumed.summary is not None and resumed.summary.rows_skipped_done == written, parts
     check_exactly_once(read_results(resumed.results_path), reference)
