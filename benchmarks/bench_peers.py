@@ -9,7 +9,8 @@ hidden 256, 8 layers, 8 heads x D, random weights, built locally on first use); 
 runs on each. Every run and table row records the head dim and the machine's CPU (model name
 and the ISA flags that pick kernel paths: avx2, fma, avx512f, avx512_bf16, amx_bf16).
 
-Systems, all on the same model folder, token ids, fixed output lengths, fp32 and KV budget:
+Systems, all on the same model folder, token ids, fixed output lengths, dtype (``--dtype``,
+float32 by default) and KV budget:
 ``batchjob`` (native engine, batchllm policy, `batchjob run` in a subprocess), ``baseline``
 (the same engine with the FCFS baseline policy: the ablation), ``vllm-file`` and
 ``vllm-sorted`` (benchmarks/vllm_peer.py in .venv-vllm, rows in file order / lexicographic
@@ -236,11 +237,14 @@ def run_batchjob(
     kv_bytes: int,
     chunk_size: int,
     ours: dict[int, list[int]] | None,
+    dtype: str = "float32",
 ) -> tuple[RunResult, dict[int, list[int]]]:
     d = work / f"{name}-{policy}-{rep}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "job.toml").write_text(
-        job_toml(data, model, d / "results.parquet", policy, max_tokens, kv_bytes, chunk_size)
+        job_toml(
+            data, model, d / "results.parquet", policy, max_tokens, kv_bytes, chunk_size, dtype
+        )
     )
     load = os.getloadavg()[0]
     cmd = [PY, "-m", "batchjob.cli", "run", str(d / "job.toml"), "--json", "--no-progress"]
@@ -329,6 +333,7 @@ def run_vllm_plan(
     ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
     chunk_size: int | None = None,
     max_model_len: int | None = None,
+    dtype: str = "float32",
 ) -> tuple[list[RunResult], Exception | None]:
     """Every pending (workload, system, repeat, data) vLLM run in ONE vllm_peer.py --plan
     process. Returns the runs it finished (all, unless it failed: then also the error)."""
@@ -344,7 +349,7 @@ def run_vllm_plan(
     d.mkdir(parents=True, exist_ok=True)
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     cmd = [str(VLLM_PY), str(ROOT / "benchmarks/vllm_peer.py"), "--omp-bind", "0-1"]
-    cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", "float32"]
+    cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", dtype]
     cmd += ["--no-min-tokens", "--warmup", "--model", str(model), "--plan", str(d / "plan.json")]
     if chunk_size is not None:  # the same token budget per step as every other system
         cmd += ["--max-num-batched-tokens", str(chunk_size)]
@@ -596,6 +601,13 @@ def profile_split(stats_path: Path) -> dict[str, float]:
     help="Comma list: one benchmark model per head dim (the same shape otherwise: hidden 256, "
     "8 layers, 8 heads), built locally with random weights; e.g. 32,64,128.",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="batchjob's model.dtype and vLLM's --dtype (the batchjob-vllm systems stay float32).",
+)
 @click.option("--smoke", is_flag=True, help="Tiny model and workload; vLLM only with --with-vllm.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_peers")
 @click.option(
@@ -622,6 +634,7 @@ def main(
     vllm_budget,
     max_model_len,
     head_dims,
+    dtype,
     smoke,
     out,
     resume,
@@ -717,7 +730,17 @@ def main(
                     if system in ("batchjob", "baseline"):
                         policy = "batchllm" if system == "batchjob" else "baseline"
                         r, outs = run_batchjob(
-                            name, policy, rep, data, model, runs_dir, mt, kv_bytes, chunk_size, ours
+                            name,
+                            policy,
+                            rep,
+                            data,
+                            model,
+                            runs_dir,
+                            mt,
+                            kv_bytes,
+                            chunk_size,
+                            ours,
+                            dtype,
                         )
                         ours = outs if system == "batchjob" else ours
                     else:
@@ -742,6 +765,7 @@ def main(
                 ours_by,
                 chunk_size if vllm_budget else None,
                 max_model_len,
+                dtype,
             )
             for r in finished:
                 record(r, hd)
