@@ -20,6 +20,7 @@ from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.results import ResultSink
 from batchjob.score_columns import job_columns
+from batchjob.storage import configure as configure_storage
 from batchjob.tokenizer import PromptTokenizer
 
 
@@ -36,6 +37,7 @@ class ShardWorker:
     ) -> None:
         # nothing that can fail here: an error in run() reaches the driver as the cause
         self.job, self.layout, self.manifest = job, layout, manifest
+        configure_storage(job.storage)  # [storage] (s3 endpoint, ...) in this worker process too
         self.text_prompts, self.writer = text_prompts, writer
         self._tokenizer: PromptTokenizer | None = None
         self._loaded = False
