@@ -19,7 +19,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
-import json
+import importlib.util
 import math
 import os
 import re
@@ -30,6 +30,7 @@ from typing import Any
 
 from batchjob.backends.names import ATTENTION_BACKENDS, BACKENDS, SCHEDULING_POLICIES
 from batchjob.errors import ConfigError
+from batchjob.json_schema import XGRAMMAR_HINT, compact_json_schema
 from batchjob.storage import ObjectPath, is_uri
 from batchjob.storage import configure as configure_storage
 
@@ -163,6 +164,7 @@ class InputConfig:
     seed_column: str | None = None
     stop_column: str | None = None  # list<string>
     labels_column: str | None = None  # list<string>: scoring mode, this row's labels
+    json_schema_column: str | None = None  # string: this row's JSON schema (structured output)
 
     def __post_init__(self) -> None:
         _str("input.path", self.path if self.path is None else str(self.path))
@@ -184,6 +186,7 @@ ROW_SETTING_COLUMNS = (
     "seed_column",
     "stop_column",
     "labels_column",
+    "json_schema_column",
 )
 
 
@@ -270,21 +273,11 @@ def _json_schema(v: Any) -> str:
         except (OSError, UnicodeDecodeError) as e:
             _fail(key, f"not inline JSON and not a readable file ({e.__class__.__name__})", v)
     try:
-        schema = json.loads(text)
-    except ValueError as e:
-        _fail(key, f"invalid JSON: {e}", v)
-    if not isinstance(schema, dict):
-        _fail(key, "a JSON schema must be a JSON object", v)
-    compact = json.dumps(schema, separators=(",", ":"), sort_keys=True)
-    try:
-        import xgrammar
+        return compact_json_schema(text)
     except ImportError:
-        _fail(key, "structured output needs xgrammar: pip install 'batchjob[structured]'", v)
-    try:
-        xgrammar.Grammar.from_json_schema(compact)
-    except Exception as e:  # xgrammar raises RuntimeError/ValueError on a bad schema
-        _fail(key, f"not a usable JSON schema: {str(e).splitlines()[0][:200]}", v)
-    return compact
+        raise ConfigError(f"{key}: {XGRAMMAR_HINT}, got {v!r}") from None
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}, got {v!r}") from None
 
 
 @dataclass(frozen=True)
@@ -451,6 +444,11 @@ class JobConfig:
         ):
             key = "input.messages_column" if self.input.messages_column else "input.system_prompt"
             _fail("model.chat_template", f"'none' cannot render chat turns ({key} is set)", "none")
+        col = self.input.json_schema_column
+        if col and (self.sampling.labels or self.input.labels_column):
+            _fail("input.json_schema_column", "cannot be combined with scoring (labels)", col)
+        if col and importlib.util.find_spec("xgrammar") is None:
+            _fail("input.json_schema_column", XGRAMMAR_HINT, col)
         # checks across sections that need no device: the rest wait for the backend to open
         dev, attn = self.model.device, self.engine.attention
         if self.engine.backend != "native":

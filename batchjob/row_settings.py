@@ -1,8 +1,9 @@
 """Per-row settings: optional input columns that override ``[sampling]`` for one row.
 
 ``input.temperature_column``, ``top_p_column``, ``top_k_column``, ``seed_column``,
-``stop_column`` (list<string>) and ``labels_column`` (list<string>, scoring mode) name the
-columns. A configured column that does not exist, or has the wrong type, is a dataset error
+``stop_column`` (list<string>), ``labels_column`` (list<string>, scoring mode) and
+``json_schema_column`` (string: a JSON schema, structured output) name the columns. A
+configured column that does not exist, or has the wrong type, is a dataset error
 (exit 4); a null value takes the job's setting; a bad value rejects that row with a status
 (``invalid_temperature``, ...) and a message naming the row and column, never the job.
 
@@ -33,6 +34,7 @@ STATUS_INVALID = {
     "seed_column": "invalid_seed",
     "stop_column": "invalid_stop",
     "labels_column": "invalid_labels",
+    "json_schema_column": "invalid_json_schema",
 }
 _NUMERIC = ("temperature_column", "top_p_column")
 _INTEGER = ("top_k_column", "seed_column")
@@ -53,6 +55,7 @@ class RowSettings:
     stop: tuple[tuple[str, ...] | None, ...] | None = None  # [M], None: the job's value
     labels: tuple[tuple[str, ...], ...] | None = None  # [M]: scoring mode (job labels filled)
     label_tokens: tuple[tuple[np.ndarray, ...], ...] | None = None  # [M]: int32 ids per label
+    json_schema: tuple[str | None, ...] | None = None  # [M] compact JSON; None: the job's
 
     def index(self, row_id: int) -> int:
         i = int(np.searchsorted(self.row_ids, row_id))
@@ -96,7 +99,9 @@ def check_columns(job: JobConfig, schema: pa.Schema, where: str) -> None:
             )
         t = schema.field(col).type
         ok = (
-            (pa.types.is_integer(t) or pa.types.is_floating(t))
+            (pa.types.is_string(t) or pa.types.is_large_string(t))
+            if name == "json_schema_column"
+            else (pa.types.is_integer(t) or pa.types.is_floating(t))
             if name in _NUMERIC
             else pa.types.is_integer(t)
             if name in _INTEGER
@@ -104,8 +109,14 @@ def check_columns(job: JobConfig, schema: pa.Schema, where: str) -> None:
             and (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type))
         )
         if not ok:
-            want = {"_N": "a number", "_I": "an integer", "_S": "list<string>"}[
-                "_N" if name in _NUMERIC else "_I" if name in _INTEGER else "_S"
+            want = {"_N": "a number", "_I": "an integer", "_S": "list<string>", "_J": "string"}[
+                "_J"
+                if name == "json_schema_column"
+                else "_N"
+                if name in _NUMERIC
+                else "_I"
+                if name in _INTEGER
+                else "_S"
             ]
             raise InputDataError(
                 f"{where}: column {col!r} (input.{name}) has type {t}; expected {want}"
@@ -174,6 +185,10 @@ def read_row_settings(
             reject(out, name, col, "must be >= 0", arr.to_pylist() if out.any() else v)
             v[null | out] = _UNSET
             fields[name.removesuffix("_column")] = v
+        elif name == "json_schema_column":
+            fields["json_schema"] = _row_schemas(
+                arr.to_pylist(), lambda i, w, v, n=name, c=col: reject_one(i, n, c, w, v)
+            )
         else:
             lists = arr.to_pylist()
             vals: list[tuple[str, ...] | None] = []
@@ -226,6 +241,43 @@ def read_row_settings(
         tuple(bad[i][1] for i in idx),
     )
     return settings, rejected
+
+
+def _row_schemas(texts: list[str | None], reject) -> tuple[str | None, ...]:
+    """Each distinct schema checked and compacted once; a bad one rejects its rows."""
+    from batchjob.json_schema import compact_json_schema
+
+    done: dict[str, str | ValueError] = {}
+    out: list[str | None] = []
+    for i, t in enumerate(texts):
+        if t is None:
+            out.append(None)
+            continue
+        c = done.get(t)
+        if c is None:
+            try:
+                c = done[t] = compact_json_schema(t)
+            except ValueError as e:
+                c = done[t] = e
+        if isinstance(c, ValueError):
+            reject(i, str(c), t if len(t) <= 80 else t[:77] + "...")
+            out.append(None)
+        else:
+            out.append(c)
+    return tuple(out)
+
+
+def row_json_schemas(sampling: SamplingConfig, prompts) -> list[str | None] | None:
+    """The JSON schema of each prompt position (its row's, else ``sampling.json_schema``);
+    None when no row is constrained."""
+    rs = prompts.settings
+    if rs is None or rs.json_schema is None:
+        if sampling.json_schema is None:
+            return None
+        return [sampling.json_schema] * len(prompts)
+    own = rs.json_schema
+    out = [own[rs.index(int(r))] or sampling.json_schema for r in prompts.row_ids]
+    return out if any(s is not None for s in out) else None
 
 
 def _encode_labels(labels: list[tuple[str, ...]], encode) -> tuple[tuple[np.ndarray, ...], ...]:

@@ -53,3 +53,19 @@ def test_vllm_json_schema(tmp_path, model_dir, dataset):
     assert res.exit_code == 0, res.output
     for r in pq.read_table(tmp_path / "b.parquet").to_pylist():
         assert (r["finish_reason"], r["status"]) == ("length", "json_incomplete")
+
+
+def test_vllm_json_schema_column(tmp_path, model_dir):
+    """``input.json_schema_column``: the rows of tests/e2e/test_json_schema_column.py (two
+    schemas, a null, three bad ones); every ok row validates against its own schema."""
+    from tests.e2e.test_json_schema_column import LIST, check_rows, schema_table
+
+    data = tmp_path / "rows.parquet"
+    pq.write_table(schema_table(), data)
+    job = write_job(tmp_path, model_dir, data, "col", 48)
+    default = json.dumps(json.dumps(LIST))
+    text = job.read_text().replace('no_limit"\n', 'max_tokens"\njson_schema_column = "schema"\n')
+    job.write_text(text.replace(text.split("json_schema = ")[1].split("\n")[0], default))
+    res = CliRunner().invoke(main, ["run", str(job)])
+    assert res.exit_code == 0, res.output
+    check_rows(pq.read_table(tmp_path / "col.parquet").to_pylist(), LIST)

@@ -1,6 +1,6 @@
 """Issue 13 on the vLLM backend: ``sampling.logprobs`` equals the native engine's (both the
 log-softmax of the raw logits), with and without stop strings (DELTA outputs); per-row
-sampling columns reach vLLM; scoring mode is a ConfigError naming the key."""
+sampling columns reach vLLM (scoring mode: test_vllm_scoring.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.errors import ConfigError
 from batchjob.pipeline import run as run_job
 from tests.backends.vllm_kit import job_for, needs_vllm
 
@@ -52,13 +51,3 @@ def test_vllm_per_row_temperature(model_dir, dataset, tmp_path):
         for a, b in zip(native_greedy, vllm, strict=True)
     ]
     assert all(same[1:])  # the other rows stay greedy
-
-
-def test_vllm_scoring_is_a_config_error(model_dir, dataset, tmp_path):
-    from batchjob.backends.vllm.backend import VllmBackend
-
-    job = job_for(
-        model_dir, dataset, tmp_path / "s.parquet", "vllm", **{"sampling.labels": '["a"]'}
-    )
-    with pytest.raises(ConfigError, match=r"sampling\.labels"):
-        VllmBackend(job, lambda ids: "")

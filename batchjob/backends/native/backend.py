@@ -23,6 +23,7 @@ from batchjob.model_info import ModelInfo
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
+from batchjob.row_settings import row_json_schemas
 from batchjob.scoring import LabelCombiner, expand
 
 
@@ -77,12 +78,10 @@ class NativeBackend:
         if prompts.settings is not None and prompts.settings.labels is not None:
             return self._score(prompts, plan, on_finish, on_iteration)
         constraint = None
-        if self.job.sampling.json_schema is not None:
+        schemas = row_json_schemas(self.job.sampling, prompts)  # per row, or the job's
+        if schemas is not None:
             constraint = JsonConstraint(
-                self.info.path,
-                self.job.sampling.json_schema,
-                self.info.vocab_size,
-                self.info.eos_token_ids,
+                self.info.path, schemas, self.info.vocab_size, self.info.eos_token_ids
             )
         r = self.engine.run(
             prompts,

@@ -1,11 +1,12 @@
 """Structured output on the native engine: JSON-schema constrained decoding with xgrammar.
 
-The schema is compiled once (per distinct schema) against the model's tokenizer; each running
-request gets its own ``GrammarMatcher``. Per sampling step the engine fills the token bitmask
-of the constrained rows, applies it to their logits (disallowed tokens -> -inf) before
-sampling, and feeds the sampled token back with ``accept``. EOS is allowed only once the JSON
-is complete; a request that reaches ``max_tokens`` before that finishes "length" with status
-``json_incomplete``.
+The schema is compiled once per distinct schema (``sampling.json_schema``, or each row's own
+from ``input.json_schema_column``) against the model's tokenizer; each running request gets
+its own ``GrammarMatcher``; rows without a schema are left free. Per sampling step the engine
+fills the token bitmask of the constrained rows, applies it to their logits (disallowed
+tokens -> -inf) before sampling, and feeds the sampled token back with ``accept``. EOS is
+allowed only once the JSON is complete; a request that reaches ``max_tokens`` before that
+finishes "length" with status ``json_incomplete``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ class JsonConstraint:
     """A compiled JSON schema and the live matchers of the requests it constrains."""
 
     def __init__(
-        self, model_path: str | Path, schema: str, vocab_size: int, eos_ids: Sequence[int]
+        self,
+        model_path: str | Path,
+        schemas: str | Sequence[str | None],
+        vocab_size: int,
+        eos_ids: Sequence[int],
     ) -> None:
+        """``schemas``: one for every request, or one per prompt position (None: free)."""
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
@@ -35,10 +41,9 @@ class JsonConstraint:
         )
         self._xgr = xgr
         self.vocab_size = vocab_size
-        # compact JSON (no free whitespace): a weak model cannot pad forever between tokens
-        self.compiled = xgr.GrammarCompiler(info).compile_json_schema(
-            schema, any_whitespace=False, separators=(",", ":")
-        )
+        self._compiler = xgr.GrammarCompiler(info)
+        self._schemas = schemas
+        self._compiled: dict[str, Any] = {}  # schema text -> xgrammar.CompiledGrammar
         # xgrammar's JSON strings admit raw control bytes (< 0x20), which strict JSON parsers
         # (Python's json, jsonschema users) reject: ban every token containing one; compact
         # JSON never needs them (escapes such as \u0004 stay possible)
@@ -60,26 +65,47 @@ class JsonConstraint:
         self._out: dict[int, bytearray] = {}  # seq -> its output's bytes so far
         self._matchers: dict[int, Any] = {}  # xgrammar.GrammarMatcher (untyped)
 
+    def schema(self, seq: int) -> str | None:
+        return self._schemas if isinstance(self._schemas, str) else self._schemas[seq]
+
     def _matcher(self, seq: int):
+        """The request's matcher; None for a request without a schema."""
         m = self._matchers.get(seq)
         if m is None:
-            m = self._xgr.GrammarMatcher(self.compiled)
-            self._matchers[seq] = m
+            schema = self.schema(seq)
+            if schema is None:
+                return None
+            compiled = self._compiled.get(schema)
+            if compiled is None:
+                # compact JSON (no free whitespace): a weak model cannot pad forever
+                compiled = self._compiled[schema] = self._compiler.compile_json_schema(
+                    schema, any_whitespace=False, separators=(",", ":")
+                )
+            m = self._matchers[seq] = self._xgr.GrammarMatcher(compiled)
         return m
 
     def mask(self, logits: torch.Tensor, seqs: Sequence[int]) -> None:
         """Set to -inf, in place, the logits of the tokens each row's grammar forbids now."""
+        rows = [j for j, s in enumerate(seqs) if self.schema(s) is not None]
+        if not rows:
+            return
         bitmask = self._xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        for j, s in enumerate(seqs):
-            self._matcher(s).fill_next_token_bitmask(bitmask, j)
+        for j in rows:
+            self._matcher(seqs[j]).fill_next_token_bitmask(bitmask, j)
+        idx = None if len(rows) == len(seqs) else rows
         if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+            self._xgr.apply_token_bitmask_inplace(
+                logits, bitmask, vocab_size=self.vocab_size, indices=idx
+            )
         else:  # the CPU kernel takes float32 only: mask through a float32 copy
             x = logits.float().cpu()
-            self._xgr.apply_token_bitmask_inplace(x, bitmask, vocab_size=self.vocab_size)
+            self._xgr.apply_token_bitmask_inplace(
+                x, bitmask, vocab_size=self.vocab_size, indices=idx
+            )
             logits.copy_(x.to(logits.device, logits.dtype))
         if len(self._ban):
-            logits[:, self._ban.to(logits.device)] = float("-inf")
+            r = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            logits[r[:, None], self._ban.to(logits.device)[None, :]] = float("-inf")
         for j, s in enumerate(seqs):
             lead = self._pending.get(s)
             if lead is not None:
@@ -88,6 +114,8 @@ class JsonConstraint:
     def accept(self, seq: int, token: int) -> bool:
         """Feed the sampled token; True once the JSON is complete and closed by EOS."""
         m = self._matcher(seq)
+        if m is None:
+            return False
         if not m.accept_token(int(token)):
             raise RuntimeError(f"request {seq}: token {token} rejected by its JSON grammar")
         done = m.is_terminated()
@@ -101,6 +129,8 @@ class JsonConstraint:
 
     def problem(self, seq: int) -> str | None:
         """Why the request's output is not a complete, valid JSON value (None: it is)."""
+        if self.schema(seq) is None:
+            return None
         m = self._matchers.get(seq)
         if m is None or not (m.is_terminated() or m.is_completed()):
             return "the JSON output is incomplete"

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from batchjob.backends.base import BackendRun, Detokenize, RunSink
+from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration, RunSink
 from batchjob.backends.vllm.engine_args import EngineSettings, engine_settings, environment
-from batchjob.backends.vllm.requests import OutputTracker, plan_order
+from batchjob.backends.vllm.requests import OutputTracker, ScoreTracker, Submission, plan_order
 from batchjob.backends.vllm.scheduler import scheduler_class_path
 from batchjob.config import JobConfig
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
 from batchjob.intmath import cdiv
 from batchjob.model_info import ModelInfo, model_info_for_job
+from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
+from batchjob.scoring import LabelCombiner, expand
 
 
 class VllmError(BatchJobError):
@@ -70,9 +73,6 @@ class VllmBackend:
         self._runs = 0
         # fail on settings before any data is touched (vLLM itself starts in check_fits)
         engine_settings(job, self.model.dtype, 2)
-        if job.sampling.labels or job.input.labels_column:
-            key = "sampling.labels" if job.sampling.labels else "input.labels_column"
-            raise ConfigError(f'{key}: scoring mode runs on engine.backend = "native" (for now)')
 
     # --- start-up ---------------------------------------------------------------------
     def _start(self, longest: int, longest_row: int) -> None:
@@ -168,16 +168,58 @@ class VllmBackend:
 
     # --- running ----------------------------------------------------------------------
     def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
-        on_finish, on_iteration = sink.on_finish, sink.on_iteration
+        if prompts.settings is not None and prompts.settings.labels is not None:
+            return self._score(prompts, plan, sink)
         self.check_fits(prompts, plan)
-        engine, counters = self.engine, self.scheduler.bj
-        if not engine.reset_prefix_cache():  # no run reuses another's prefixes
-            raise VllmError("vLLM could not reset its prefix cache (requests still running)")
         self._runs += 1
         sampling, eos = self.job.sampling, self.model.config.eos_token_ids
         tag = f"r{self._runs}"
         groups = plan_order(prompts, plan, sampling, eos, tag, seeded=self.device != "cpu")
         tracker = OutputTracker(prompts, sampling, eos, self.detokenize)
+        return self._execute(prompts, groups, tracker, sink.on_finish, sink.on_iteration)
+
+    def _score(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
+        """Scoring mode (``batchjob.scoring``): one greedy step per label-trie node, each
+        returning the log-probs of its child tokens (vLLM's ``logprob_token_ids``, raw
+        log-softmax); the requests of a row share its prompt through vLLM's prefix cache.
+        Single-token labels run the input's plan as is."""
+        from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
+
+        req = expand(prompts)
+        widest = max((len(t) for t in req.targets), default=0)
+        if widest > MAX_LOGPROB_TOKEN_IDS:
+            key = "input.labels_column" if self.job.input.labels_column else "sampling.labels"
+            raise ConfigError(
+                f"{key}: {widest} labels differ at the same token; the vLLM backend scores at "
+                f"most {MAX_LOGPROB_TOKEN_IDS} (vLLM's logprob_token_ids limit)"
+            )
+        sched = self.job.scheduler
+        if not req.same_rows:
+            plan = build_plan(req.prompts, enlarge=sched.enlarge, order=sched.reorder)
+        self.check_fits(req.prompts, plan)
+        self._runs += 1
+        combiner = LabelCombiner(req, prompts.row_ids, sink.on_finish)
+        eos = self.model.config.eos_token_ids
+        sampling = dataclasses.replace(self.job.sampling, stop=())  # FINAL_ONLY outputs
+        groups = plan_order(
+            req.prompts, plan, sampling, eos, f"r{self._runs}", score_targets=req.targets
+        )
+        tracker = ScoreTracker(req.prompts, req.targets)
+        return self._execute(req.prompts, groups, tracker, combiner.on_request, sink.on_iteration)
+
+    def _execute(
+        self,
+        prompts: TokenizedPrompts,
+        groups: Iterator[list[Submission]],
+        tracker: OutputTracker | ScoreTracker,
+        on_finish: OnFinish,
+        on_iteration: OnIteration | None,
+    ) -> BackendRun:
+        """Submit ``groups`` in order (whole groups while fewer than ``window`` requests are
+        in flight), step the engine, hand each finished request to ``on_finish``."""
+        engine, counters = self.engine, self.scheduler.bj
+        if not engine.reset_prefix_cache():  # no run reuses another's prefixes
+            raise VllmError("vLLM could not reset its prefix cache (requests still running)")
         positions: dict[str, int] = {}
         first_step, first_prefill, first_preempt = (
             counters.steps,

