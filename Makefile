@@ -8,7 +8,7 @@ AIRFLOW_VENV := .venv-airflow
 AIRFLOW_STAMP := $(AIRFLOW_VENV)/.installed
 # Triton kernel tests set TRITON_INTERPRET=1 themselves when there is no GPU (CPU interpreter).
 
-.PHONY: install demo demo-inputs test test-integration lint typecheck bench bench-plan bench-engine bench-peers bench-kernels clean
+.PHONY: install demo demo-inputs test test-integration lint typecheck bench bench-plan bench-engine bench-scale bench-peers bench-kernels clean
 
 install: $(STAMP)
 
@@ -57,6 +57,11 @@ bench-plan: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
+
+# docs/scale.md: plan at 100k/300k/1M/10M and run at 500k/1M token-id rows on a tiny model,
+# wall time and peak RSS per stage (data in data/scale/, ~1.3 GB; about an hour on 2 cores)
+bench-scale: $(STAMP)
+	$(PY) benchmarks/bench_scale.py all
 
 # The real peers: vLLM (own venv) and HF transformers, side by side with batchjob.
 bench-peers: $(STAMP)

@@ -131,10 +131,11 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     from batchjob.tokenize import load_prompts
 
     data, info = load_prompts(job)
-    log.info("read %d rows, %d tokens", data.num_rows, len(data.prompts.tokens))
+    log.info("stage tokenize done: %d rows, %d tokens", data.num_rows, len(data.prompts.tokens))
     t0 = time.perf_counter()
     plan = build_plan(data.prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
     plan_s = time.perf_counter() - t0
+    log.info("stage plan done in %.2f s", plan_s)
     logical = len(data.prompts.tokens)
     target = plan_out or job.output.plan_file
     path = target.expanduser().resolve() if isinstance(target, Path) else target  # or a URI
@@ -145,6 +146,7 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     except OSError as e:
         key = "--plan-out" if plan_out else "output.path"
         raise ConfigError(f"{key}: cannot write the plan to {path}: {e.strerror or e}") from None
+    log.info("stage write done (plan file)")
     stages = (data.read, data.tokenize, StageTiming("plan", plan_s, len(data.prompts), logical))
     summary = summarize(
         plan,
