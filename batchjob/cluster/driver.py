@@ -12,6 +12,7 @@ job stops with ``WorkersLostError`` (exit 1: retry; a rerun resumes from the par
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -36,6 +37,9 @@ from batchjob.results import ResultSink
 log = logging.getLogger(__name__)
 
 ACTOR_PREFIX = "batchjob-"  # actor names: batchjob-<run token>-<writer id>
+# the driver's object-store settings and credentials go with its workers (a cluster's nodes
+# may have none of their own; instance roles and ~/.aws on the nodes still apply)
+FORWARDED_ENV = ("AWS_",)
 
 
 class WorkersLostError(BatchJobError, exit_code=EXIT_RUNTIME):
@@ -126,11 +130,15 @@ class _Driver:
 
     def _start(self, slot: _Slot) -> None:
         cfg = self.job.cluster
+        options: dict[str, Any] = {}
+        if env := {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}:
+            options["runtime_env"] = {"env_vars": env}
         slot.actor = self.actor_cls.options(
             name=f"{ACTOR_PREFIX}{self.token}-{slot.writer}",
             num_cpus=cfg.num_cpus,
             num_gpus=cfg.num_gpus,
             max_restarts=0,  # a replacement is a new actor with a new writer id
+            **options,
         ).remote(self.job, self.layout, self.manifest, self.text, slot.writer)
         slot.busy = False
 

@@ -1,0 +1,45 @@
+"""A cluster job on an object store: input and output on a real S3-compatible server (moto,
+tests/io/test_s3.py's fixture), 2 Ray workers writing their parts there, committed once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchjob.storage import ObjectPath
+from tests.e2e.jobkit import cli, read_results, write_job
+
+pytest.importorskip("moto.server", reason="moto[server] (dev extra) not installed")
+from tests.io.test_s3 import BUCKET, _keys, s3  # noqa: F401  (s3: the server fixture)
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def test_two_workers_on_s3_equal_local(
+    s3,  # noqa: F811
+    tmp_path: Path,
+    cluster_model: Path,
+    cluster_data: Path,
+) -> None:
+    table = pq.read_table(cluster_data)
+    pq.write_table(table, f"{BUCKET}/cluster-in/prompts.parquet", filesystem=s3)
+    local = write_job(tmp_path, cluster_model, cluster_data, "local")
+    assert cli("run", "--no-progress", local).exit_code == 0
+    out = f"s3://{BUCKET}/cluster-out/day1"
+    sets = {
+        "input.path": f"s3://{BUCKET}/cluster-in/",
+        "output.path": out,
+        "cluster.address": "local",
+        "cluster.workers": "2",
+        "output.flush_rows": "16",
+    }
+    res = cli(
+        "run", "--no-progress", local, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    )
+    assert res.exit_code == 0, res.output
+    got = pq.read_table(ObjectPath(out).key, filesystem=s3).sort_by("row_id")
+    assert got.equals(read_results(tmp_path / "local"))
+    assert _keys(s3, "cluster-out/day1") == ["_SUCCESS", "results-00000.parquet"]
+    assert not [k for k in _keys(s3, "cluster-out/day1.meta") if k.startswith("parts/")]
