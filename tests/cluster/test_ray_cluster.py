@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.config import load_job
-from batchjob.errors import EXIT_RUNTIME
+from batchjob.errors import EXIT_CONFIG, EXIT_RUNTIME
 from batchjob.pipeline import JobResult, run
 from tests.e2e.jobkit import cli, read_results, write_job
 
@@ -134,3 +134,15 @@ def test_all_workers_dead_exit_1_then_resume(
     resumed = run_job(job, {**sets, "cluster.workers": "1"})
     assert resumed.summary is not None and resumed.summary.rows_skipped_done == written, parts
     check_exactly_once(read_results(resumed.results_path), reference)
+
+
+def test_a_worker_error_keeps_its_exit_code(
+    tmp_path: Path, cluster_model: Path, cluster_data: Path
+) -> None:
+    """A documented error raised in a worker (here: no row fits the KV budget, exit 3)
+    reaches the user as one line with its own exit code, not as Ray's traceback."""
+    job, sets = cluster_job(tmp_path, cluster_model, cluster_data, "out", 1)
+    sets["engine.kv_cache_bytes"] = "1KiB"
+    res = cli("run", job, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
+    assert res.exit_code == EXIT_CONFIG, res.output
+    assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr, res.stderr
