@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from batchjob.cpu_info import CpuInfo, host_cpu
 from batchjob.errors import ModelError
@@ -40,6 +40,17 @@ DTYPE_ALIASES = {
     "half": "float16",
 }
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+T = TypeVar("T")
+
+
+class _FromConfig(Generic[T]):
+    """A read-only attribute of ``ModelInfo`` that its ``config`` holds (typed by ``get``)."""
+
+    def __init__(self, get: Callable[[ModelConfig], T]) -> None:
+        self._get = get
+
+    def __get__(self, info: ModelInfo, owner: type | None = None) -> T:
+        return self._get(info.config)
 
 
 @dataclass(frozen=True)
@@ -71,59 +82,24 @@ class ModelInfo:
         compare=False, default_factory=lambda: MappingProxyType({})
     )
 
-    # -- the architecture, flat (what most readers need) --
-    @property
-    def architecture(self) -> str:
-        return self.config.architecture
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
-    @property
-    def num_heads(self) -> int:
-        return self.config.num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.config.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.config.head_dim
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_position(self) -> int:
-        """config.json ``max_position_embeddings``."""
-        return self.config.max_position
-
-    @property
-    def sliding_window(self) -> int | None:
-        return self.config.sliding_window
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """config.json + generation_config.json, deduplicated, in that order."""
-        return self.config.eos_token_ids
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.config.bos_token_id
-
-    @property
-    def checkpoint_dtype(self) -> str | None:
-        """The dtype config.json names (``torch_dtype`` / ``dtype``), if any."""
-        return self.config.torch_dtype
+    # -- the architecture, flat (what most readers need): read from ``config`` --
+    architecture = _FromConfig(lambda c: c.architecture)
+    num_layers = _FromConfig(lambda c: c.num_layers)
+    num_heads = _FromConfig(lambda c: c.num_heads)
+    num_kv_heads = _FromConfig(lambda c: c.num_kv_heads)
+    head_dim = _FromConfig(lambda c: c.head_dim)
+    vocab_size = _FromConfig(lambda c: c.vocab_size)
+    max_position = _FromConfig(lambda c: c.max_position)  # max_position_embeddings
+    sliding_window = _FromConfig(lambda c: c.sliding_window)
+    # config.json + generation_config.json, deduplicated, in that order
+    eos_token_ids = _FromConfig(lambda c: c.eos_token_ids)
+    bos_token_id = _FromConfig(lambda c: c.bos_token_id)
+    # the dtype config.json names (``torch_dtype`` / ``dtype``), if any
+    checkpoint_dtype = _FromConfig(lambda c: c.torch_dtype)
 
     # -- derived --
-    @property
-    def max_seq_len(self) -> int:
-        """Longest prefix + prompt + output this model runs correctly (window = a length cap)."""
-        return self.config.max_seq_len
+    # longest prefix + prompt + output this model runs correctly (window = a length cap)
+    max_seq_len = _FromConfig(lambda c: c.max_seq_len)
 
     @property
     def kv_bytes_per_token(self) -> int:
