@@ -22,9 +22,9 @@ Decode-growth reserve: a new request (or a group start, with its prefix) is admi
 the projected KV peak of the running requests, those admitted before it in the pass and it
 stays under the threshold, every request growing one token a step up to its ``max_tokens``
 and freeing its blocks when it finishes (``projected_peak_blocks``, shared with the vLLM
-backend's scheduler; kept incrementally here, ``_Projection``). Decode growth then rarely overruns the cache: preemption is the
-exception, not the steady state of a decode-heavy batch (``scheduler.decode_reserve``,
-on by default; off: admission by blocks in use alone).
+backend's scheduler; kept incrementally here, ``_Projection``). Decode growth then rarely
+overruns the cache: preemption is the exception, not the steady state of a decode-heavy
+batch (``scheduler.decode_reserve``, on by default; off: admission by blocks in use alone).
 
 Memory: prefix blocks are allocated chunk by chunk by the prefix sequence, held by the group
 and freed when its last member finishes. When a decode needs a block and none is free, the
