@@ -187,7 +187,9 @@ def read_row_settings(
             fields[name.removesuffix("_column")] = v
         elif name == "json_schema_column":
             fields["json_schema"] = _row_schemas(
-                arr.to_pylist(), lambda i, w, v, n=name, c=col: reject_one(i, n, c, w, v)
+                arr.to_pylist(),
+                lambda i, w, v, n=name, c=col: reject_one(i, n, c, w, v),
+                vllm=job.engine.backend == "vllm",
             )
         else:
             lists = arr.to_pylist()
@@ -243,7 +245,7 @@ def read_row_settings(
     return settings, rejected
 
 
-def _row_schemas(texts: list[str | None], reject) -> tuple[str | None, ...]:
+def _row_schemas(texts: list[str | None], reject, vllm: bool) -> tuple[str | None, ...]:
     """Each distinct schema checked and compacted once; a bad one rejects its rows."""
     from batchjob.json_schema import compact_json_schema
 
@@ -256,7 +258,7 @@ def _row_schemas(texts: list[str | None], reject) -> tuple[str | None, ...]:
         c = done.get(t)
         if c is None:
             try:
-                c = done[t] = compact_json_schema(t)
+                c = done[t] = compact_json_schema(t, vllm)
             except ValueError as e:
                 c = done[t] = e
         if isinstance(c, ValueError):

@@ -107,3 +107,15 @@ def test_column_errors(setup, tmp_path):
     # scoring has no schema
     r = cli("run", job(tmp, model, data, "scoring", 'labels = [" a", " b"]'))
     assert r.exit_code == EXIT_CONFIG and "input.json_schema_column" in r.output, r.output
+
+
+def test_vllm_refusals_are_checked_per_row():
+    """On the vLLM backend a schema vLLM's xgrammar backend would refuse at submission (the
+    whole job would fail) is found while reading the rows, so only its row is rejected."""
+    pytest.importorskip("vllm")
+    from batchjob.json_schema import compact_json_schema
+
+    schema = '{"type": "integer", "multipleOf": 3}'
+    assert compact_json_schema(schema) == '{"multipleOf":3,"type":"integer"}'
+    with pytest.raises(ValueError, match="vLLM's xgrammar backend refuses"):
+        compact_json_schema(schema, vllm=True)
