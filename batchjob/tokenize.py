@@ -236,6 +236,9 @@ def tokenize_dataset(
         t_tok += time.perf_counter() - t1
 
     prompts = built.build()
+    # the reader's Arrow buffers are free now; the pool (mimalloc) keeps their pages unless
+    # told: 1M short token-id rows, RSS after reading 645 -> 416 MiB, before planning starts
+    pa.default_memory_pool().release_unused()
     num_rows = len(prompts) + sum(len(r) for r in rejected)
     total = len(prompts.tokens)
     return TokenizedInput(
