@@ -407,6 +407,36 @@ class StorageConfig:
             _fail("storage.options", "must be a table of S3FileSystem arguments", self.options)
 
 
+_RAY_ADDRESS = re.compile(r"none|local|auto|ray://\S+|[A-Za-z0-9_.\-]+:[0-9]+")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the plan runs: in this process ("none"), or split over the workers of a Ray
+    cluster (``batchjob.cluster``; Ray is imported only then)."""
+
+    address: str = "none"  # none | local (start one here) | auto (this node's) | ray://host:port
+    workers: int = 1  # engine actors; the plan is split into this many shards, groups whole
+    num_cpus: float = 1.0  # Ray CPUs reserved by each worker
+    num_gpus: float = 0.0  # Ray GPUs reserved by each worker (1: one engine per GPU)
+    max_restarts: int = 1  # per worker: replacements after it dies (0: others take its rows)
+
+    def __post_init__(self) -> None:
+        _str("cluster.address", self.address)
+        if not _RAY_ADDRESS.fullmatch(self.address):
+            _fail(
+                "cluster.address",
+                "must be none, local, auto, ray://HOST:PORT or HOST:PORT",
+                self.address,
+            )
+        _int("cluster.workers", self.workers, lo=1)
+        _float(self, "num_cpus", "cluster.num_cpus", 0.0, 1e6, lo_open=True)
+        _float(self, "num_gpus", "cluster.num_gpus", 0.0, 1e6)
+        _int("cluster.max_restarts", self.max_restarts, lo=0)
+        if self.address != "none" and importlib.util.find_spec("ray") is None:
+            _fail("cluster.address", "needs Ray: pip install 'batchjob[ray]'", self.address)
+
+
 _SECTIONS: dict[str, type] = {
     "input": InputConfig,
     "model": ModelConfig,
@@ -414,6 +444,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "engine": EngineConfig,
     "output": OutputConfig,
+    "cluster": ClusterConfig,
     "storage": StorageConfig,
 }
 _PATH_KEYS = {
@@ -434,6 +465,7 @@ class JobConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     source: Path | None = None  # the TOML file it came from
 

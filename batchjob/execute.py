@@ -8,6 +8,7 @@ to the sink as a result row; whatever finished is flushed to disk even on a cras
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from batchjob.atomic import Target
 from batchjob.backends import open_backend
 from batchjob.backends.base import BackendRun, FinishedRequest, RunSink
 from batchjob.config import JobConfig
@@ -29,6 +31,8 @@ from batchjob.plan.plan_io import write_plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.results import ResultRow, ResultSink
 from batchjob.tokenizer import PromptTokenizer, detokenize, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ def execute(
     tokenizer: PromptTokenizer | None,
     model: ModelInfo | None = None,
     *,
-    plan_file: Path | None = None,
+    plan_file: Target | None = None,
     progress: bool = False,
     heartbeat_s: float | None = None,
     headline: Callable[[int, int], str] | None = None,
@@ -129,6 +133,7 @@ def execute(
     if plan_file is not None:
         write_plan(plan, plan_file)
     load_s = time.perf_counter() - t0
+    log.info("stage load done in %.2f s", load_s)
 
     lengths = prompts.lengths
     generated = 0

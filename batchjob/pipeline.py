@@ -16,16 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from batchjob.backends import open_backend
-from batchjob.backends.base import FinishedRequest, RunSink
 from batchjob.config import JobConfig
-from batchjob.errors import AllRowsRejectedError, ConfigError, ModelError
+from batchjob.errors import AllRowsRejectedError, ConfigError
+from batchjob.execute import execute, job_tokenizer, select_rows
 from batchjob.faults import fault_point
-from batchjob.heartbeat import Heartbeat
 from batchjob.inputs import open_input
-from batchjob.io import STATUS_KV_BUDGET, STATUS_OK
 from batchjob.lock import output_lock
 from batchjob.manifest import difference, manifest, read_manifest
 from batchjob.output_layout import OutputLayout
@@ -38,7 +34,6 @@ from batchjob.score_columns import job_columns
 from batchjob.storage import ObjectPath
 from batchjob.storage import configure as configure_storage
 from batchjob.tokenize import load_prompts
-from batchjob.tokenizer import PromptTokenizer, detokenize, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -76,21 +71,6 @@ def _resume_or_start(layout: OutputLayout, this: dict, overwrite: bool) -> bool:
     return True
 
 
-def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts:
-    """The prompts whose ``keep`` flag is set (bool [N]), tokens compacted."""
-    lengths = prompts.lengths[keep]
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    token_mask = np.repeat(keep, prompts.lengths)
-    return TokenizedPrompts(
-        row_ids=prompts.row_ids[keep],
-        tokens=prompts.tokens[token_mask],
-        offsets=offsets,
-        max_tokens=prompts.max_tokens[keep],
-        settings=prompts.settings,  # keyed by row_id: valid for any selection
-    )
-
-
 def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPrompts:
     """Per-row max_tokens cut to what the context leaves after the prompt: generation stops
     at the model's context with finish_reason "length", as in vLLM (prompts that leave no
@@ -98,44 +78,6 @@ def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPr
     room = np.maximum(max_model_len - prompts.lengths, 1)
     capped = np.minimum(prompts.max_tokens.astype(np.int64), room).astype(np.int32)
     return dataclasses.replace(prompts, max_tokens=capped)
-
-
-def _rows_over_budget(backend, prompts: TokenizedPrompts, plan) -> np.ndarray:
-    """bool [N]: rows the backend says cannot fit its KV budget even alone (none if it
-    cannot tell: then ``check_fits`` alone decides)."""
-    probe = getattr(backend, "rows_over_budget", None)
-    if probe is None or not len(prompts):
-        return np.zeros(len(prompts), dtype=bool)
-    return np.asarray(probe(prompts, plan), dtype=bool)
-
-
-def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> ResultRow:
-    n, mt = int(prompts.lengths[i]), int(prompts.max_tokens[i])
-    msg = (
-        f"row {int(prompts.row_ids[i])}: prompt of {n} tokens + max_tokens {mt} does not fit "
-        f"the KV cache (engine.kv_cache_bytes = {budget}) even alone; give the engine more "
-        "KV memory or lower the row's max_tokens"
-    )
-    return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
-
-
-def _job_tokenizer(job: JobConfig, text_prompts: bool) -> PromptTokenizer | None:
-    """Text prompts need the model's tokenizer; token ids use it only to decode the outputs,
-    when the folder has one (else output_text stays null)."""
-    if job.model.path is None:
-        raise ModelError("model.path: required to run a job (a local Hugging Face model folder)")
-    if text_prompts or (Path(job.model.path) / "tokenizer.json").is_file():
-        return load_tokenizer(job.model.path)
-    if job.sampling.stop:
-        raise ConfigError(
-            f"sampling.stop: stop strings need a tokenizer.json in {job.model.path} "
-            "to decode the outputs"
-        )
-    return None
-
-
-def _decode(tokenizer: PromptTokenizer | None, ids) -> str | None:
-    return detokenize(tokenizer, [ids])[0] if tokenizer is not None else None
 
 
 def _utc_now() -> str:
@@ -193,7 +135,7 @@ def _run_locked(
 ) -> JobResult:
     stage: dict[str, float] = {}
 
-    tokenizer = _job_tokenizer(job, text_prompts)  # once: encodes text, decodes outputs
+    tokenizer = job_tokenizer(job, text_prompts)  # once: encodes text, decodes outputs
     loaded, model = load_prompts(job, tokenizer)  # model: the folder, read once
     stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
     if len(loaded.prompts) == 0:
@@ -228,68 +170,29 @@ def _run_locked(
     plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
     stage["plan_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    # no tokenizer, no stop strings (refused at load): the backend never needs text then
-    backend = open_backend(job, lambda ids: _decode(tokenizer, ids) or "", model)
-    over = _rows_over_budget(backend, prompts, plan)
-    n_over = int(over.sum()) if not over.all() else 0
-    if n_over:  # report those rows, run the rest (all: a config error)
-        for i in np.flatnonzero(over):
-            sink.add(_over_budget_row(prompts, int(i), job.engine.kv_cache_bytes))
-        prompts = select_rows(prompts, ~over)
-        plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
-    backend.check_fits(prompts, plan)
-    write_plan(plan, job.output.plan_file)
-    stage["load_s"] = time.perf_counter() - t0
-
-    lengths = prompts.lengths
-    generated = 0
-    bar = tqdm(total=len(prompts), unit="row", disable=not progress, desc="batchjob")
-
-    finished = 0
-
-    def on_finish(o: FinishedRequest) -> None:
-        nonlocal generated, finished
-        generated += len(o.token_ids)
-        finished += 1
-        text = o.text if o.text is not None else _decode(tokenizer, o.token_ids)
-        sink.add(
-            ResultRow(
-                o.row_id,
-                text,
-                o.token_ids,
-                int(lengths[o.position]),
-                len(o.token_ids),
-                o.finish_reason,
-                o.status or STATUS_OK,
-                o.message,
-                output_logprobs=o.logprobs,
-                label_logprobs=o.label_logprobs,
-                label=o.label,
-            )
+    if job.cluster.address == "none":
+        ex = execute(
+            job,
+            prompts,
+            plan,
+            sink,
+            tokenizer,
+            model,
+            plan_file=job.output.plan_file,
+            progress=progress,
+            heartbeat_s=heartbeat_s,
+            headline=lambda to_run, n_over: (
+                f"{loaded.num_rows} rows: {to_run} to run, {len(done)} done earlier, "
+                f"{len(loaded.rejected) + n_over} rejected -> {layout.output}"
+            ),
         )
-        bar.update(1)
+    else:  # the plan split over the workers of a Ray cluster (Ray imported only here)
+        from batchjob.cluster import run_on_cluster
 
-    t_run = time.perf_counter()
-    hb = Heartbeat(len(prompts), heartbeat_s) if heartbeat_s else None
-    if hb:
-        hb.say(
-            f"{loaded.num_rows} rows: {len(prompts)} to run, {len(done)} done earlier, "
-            f"{len(loaded.rejected) + n_over} rejected -> {layout.output}"
-        )
-
-    def on_iteration(_rec) -> None:
-        if progress and _rec.iteration % 8 == 0:
-            bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t_run, 1e-9):.0f}")
-        if hb:
-            hb.beat(finished, generated, _rec.kv_bytes_used, job.engine.kv_cache_bytes or 0)
-
-    try:
-        run_info = backend.run(prompts, plan, RunSink(on_finish, on_iteration))
-    finally:
-        bar.close()
-        backend.close()
-        sink.flush()  # whatever finished is on disk, even on Ctrl-C or a crash
+        write_plan(plan, job.output.plan_file)
+        ex = run_on_cluster(job, layout, this, prompts, plan, text_prompts, progress=progress)
+    plan, run_info, n_over = ex.plan, ex.run, ex.over_budget
+    stage["load_s"] = ex.load_s
     stage["run_s"] = run_info.wall_s
 
     t0 = time.perf_counter()
@@ -297,9 +200,9 @@ def _run_locked(
     stage["write_s"] = time.perf_counter() - t0
     summary = summarize(
         run_info,
-        prompt_tokens=int(lengths.sum()),
-        generated_tokens=generated,
-        requests_run=len(prompts),
+        prompt_tokens=ex.prompt_tokens,
+        generated_tokens=ex.generated_tokens,
+        requests_run=ex.requests_run,
         rows={
             "total": loaded.num_rows,
             "ok": len(loaded.prompts) - n_over,
@@ -310,7 +213,7 @@ def _run_locked(
         total_s=time.perf_counter() - t_job,
         stage_s=stage,
         policy=job.scheduler.policy,
-        device=backend.device,
+        device=ex.device,
         results=results_path,
     )
     summary = dataclasses.replace(summary, job=_identity(this, started))

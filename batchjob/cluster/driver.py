@@ -130,15 +130,15 @@ class _Driver:
 
     def _start(self, slot: _Slot) -> None:
         cfg = self.job.cluster
-        options: dict[str, Any] = {}
+        runtime: dict[str, Any] = {}
         if env := {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}:
-            options["runtime_env"] = {"env_vars": env}
+            runtime["runtime_env"] = {"env_vars": env}
         slot.actor = self.actor_cls.options(
             name=f"{ACTOR_PREFIX}{self.token}-{slot.writer}",
             num_cpus=cfg.num_cpus,
             num_gpus=cfg.num_gpus,
             max_restarts=0,  # a replacement is a new actor with a new writer id
-            **options,
+            **runtime,
         ).remote(self.job, self.layout, self.manifest, self.text, slot.writer)
         slot.busy = False
 
