@@ -40,6 +40,8 @@ def test_rope_in_place_on_fused_qkv_view_equals_hf(dtype: torch.dtype, head_dim:
     v_before = qkv[:, (h + hkv) * head_dim :].clone()
 
     table = RopeTable(dtype)
+    empty, _ = table.lookup(positions[:0], inv)  # an empty batch: an empty [0, 1, D/2]
+    assert empty.shape == (0, 1, head_dim // 2)
     cos, sin = table.lookup(positions[:5], inv)  # a small table first: it must grow
     cos, sin = table.lookup(positions, inv)
     assert torch.equal(cos, want_cos[..., : head_dim // 2])

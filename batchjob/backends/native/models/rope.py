@@ -54,14 +54,15 @@ class RopeTable:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.cos = self.sin = torch.empty(0, dtype=dtype, device="cpu")  # [P, D/2]
+        self.cos = self.sin = torch.empty(0, 0, dtype=dtype, device="cpu")  # [P, D/2]
 
     def lookup(
         self, positions: torch.Tensor, inv_freq: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int64 [T] -> cos, sin: [T, 1, D/2] (the half both rotations share)."""
         need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self.cos.shape[0] or self.cos.device != inv_freq.device:
+        stale = self.cos.device != inv_freq.device or self.cos.shape[1] != inv_freq.shape[0]
+        if need > self.cos.shape[0] or stale:
             size = max(need, 2 * self.cos.shape[0], 256)
             pos = torch.arange(size, dtype=torch.int64, device=inv_freq.device).float()
             freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] float32
