@@ -190,7 +190,7 @@ def _run_locked(
         from batchjob.cluster import run_on_cluster
 
         write_plan(plan, job.output.plan_file)
-        ex = run_on_cluster(job, layout, this, prompts, plan, text_prompts, progress=progress)
+        ex = run_on_cluster(job, layout, this, prompts, plan, text_prompts, progress, heartbeat_s)
     plan, run_info, n_over = ex.plan, ex.run, ex.over_budget
     stage["load_s"] = ex.load_s
     stage["run_s"] = run_info.wall_s

@@ -27,6 +27,7 @@ from batchjob.cluster.worker import ShardWorker, workers_dir
 from batchjob.config import ClusterConfig, JobConfig
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
 from batchjob.execute import Execution, merge, select_rows
+from batchjob.heartbeat import Heartbeat
 from batchjob.output_layout import OutputLayout
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
@@ -108,13 +109,16 @@ def run_on_cluster(
     plan: Plan,
     text_prompts: bool,
     progress: bool = False,
+    heartbeat_s: float | None = None,
 ) -> Execution:
     """Run ``plan`` over ``prompts`` on ``job.cluster.workers`` engine actors; every row ends
     in a part file of ``layout`` (or the call raises). The driver commits the parts after."""
     ray = _import_ray()
     started = connect(ray, job.cluster)
     try:
-        return _Driver(ray, job, layout, manifest, text_prompts).run(prompts, plan)
+        driver = _Driver(ray, job, layout, manifest, text_prompts)
+        driver.heartbeat = Heartbeat(len(prompts), heartbeat_s) if heartbeat_s else None
+        return driver.run(prompts, plan)
     finally:
         if started:
             ray.shutdown()
@@ -127,6 +131,7 @@ class _Driver:
         self.token = uuid.uuid4().hex[:8]
         self.slots = [_Slot(i) for i in range(job.cluster.workers)]
         self.last_error = ""
+        self.heartbeat: Heartbeat | None = None  # the operator's log: a line per interval
 
     def _start(self, slot: _Slot) -> None:
         cfg = self.job.cluster
@@ -188,7 +193,12 @@ class _Driver:
                         f"{sum(len(w.prompts) for w in queue)} rows left; the rows written "
                         f"are kept: rerun the job to resume (last: {self.last_error})"
                     )
-                [ref], _ = ray.wait(list(running), num_returns=1)
+                every = self.heartbeat.every_s if self.heartbeat else None
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=every)
+                if not ready:
+                    self._beat(len(prompts), results, running)
+                    continue
+                [ref] = ready
                 slot, work = running.pop(ref)
                 slot.busy = False
                 try:
@@ -224,6 +234,15 @@ class _Driver:
         if slot.restarts < self.job.cluster.max_restarts:
             slot.restarts += 1
             self._start(slot)
+
+    def _beat(self, total: int, results: list[Execution], running: dict) -> None:
+        if self.heartbeat:
+            done = sum(e.requests_run + e.over_budget for e in results)
+            lost = sum(s.restarts + (s.actor is None) for s in self.slots)
+            self.heartbeat.say(
+                f"cluster: {len(results)} shards done ({done} of {total} rows), "
+                f"{len(running)} workers busy, {lost} workers lost so far"
+            )
 
     def _device(self, results: list[Execution]) -> str:
         devices = sorted({e.device for e in results})

@@ -38,8 +38,8 @@ def cluster_job(tmp: Path, model: Path, data: Path, out: str, workers: int, **cl
     return job, sets
 
 
-def run_job(job: Path, sets: dict[str, str]) -> JobResult:
-    return run(load_job(job, sets), progress=False)
+def run_job(job: Path, sets: dict[str, str], heartbeat_s: float | None = None) -> JobResult:
+    return run(load_job(job, sets), progress=False, heartbeat_s=heartbeat_s)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,16 @@ def check_exactly_once(results: pa.Table, reference: pa.Table) -> None:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_workers_give_the_single_process_results(
-    tmp_path: Path, cluster_model: Path, cluster_data: Path, reference: pa.Table, workers: int
+    tmp_path: Path,
+    cluster_model: Path,
+    cluster_data: Path,
+    reference: pa.Table,
+    workers: int,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     job, sets = cluster_job(tmp_path, cluster_model, cluster_data, "out", workers)
-    result = run_job(job, sets)
+    result = run_job(job, sets, heartbeat_s=0.2)
+    assert "batchjob: cluster: " in capsys.readouterr().err  # the operator's log while it runs
     assert result.summary is not None and result.summary.device == f"ray:{workers}xcpu"
     check_exactly_once(read_results(result.results_path), reference)
     assert not (load_job(job, sets).output.meta_dir / "workers").exists()  # removed at the end
