@@ -113,6 +113,8 @@ def run_on_cluster(
 ) -> Execution:
     """Run ``plan`` over ``prompts`` on ``job.cluster.workers`` engine actors; every row ends
     in a part file of ``layout`` (or the call raises). The driver commits the parts after."""
+    if not len(prompts):  # every row written by an earlier run: nothing to start Ray for
+        return merge([], plan, f"ray:{job.cluster.workers}xnone", 0.0)
     ray = _import_ray()
     started = connect(ray, job.cluster)
     try:

@@ -152,3 +152,23 @@ def test_a_worker_error_keeps_its_exit_code(
     res = cli("run", job, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
     assert res.exit_code == EXIT_CONFIG, res.output
     assert res.stderr.startswith("error: ") and "Traceback" not in res.stderr, res.stderr
+
+
+def test_driver_failing_at_commit_reruns_no_row(
+    tmp_path: Path,
+    cluster_model: Path,
+    cluster_data: Path,
+    reference: pa.Table,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The driver fails after every worker wrote its rows (disk full at the commit): the
+    rerun finds every row in the parts, starts no worker and commits them."""
+    job, sets = cluster_job(tmp_path, cluster_model, cluster_data, "out", 2)
+    monkeypatch.setenv("BATCHJOB_FAULT_POINT", "commit:1:ENOSPC")
+    with pytest.raises(OSError):
+        run_job(job, sets)
+    monkeypatch.delenv("BATCHJOB_FAULT_POINT")
+    again = run_job(job, sets)
+    assert again.summary is not None and again.summary.device == "ray:2xnone"
+    assert again.summary.rows_skipped_done == reference.num_rows
+    check_exactly_once(read_results(again.results_path), reference)
