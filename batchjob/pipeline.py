@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from batchjob.score_columns import job_columns
 from batchjob.storage import ObjectPath
 from batchjob.storage import configure as configure_storage
 from batchjob.tokenize import load_prompts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ def _run_locked(
     tokenizer = job_tokenizer(job, text_prompts)  # once: encodes text, decodes outputs
     loaded, model = load_prompts(job, tokenizer)  # model: the folder, read once
     stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
+    log.info("stage tokenize done (read + tokenize: %d rows)", loaded.num_rows)
     if len(loaded.prompts) == 0:
         raise AllRowsRejectedError(_rejected_summary(loaded))  # nothing written: fix the data
     sink = ResultSink(
@@ -169,6 +173,7 @@ def _run_locked(
     t0 = time.perf_counter()
     plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
     stage["plan_s"] = time.perf_counter() - t0
+    log.info("stage plan done in %.2f s", stage["plan_s"])
 
     if job.cluster.address == "none":
         ex = execute(
@@ -194,10 +199,12 @@ def _run_locked(
     plan, run_info, n_over = ex.plan, ex.run, ex.over_budget
     stage["load_s"] = ex.load_s
     stage["run_s"] = run_info.wall_s
+    log.info("stage run done in %.2f s", stage["run_s"])
 
     t0 = time.perf_counter()
     results_path = sink.finalize(loaded.passthrough, expected_rows=loaded.num_rows)
     stage["write_s"] = time.perf_counter() - t0
+    log.info("stage write done in %.2f s", stage["write_s"])
     summary = summarize(
         run_info,
         prompt_tokens=ex.prompt_tokens,
