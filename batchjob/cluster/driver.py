@@ -222,6 +222,9 @@ class _Driver:
         return merge(results, plan, self._device(results), time.perf_counter() - t0)
 
     def _lost(self, slot: _Slot, work: _Work, queue: deque[_Work], err: Exception) -> None:
+        # make sure it is gone (an unreachable actor is not always a dead one) before its
+        # unwritten rows go to another worker: two writers of a row would be a duplicate
+        self.ray.kill(slot.actor, no_restart=True)
         rest = self._left_over(work)
         self.last_error = f"{slot.writer}: {_first_line(err)}"
         log.warning(
