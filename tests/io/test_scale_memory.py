@@ -92,3 +92,45 @@ def test_limit_stops_mid_row_group(tmp_path: Path) -> None:
     assert res.num_rows == 200
     ids = [i for i, r in enumerate(rows[:200]) if r and None not in r]
     np.testing.assert_array_equal(res.prompts.row_ids, ids)
+
+
+def _shared_rows(n: int, seed: int) -> pa.Table:
+    """``n`` token-id rows in groups of ~10 sharing a 20-token prefix, 5 distinct tokens each."""
+    rng = np.random.default_rng(seed)
+    prefixes = rng.integers(0, 1000, size=(n // 10 + 1, 20), dtype=np.int32)
+    tokens = np.concatenate(
+        [prefixes[np.arange(n) // 10], rng.integers(0, 1000, size=(n, 5), dtype=np.int32)], 1
+    )
+    offsets = np.arange(0, 25 * n + 1, 25, dtype=np.int32)
+    prompt = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens.ravel()))
+    return pa.table({"prompt": prompt, "k": np.arange(n)})
+
+
+def test_reading_and_planning_keep_no_python_object_per_row(tmp_path: Path) -> None:
+    """What `batchjob plan` holds after reading and planning is arrays, not per-row objects:
+    the number of live allocations stays far below the row count."""
+    import tracemalloc
+
+    from batchjob.config import load_job
+    from batchjob.plan.build import build_plan
+    from batchjob.tokenize import load_prompts
+
+    n = 50_000
+    pq.write_table(_shared_rows(20, 0), tmp_path / "warm.parquet")
+    pq.write_table(_shared_rows(n, 1), tmp_path / "big.parquet", row_group_size=8192)
+
+    def plan_of(name: str):
+        sets = {"input.path": str(tmp_path / name), "output.path": str(tmp_path / "out")}
+        job = load_job(None, sets | {"input.batch_rows": "4096"})
+        data, _ = load_prompts(job)
+        return data, build_plan(data.prompts)
+
+    plan_of("warm.parquet")  # imports and caches first: only the rows' cost is measured
+    tracemalloc.start()
+    try:
+        kept = plan_of("big.parquet")
+        blocks = sum(s.count for s in tracemalloc.take_snapshot().statistics("filename"))
+    finally:
+        tracemalloc.stop()
+    assert len(kept[0].prompts) == n and kept[1].num_groups > 0
+    assert blocks < n // 20, f"{blocks} live allocations for {n} rows"
