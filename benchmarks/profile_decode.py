@@ -98,9 +98,10 @@ def instrument(spans: Spans) -> None:
         timed_update = spans.wrap("scheduler", update)
 
         def update_and_close(*a, **kw):
-            timed_update(*a, **kw)
+            done = timed_update(*a, **kw)  # the finished requests' outputs
             if not sched.has_unfinished():  # the last iteration ends here, not at write-out
                 spans.close(CLOCK[0]())
+            return done
 
         sched.schedule = timed_schedule
         sched.update = update_and_close

@@ -78,7 +78,8 @@ def test_batchllm_two_groups_exact() -> None:
     ]
     assert prefixes(out) == [(0, 3, [0, 1]), (1, 5, [2, 3, 7])]
     assert (out.num_decode_tokens, out.num_prefill_tokens) == (2, 3)
-    s.update(out, {1: 32, 3: 33, 0: 34, 2: 35}, {1})
+    assert s.update(out, {1: 32, 3: 33, 0: 34, 2: 35}, {1}) == {1: [30, 32]}
+    assert s.output_tokens(3) == [31, 33]  # live: its tokens so far
     assert s.kv_blocks_used == 9  # request 1's block 4 went back to the free queue's tail
 
     # 3: request 3 needs a third block: the head of the free queue (10), not block 4
@@ -88,14 +89,15 @@ def test_batchllm_two_groups_exact() -> None:
         (0, [34], 2, 7, [8, 11], 1, True, True),
         (2, [35], 1, 6, [9], 1, True, True),
     ]
-    s.update(out, {3: 36, 0: 37, 2: 38}, {3})
+    assert s.update(out, {3: 36, 0: 37, 2: 38}, {3}) == {3: [31, 33, 36]}
     assert s.kv_blocks_used == 6  # group 0 done: its prefix blocks 0, 1 are freed with it
-    assert s.output_tokens(3) == [31, 33, 36] and s.output_tokens(1) == [30, 32]
+    with pytest.raises(KeyError, match="request 3 is not live"):
+        s.output_tokens(3)  # a finished request's state is dropped (update returned it)
 
     # the rest: requests 0 and 2 hit max_tokens = 3 and finish on their own
     out = s.schedule()
-    s.update(out, {0: 40, 2: 41}, set())
-    assert not s.has_unfinished() and s.kv_blocks_used == 0
+    assert s.update(out, {0: 40, 2: 41}, set()) == {0: [34, 37, 40], 2: [35, 38, 41]}
+    assert not s.has_unfinished() and s.num_live == 0 and s.kv_blocks_used == 0
     st = s.stats
     assert (st.prefixes_computed, st.prefix_tokens, st.preemptions) == (2, 8, 0)
     assert (st.iterations, st.peak_blocks) == (5, 11)
@@ -112,6 +114,7 @@ def test_batchllm_preemption_then_group_preemption() -> None:
     finish_at = {0: 6, 1: 1, 2: 6, 3: 1}
     trace = []
     token = 50
+    outputs: dict[int, list[int]] = {}
     while s.has_unfinished():
         out = s.schedule()
         trace.append((out.preempted, out.kv_blocks_used, rows(out)))
@@ -121,7 +124,7 @@ def test_batchllm_preemption_then_group_preemption() -> None:
                 sampled[c.seq_id] = token
                 token += 1
         done = {k for k in sampled if len(s.output_tokens(k)) + 1 == finish_at[k]}
-        s.update(out, sampled, done)
+        outputs |= s.update(out, sampled, done)
     assert trace[:2] == [
         ((), 2, [(-1, [0], 0, 0, [0], -1, False, False), (-2, [1], 0, 0, [1], -1, False, False)]),
         (
@@ -149,7 +152,8 @@ def test_batchllm_preemption_then_group_preemption() -> None:
     # 7: group 1 restarts from its prefix; 8: request 2 recomputes prompt + both outputs
     assert trace[7] == ((), 1, [(-2, [1], 0, 0, [1], -1, False, False)])
     assert trace[8] == ((), 4, [(2, [100, 52, 55], 0, 1, [4, 3, 5], 1, False, True)])
-    assert s.output_tokens(2)[:3] == [52, 55, 60] and len(s.output_tokens(2)) == 6
+    assert outputs[2][:3] == [52, 55, 60] and len(outputs[2]) == 6
+    assert sorted(outputs) == [0, 1, 2, 3] and [len(outputs[k]) for k in range(4)] == [6, 1, 6, 1]
     st = s.stats
     assert (st.preemptions, st.group_preemptions, st.prefixes_computed) == (2, 1, 3)
     assert st.recomputed_tokens == 1 + 2 + 1  # [100] at 4, [100, 52] at 8, B's prefix at 7
@@ -369,15 +373,16 @@ def test_scheduler_runs_to_the_end_without_torch() -> None:
         for policy in SCHEDULING_POLICIES:
             cfg = SchedulerConfig(policy=policy, chunk_size=4)
             s = make_scheduler(cfg, KVLayout(num_blocks=32, block_size=2), prompts, plan)
+            outputs = {}
             for _ in range(200):
                 if not s.has_unfinished():
                     break
                 out = s.schedule()
                 sampled = {c.seq_id: 50 for c in out.chunks if c.samples}
                 done = {i for i in sampled if len(s.output_tokens(i)) == 2}
-                s.update(out, sampled, done)
+                outputs.update(s.update(out, sampled, done))
             assert not s.has_unfinished(), policy
-            assert [s.output_tokens(i) for i in range(4)] == [[50] * 3] * 4, policy
+            assert [outputs[i] for i in range(4)] == [[50] * 3] * 4, policy
         assert "torch" not in sys.modules, "the scheduler or planner imported torch"
         print("ok", len(SCHEDULING_POLICIES))
         """

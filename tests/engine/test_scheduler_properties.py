@@ -253,6 +253,7 @@ def simulate(cfg: SchedulerConfig, kv: KVLayout, wl: Workload, seed: int = 0) ->
     sim = Sim(wl, cfg, kv)
     rng = random.Random(seed)
     total = int(wl.prompts.lengths.sum()) + sum(wl.finish_at)
+    outputs: dict[int, list[int]] = {}  # finished requests' tokens, as update hands them
     for _ in range(50 * total + 100):
         if not sched.has_unfinished():
             break
@@ -266,11 +267,14 @@ def simulate(cfg: SchedulerConfig, kv: KVLayout, wl: Workload, seed: int = 0) ->
                 sim.fed[c.seq_id].append(tok)
                 if len(sim.fed[c.seq_id]) == wl.finish_at[c.seq_id]:
                     finished.add(c.seq_id)
-        sched.update(out, sampled, finished)
+        done = sched.update(out, sampled, finished)
+        # finish_at <= max_tokens: exactly the requests the runner finished, each once
+        assert done.keys() == finished and not finished & outputs.keys()
+        outputs |= done
         for c in out.chunks:  # a prefix completed in this iteration: members may start next
             if c.seq_id < 0 and sim.nxt[c.seq_id] == sim.prefix_len(prefix_group(c.seq_id)):
                 sim.prefix_ready.add(prefix_group(c.seq_id))
-        for seq in finished:
+        for seq in done:
             sim.done.add(seq)
             sim.live.pop(seq, None)
             g = sim.group_of(seq)
@@ -279,8 +283,9 @@ def simulate(cfg: SchedulerConfig, kv: KVLayout, wl: Workload, seed: int = 0) ->
         assert sched.kv_blocks_used == len({b for bt in sim.live.values() for b in bt})
     assert not sched.has_unfinished(), "no progress: iteration bound exceeded"
     assert sim.done == set(range(len(wl.prompts)))
+    assert sched.num_live == 0  # every request's state dropped once finished
     for i in range(len(wl.prompts)):
-        assert sched.output_tokens(i) == sim.fed[i]
+        assert outputs[i] == sim.fed[i]
         assert len(sim.fed[i]) == wl.finish_at[i]
     assert sched.kv_blocks_used == 0 and not sim.live
     stats = sched.stats

@@ -9,12 +9,19 @@ Protocol (the runner's loop)::
     while sched.has_unfinished():
         out = sched.schedule()          # SchedulerOutput: chunks, block tables, prefixes
         ...                             # run the model; sample one token per chunk.samples
-        sched.update(out, sampled={seq_id: token}, finished={seq_id, ...})
+        done = sched.update(out, sampled={seq_id: token}, finished={seq_id, ...})
 
 ``schedule`` and ``update`` alternate strictly. A request's state advances at ``schedule``
 (its KV is counted as computed once scheduled); ``update`` appends the sampled tokens and
-retires finished requests. A request also finishes when it has ``max_tokens`` outputs,
-whether or not the runner says so. Pure Python + numpy: never import torch here.
+retires finished requests, returning their outputs (``{seq_id: tokens}``). A request also
+finishes when it has ``max_tokens`` outputs, whether or not the runner says so.
+
+Memory: a request's ``Sequence`` (its mutable state) exists only while it is live: created
+when its group comes up for scheduling (batchllm: at the head of the prefix queue; baseline:
+at the head of the waiting line) and dropped when it finishes, its outputs handed back by
+``update``. Per-row data stays in ``TokenizedPrompts`` / the plan's numpy arrays, so live
+Python objects grow with the running set, not with the dataset (issue 14 item 5).
+Pure Python + numpy: never import torch here.
 """
 
 from __future__ import annotations
@@ -100,14 +107,14 @@ def check_kv_budget(kv: KVLayout, prompts: TokenizedPrompts, prefix_len: np.ndar
 class Scheduler(ABC):
     """Common state and the schedule/update protocol; policies fill ``_schedule``."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVLayout, requests: list[Sequence]) -> None:
+    def __init__(self, cfg: SchedulerConfig, kv: KVLayout, num_requests: int) -> None:
         self.cfg = cfg
         self.block_size = kv.block_size
         self.kv_cap_blocks = cfg.kv_cap_blocks(kv.num_blocks)  # no new prefill above it
         self.pool = BlockPool(kv.num_blocks)
-        self._reqs = requests  # indexed by seq_id
+        self._live: dict[int, Sequence] = {}  # requests created and not finished, by seq_id
         self._running: dict[int, Sequence] = {}  # running requests, oldest admission first
-        self._num_unfinished = len(requests)
+        self._num_unfinished = num_requests
         self._pending: SchedulerOutput | None = None
         self._samplers: dict[int, None] = {}  # sampling seq_ids of the pending output
         self._partial: dict[int, Sequence] = {}  # running, own prompt not all scheduled yet
@@ -127,9 +134,22 @@ class Scheduler(ABC):
     def stats(self) -> SchedulerStats:
         return SchedulerStats(**{f.name: getattr(self._c, f.name) for f in fields(self._c)})
 
+    @property
+    def num_live(self) -> int:
+        """Requests with a ``Sequence`` now (created, not finished): bounded by the running set
+        and the groups in flight, not by the number of requests."""
+        return len(self._live)
+
     def output_tokens(self, seq_id: int) -> list[int]:
-        """Tokens sampled so far for request ``seq_id`` (a copy)."""
-        return list(self._reqs[seq_id].outputs)
+        """Tokens sampled so far for live request ``seq_id`` (a copy). A finished request's
+        tokens are what ``update`` returned when it finished: its state is gone."""
+        req = self._live.get(seq_id)
+        if req is None:
+            raise KeyError(
+                f"request {seq_id} is not live (not started yet, or finished: update() "
+                "returned its tokens)"
+            )
+        return list(req.outputs)
 
     def schedule(self) -> SchedulerOutput:
         if self._pending is not None:
@@ -161,8 +181,12 @@ class Scheduler(ABC):
         self._pending = out
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int], finished: set[int]) -> None:
-        """Record one sampled token per sampling chunk of ``out``; retire finished requests."""
+    def update(
+        self, out: SchedulerOutput, sampled: dict[int, int], finished: set[int]
+    ) -> dict[int, list[int]]:
+        """Record one sampled token per sampling chunk of ``out``; retire finished requests
+        (those in ``finished`` and those at ``max_tokens``) and return their outputs
+        ``{seq_id: tokens}``: their state is dropped, so this is the only place to get them."""
         if out is not self._pending:
             raise ValueError("update() must get the output of the last schedule() call")
         samplers = self._samplers  # seq_ids of the sampling chunks, in chunk order
@@ -179,12 +203,15 @@ class Scheduler(ABC):
         for chunk in out.chunks:  # prefix chunks: a few per iteration at most
             if chunk.seq_id < 0:
                 self._prefix_chunk_done(chunk)
-        reqs = self._reqs
+        live = self._live
+        done: dict[int, list[int]] = {}
         for seq_id in samplers:
-            req = reqs[seq_id]
+            req = live[seq_id]
             req.outputs.append(int(sampled[seq_id]))
             if seq_id in finished or len(req.outputs) >= req.max_tokens:
                 self._finish(req)
+                done[seq_id] = req.outputs
+        return done
 
     # --- policy hooks -------------------------------------------------------------------
     @abstractmethod
@@ -208,6 +235,21 @@ class Scheduler(ABC):
         pass
 
     # --- shared mechanics ---------------------------------------------------------------
+    def _new_request(
+        self,
+        seq_id: int,
+        prompt: np.ndarray,
+        max_tokens: int,
+        own_start: int = 0,
+        group: int = -1,
+        chunk_group: int = -1,
+    ) -> Sequence:
+        """The ``Sequence`` of request ``seq_id``, created when it comes up (kept until it
+        finishes)."""
+        req = Sequence(seq_id, prompt, max_tokens, own_start, group, chunk_group)
+        self._live[seq_id] = req
+        return req
+
     def _blocks_to_add(self, seq: Sequence, n: int) -> int:
         """New blocks ``seq`` needs to hold ``n`` more own KV tokens."""
         return cdiv(seq.computed + n, self.block_size) - len(seq.blocks)
@@ -264,6 +306,7 @@ class Scheduler(ABC):
         self._free_blocks(req)
         self._partial.pop(req.seq_id, None)
         del self._running[req.seq_id]
+        del self._live[req.seq_id]
         req.state = FINISHED
         self._num_unfinished -= 1
         self._on_finish(req)

@@ -14,6 +14,8 @@
   filled in the same batch is sound). A new or resumed request reuses the longest cached run
   of its full blocks, but never its last known token, which is always recomputed for logits.
   A hit shows as ``kv_start > 0`` on its first chunk. ``kv_threshold`` is not used.
+* A request's ``Sequence`` is created when it reaches the head of the waiting line and
+  dropped when it finishes: live objects follow the running set, not the dataset.
 """
 
 from __future__ import annotations
@@ -32,16 +34,28 @@ from batchjob.prompts import TokenizedPrompts
 class BaselineScheduler(Scheduler):
     def __init__(self, cfg: SchedulerConfig, kv: KVLayout, prompts: TokenizedPrompts) -> None:
         check_kv_budget(kv, prompts, prefix_len=prompts.lengths * 0)
-        reqs = [
-            Sequence(i, prompts.row(i), int(prompts.max_tokens[i])) for i in range(len(prompts))
-        ]
-        super().__init__(cfg, kv, reqs)
-        for r in reqs:
-            r.state = WAITING
-        self._waiting: deque[Sequence] = deque(reqs)
+        super().__init__(cfg, kv, len(prompts))
+        self._prompts = prompts
+        self._next_new = 0  # the first request never created (file order)
+        # the waiting line: preempted requests (front), then at most one new request looked
+        # at but not admitted; requests from ``_next_new`` on follow, not yet created
+        self._waiting: deque[Sequence] = deque()
 
     def _requeue(self, req: Sequence) -> None:
         self._waiting.appendleft(req)
+
+    def _head(self) -> Sequence | None:
+        """The first waiting request (created now if it is a new one); None: none left."""
+        if self._waiting:
+            return self._waiting[0]
+        i = self._next_new
+        if i == len(self._prompts):
+            return None
+        self._next_new = i + 1
+        req = self._new_request(i, self._prompts.row(i), int(self._prompts.max_tokens[i]))
+        req.state = WAITING
+        self._waiting.append(req)
+        return req
 
     def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
         budget = self.cfg.chunk_size
@@ -58,13 +72,15 @@ class BaselineScheduler(Scheduler):
             budget -= n
         if self._preempted_now:
             return chunks, False
-        while self._waiting and budget > 0 and len(self._running) < self.cfg.max_num_seqs:
-            req = self._waiting[0]
-            n = self._admit_with_cache(req, budget)
+        while budget > 0 and len(self._running) < self.cfg.max_num_seqs:
+            head = self._head()
+            if head is None:
+                break
+            n = self._admit_with_cache(head, budget)
             if n == 0:
                 break
             self._waiting.popleft()
-            chunks.append(self._emit_and_cache(req, n))
+            chunks.append(self._emit_and_cache(head, n))
             budget -= n
         return chunks, False
 

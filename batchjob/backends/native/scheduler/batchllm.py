@@ -43,6 +43,11 @@ single prefill chunk ignoring the threshold (``threshold_lifted``: physical bloc
 even that fits nothing, the youngest prefilling request is preempted (or, with one left, the
 youngest idle group) until something fits. Every request fits alone with its group prefix
 (``check_kv_budget``), so this ends.
+
+Live state: a group's ``_Group`` and its members' ``Sequence`` objects are created when it
+reaches the head of the prefix queue and dropped as they finish (the group with its last
+member); the queue itself is a cursor over the plan's group order plus the groups put back
+in front. Nothing per request or per group exists for the groups not yet reached.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ from batchjob.backends.native.scheduler.output import (
     prefix_group,
     prefix_seq_id,
 )
-from batchjob.backends.native.scheduler.sequence import FINISHED, NEW, RUNNING, WAITING, Sequence
+from batchjob.backends.native.scheduler.sequence import NEW, RUNNING, WAITING, Sequence
 from batchjob.config import SchedulerConfig
 from batchjob.intmath import cdiv
 from batchjob.plan.plan import Plan
@@ -71,16 +76,43 @@ from batchjob.prompts import TokenizedPrompts
 
 
 class _Group:
-    __slots__ = ("index", "members", "num_running", "num_unfinished", "prefix", "ready", "stamp")
+    __slots__ = ("index", "members", "num_running", "prefix", "ready", "stamp")
 
-    def __init__(self, index: int, members: list[Sequence], prefix: Sequence | None) -> None:
+    def __init__(self, index: int, members: dict[int, Sequence], prefix: Sequence | None) -> None:
         self.index = index
-        self.members = members  # in plan order
+        self.members = members  # unfinished members by seq_id, in plan order
         self.prefix = prefix  # the prefix sequence, None when prefix_len == 0
-        self.num_unfinished = len(members)
         self.num_running = 0  # members holding own KV
         self.ready = False  # prefix complete (after update) and members released
         self.stamp = -1  # start order: larger is younger
+
+
+class _GroupQueue:
+    """The common-prefix queue without an object per group: the groups put back in front
+    (preempted ones), then plan groups ``next, next + 1, ...`` up to ``num_groups``."""
+
+    __slots__ = ("_front", "_next", "_num_groups")
+
+    def __init__(self, num_groups: int) -> None:
+        self._front: deque[int] = deque()
+        self._next = 0
+        self._num_groups = num_groups
+
+    def __bool__(self) -> bool:
+        return bool(self._front) or self._next < self._num_groups
+
+    def head(self) -> int:
+        return self._front[0] if self._front else self._next
+
+    def popleft(self) -> None:
+        if self._front:
+            self._front.popleft()
+        else:
+            self._next += 1
+
+    def appendleft(self, group: int) -> None:
+        assert group < self._next  # only a group that left the queue comes back
+        self._front.appendleft(group)
 
 
 def check_plan(plan: Plan, prompts: TokenizedPrompts) -> None:
@@ -114,32 +146,40 @@ class BatchLLMScheduler(Scheduler):
         self, cfg: SchedulerConfig, kv: KVLayout, prompts: TokenizedPrompts, plan: Plan | None
     ) -> None:
         n = len(prompts)
-        if plan is None:  # groups of one in file order: memory-centric batching, no sharing
-            prefix_lens, offsets, members = np.zeros(n, np.int64), np.arange(n + 1), np.arange(n)
-        else:
+        if plan is not None:
             check_plan(plan, prompts)
-            prefix_lens, offsets, members = plan.group_prefix_len, plan.group_offsets, plan.members
         check_kv_budget(kv, prompts, request_prefix_len(plan, n))
-        reqs: list[Sequence | None] = [None] * n
-        self._groups: list[_Group] = []
-        for g in range(len(prefix_lens)):
-            pl = int(prefix_lens[g])
-            ms = []
-            for m in members[offsets[g] : offsets[g + 1]]:
-                m = int(m)
-                ms.append(
-                    Sequence(m, prompts.row(m), int(prompts.max_tokens[m]), pl, g, g if pl else -1)
-                )
-                reqs[m] = ms[-1]
-            # a prefix never samples: max_tokens 0
-            prefix = Sequence(prefix_seq_id(g), ms[0].prompt[:pl], 0, group=g) if pl else None
-            self._groups.append(_Group(g, ms, prefix))
-        super().__init__(cfg, kv, reqs)  # type: ignore[arg-type]
+        super().__init__(cfg, kv, n)
+        self._prompts = prompts
+        self._plan = plan  # None: groups of one in file order (memory-centric, no sharing)
+        num_groups = n if plan is None else plan.num_groups
+        self._groups: dict[int, _Group] = {}  # live groups: reached, not all members finished
         self._waiting: deque[Sequence] = deque()  # distinct queue (not yet running)
-        self._prefix_queue: deque[int] = deque(range(len(self._groups)))  # common-prefix queue
-        self._queued = [True] * len(self._groups)  # group is in the prefix queue
+        self._prefix_queue = _GroupQueue(num_groups)  # common-prefix queue
+        self._queued = np.ones(num_groups, dtype=bool)  # group is in the prefix queue
         self._held: dict[int, _Group] = {}  # groups holding prefix blocks
         self._next_group_stamp = 0
+
+    def _group(self, g: int) -> _Group:
+        """Live group ``g``, created (with its members' sequences) on first use."""
+        grp = self._groups.get(g)
+        if grp is not None:
+            return grp
+        plan, prompts = self._plan, self._prompts
+        if plan is None:
+            pl, members = 0, [g]
+        else:
+            pl = int(plan.group_prefix_len[g])
+            members = plan.members[plan.group_offsets[g] : plan.group_offsets[g + 1]].tolist()
+        cg = g if pl else -1
+        ms: dict[int, Sequence] = {}
+        for m in members:
+            ms[m] = self._new_request(m, prompts.row(m), int(prompts.max_tokens[m]), pl, g, cg)
+        # a prefix never samples: max_tokens 0
+        first = next(iter(ms.values()))
+        prefix = Sequence(prefix_seq_id(g), first.prompt[:pl], 0, group=g) if pl else None
+        grp = self._groups[g] = _Group(g, ms, prefix)
+        return grp
 
     # --- hooks ----------------------------------------------------------------------------
     def _requeue(self, req: Sequence) -> None:
@@ -151,10 +191,12 @@ class BatchLLMScheduler(Scheduler):
     def _on_finish(self, req: Sequence) -> None:
         grp = self._groups[req.group]
         grp.num_running -= 1
-        grp.num_unfinished -= 1
-        if grp.num_unfinished == 0 and grp.prefix is not None:
-            self._free_blocks(grp.prefix)
-            self._held.pop(grp.index, None)
+        del grp.members[req.seq_id]
+        if not grp.members:  # the group is done: drop it
+            if grp.prefix is not None:
+                self._free_blocks(grp.prefix)
+                self._held.pop(grp.index, None)
+            del self._groups[grp.index]
 
     def _scheduled_prefix(self, group: int) -> ScheduledPrefix:
         p = self._groups[group].prefix
@@ -167,10 +209,9 @@ class BatchLLMScheduler(Scheduler):
         if p is not None and not grp.ready and p.computed == p.num_tokens:
             grp.ready = True
             self._c.prefixes_computed += 1
-            for m in grp.members:
-                if m.state != FINISHED:
-                    m.state = WAITING
-                    self._waiting.append(m)
+            for m in grp.members.values():  # unfinished: none running while not ready
+                m.state = WAITING
+                self._waiting.append(m)
 
     # --- one iteration ----------------------------------------------------------------------
     def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
@@ -253,13 +294,14 @@ class BatchLLMScheduler(Scheduler):
                 continue
             if not self._prefix_queue:
                 return
-            grp = self._groups[self._prefix_queue[0]]
+            grp = self._group(self._prefix_queue.head())
             p = grp.prefix
             if p is None:  # no shared prefix: its members join the distinct queue now
-                if self._fit(grp.members[0], grp.members[0].num_tokens, budget, cap) == 0:
+                first = next(iter(grp.members.values()))
+                if self._fit(first, first.num_tokens, budget, cap) == 0:
                     return
                 self._start_group(grp)
-                for m in grp.members:
+                for m in grp.members.values():
                     m.state = WAITING
                     self._waiting.append(m)
                 continue
@@ -278,7 +320,7 @@ class BatchLLMScheduler(Scheduler):
             self._queued[grp.index] = False
             # its members join the distinct queue next iteration, ahead of anything started
             # now: keep their prompts' blocks free of later prefill in this pass
-            cap -= sum(self._prompt_blocks(m) for m in grp.members if m.state != FINISHED)
+            cap -= sum(self._prompt_blocks(m) for m in grp.members.values())
             if one:
                 return
 
@@ -306,7 +348,7 @@ class BatchLLMScheduler(Scheduler):
         would only hold blocks (and invite a group preemption later).
         """
         assert grp.prefix is not None
-        first = next(m for m in grp.members if m.state != FINISHED)
+        first = next(iter(grp.members.values()))
         prefix_blocks = cdiv(grp.prefix.num_tokens, self.block_size)
         if growth is not None:
             return growth.fits(first, prefix_blocks, cap)
@@ -341,9 +383,9 @@ class BatchLLMScheduler(Scheduler):
         del self._held[grp.index]
         grp.ready = False
         grp.stamp = -1
-        ids = {m.seq_id for m in grp.members}
+        ids = grp.members
         self._waiting = deque(r for r in self._waiting if r.seq_id not in ids)
-        for m in grp.members:
+        for m in grp.members.values():
             if m.state == WAITING:
                 m.state = NEW  # waits for the prefix again
         if not self._queued[grp.index]:
@@ -362,7 +404,7 @@ class BatchLLMScheduler(Scheduler):
         elif self._waiting:
             head = self._waiting[0].group
         else:
-            head = self._prefix_queue[0] if self._prefix_queue else -1
+            head = self._prefix_queue.head() if self._prefix_queue else -1
         self._preempt_group(self._youngest_idle_group(exclude=head))
 
 
