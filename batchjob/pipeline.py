@@ -139,7 +139,12 @@ def _run_locked(
     stage: dict[str, float] = {}
 
     tokenizer = job_tokenizer(job, text_prompts)  # once: encodes text, decodes outputs
-    loaded, model = load_prompts(job, tokenizer)  # model: the folder, read once
+    if job.cluster.address == "none":
+        loaded, model = load_prompts(job, tokenizer)  # model: the folder, read once
+    else:  # read + tokenize as Ray tasks over the input's row groups (batchjob.cluster.read)
+        from batchjob.cluster import load_prompts_on_cluster
+
+        loaded, model = load_prompts_on_cluster(job, tokenizer)
     stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
     log.info("stage tokenize done (read + tokenize: %d rows)", loaded.num_rows)
     if len(loaded.prompts) == 0:

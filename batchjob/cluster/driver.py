@@ -101,6 +101,13 @@ def connect(ray, cfg: ClusterConfig) -> bool:
     return True
 
 
+def runtime_options() -> dict[str, Any]:
+    """Ray options that give a task or actor the driver's forwarded environment."""
+    if env := {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}:
+        return {"runtime_env": {"env_vars": env}}
+    return {}
+
+
 def run_on_cluster(
     job: JobConfig,
     layout: OutputLayout,
@@ -137,15 +144,12 @@ class _Driver:
 
     def _start(self, slot: _Slot) -> None:
         cfg = self.job.cluster
-        runtime: dict[str, Any] = {}
-        if env := {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}:
-            runtime["runtime_env"] = {"env_vars": env}
         slot.actor = self.actor_cls.options(
             name=f"{ACTOR_PREFIX}{self.token}-{slot.writer}",
             num_cpus=cfg.num_cpus,
             num_gpus=cfg.num_gpus,
             max_restarts=0,  # a replacement is a new actor with a new writer id
-            **runtime,
+            **runtime_options(),
         ).remote(self.job, self.layout, self.manifest, self.text, slot.writer)
         slot.busy = False
 
