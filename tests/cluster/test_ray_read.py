@@ -15,8 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.cluster.read import Fragment, group, load_prompts_on_cluster
-from batchjob.config import load_job
+from batchjob.cluster.read import Fragment, fragments, group, load_prompts_on_cluster
+from batchjob.config import InputConfig, load_job
+from batchjob.inputs import open_input
 from batchjob.pipeline import run
 from batchjob.tokenize import load_prompts
 from batchjob.workloads import make_workload
@@ -59,6 +60,15 @@ def test_groups_are_consecutive_and_balanced() -> None:
     assert [f for g in groups for f in g] == frags
     assert [sum(f.num_rows for f in g) for g in groups] == [40, 50]
     assert len(group(frags[:1], 4)) == 1 and group([], 2) == []
+
+
+def test_fragments_follow_row_groups_and_limit(split_data: Path) -> None:
+    frags = fragments(open_input(InputConfig(path=str(split_data))))
+    assert [(f.row_start, f.file_row, f.num_rows) for f in frags] == [
+        (0, 0, 16), (16, 16, 14), (30, 0, 16), (46, 16, 16), (62, 32, 3), (65, 0, 16), (81, 16, 9)
+    ]  # fmt: skip
+    cut = fragments(open_input(InputConfig(path=str(split_data), limit=50)))
+    assert [(f.row_start, f.num_rows) for f in cut] == [(0, 16), (16, 14), (30, 16), (46, 4)]
 
 
 def test_tasks_read_what_one_process_reads(
