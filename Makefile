@@ -39,11 +39,17 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # tests/integration needs .venv-airflow: `make test-integration` runs it (CI runs both)
-test: $(STAMP) lint typecheck
-	$(VENV)/bin/pytest -n 2 -q --durations=12 --ignore=tests/integration
+# Tests against real external systems (vLLM engine, local Ray cluster, S3 server, Airflow):
+# `make test-integration`; `make test` is everything else. CI runs both.
+INTEGRATION := tests/backends tests/cluster tests/io/test_s3.py
 
-# jobs/airflow_dag.py under a real Airflow 3.3.2 (own venv, SQLite metadata, `airflow dags test`)
+test: $(STAMP) lint typecheck
+	$(VENV)/bin/pytest -n 2 -q --durations=12 --ignore=tests/integration $(addprefix --ignore=,$(INTEGRATION))
+
+# the vLLM backend, Ray and S3 tests, then jobs/airflow_dag.py under a real Airflow 3.3.2
+# (own venv, SQLite metadata, `airflow dags test`)
 test-integration: $(STAMP) $(AIRFLOW_STAMP)
+	$(VENV)/bin/pytest -n 2 -q --durations=12 $(INTEGRATION)
 	BATCHJOB_REQUIRE_AIRFLOW=1 $(VENV)/bin/pytest -n 0 -q --durations=6 tests/integration
 
 $(AIRFLOW_STAMP): benchmarks/setup_airflow_venv.sh benchmarks/airflow-constraints.txt
