@@ -97,7 +97,6 @@ def _reference_build(out: SchedulerOutput, block_size: int, device: torch.device
         positions=t(positions, torch.int64),
         meta=meta,
         logits_index=t(cu_q[1:][sampling] - 1, torch.int64),
-        sample_seq_ids=tuple(chunks[i].seq_id for i in sampling),
         sample_seqs=np.asarray([chunks[i].seq_id for i in sampling], dtype=np.int64),
     )
 

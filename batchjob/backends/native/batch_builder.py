@@ -23,8 +23,7 @@ class ModelBatch:
     positions: torch.Tensor  # int64 [T]: absolute positions (group prefix_len offset included)
     meta: AttentionMetadata
     logits_index: torch.Tensor  # int64 [K]: token index of the last token of sampling chunks
-    sample_seq_ids: tuple[int, ...]  # [K]: seq_id of each sampled row, in logits order
-    sample_seqs: np.ndarray  # int64 [K]: the same, as an array (to gather per-request arrays)
+    sample_seqs: np.ndarray  # int64 [K]: seq_id of each sampled row, in logits order
 
 
 def _pad_tables(tables: list[np.ndarray]) -> np.ndarray:
@@ -113,12 +112,10 @@ def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> 
         max_kv_len=int(kv_len.max(initial=0)),
         max_prefix_len=int(prefix_len.max(initial=0)),
     )
-    sample_seq = seq_id[sampling]
     return ModelBatch(
         input_ids=t(input_ids, torch.int64),
         positions=t(positions, torch.int64),
         meta=meta,
         logits_index=t(cu_q[1:][sampling] - 1, torch.int64),
-        sample_seq_ids=tuple(sample_seq.tolist()),
-        sample_seqs=sample_seq,
+        sample_seqs=seq_id[sampling],
     )

@@ -147,11 +147,13 @@ class Engine:
             batch = build_batch(out, bs, self.info.torch_device)
             sampled: dict[int, int] = {}
             finished: set[int] = set()
-            if batch.sample_seq_ids:
+            seqs = batch.sample_seqs
+            ids = seqs.tolist()
+            if out.chunks:  # a prefill-only iteration runs the forward with nothing to sample
                 logits = self.model(
                     batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
                 )
-                ids, seqs = batch.sample_seq_ids, batch.sample_seqs
+            if ids:
                 cfg = table.index[seqs]
                 steps = n_gen[seqs]
                 if constraint is not None:
@@ -218,11 +220,6 @@ class Engine:
                             message=message,
                         )
                     )
-            elif out.chunks:
-                # prefill-only iteration with nothing to sample: still run the forward
-                self.model(
-                    batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
-                )
             sched.update(out, sampled, finished)
             rec = IterationRecord(
                 iteration=out.iteration,
