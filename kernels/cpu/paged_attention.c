@@ -421,12 +421,13 @@ INLINE const float *head_rows(float *dst, const void *cache, int64_t at, int nv,
     return BF ? packed_rows(dst, cache, at, nv, D, ks, BF) : (const float *)cache + at;
 }
 
-/* Ask for the next chunk's rows (into L2) while this one is computed: chunks come from
-   scattered blocks, and a head's rows are Hkv * D apart, which the hardware does not follow. */
-INLINE void prefetch_rows(const char *p, int rows, int64_t row_bytes, int64_t stride) {
-    for (int r = 0; r < rows; r++)
-        for (int64_t off = 0; off < row_bytes; off += 64)
-            __builtin_prefetch(p + r * stride + off, 0, 2);
+/* Start the next chunk's row streams (into L2) while this one is computed: chunks come from
+   scattered blocks, and a head's rows are Hkv * D apart, a jump the hardware does not follow;
+   within a row it does. So one prefetch per row, its first line: prefetching every line of
+   every row filled the miss queues and stalled the core (measured 7% slower on a
+   prefill-heavy engine run, and slower on every bench_cpu_attention shape). */
+INLINE void prefetch_rows(const char *p, int rows, int64_t stride) {
+    for (int r = 0; r < rows; r++) __builtin_prefetch(p + r * stride, 0, 2);
 }
 
 /* kvh < 0: all KV heads in this unit (decode rows only), so it streams whole blocks.
@@ -455,12 +456,12 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     if (causal + nq < kend) kend = causal + nq; /* keys past the last query's limit */
     const int32_t *blocks = a->blocks + u[U_BLK];
 #define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
-    const int64_t eb = BF ? 2 : 4, row_bytes = nh * D * eb; /* bytes of one key's heads */
+    const int64_t eb = BF ? 2 : 4; /* bytes per cache element */
 #define PREFETCH(base, key)                                                                   \
     do {                                                                                      \
         if ((key) < kend)                                                                     \
             prefetch_rows((const char *)(base) + KV_AT(key) * eb,                             \
-                          kend - (key) < CH ? (int)(kend - (key)) : CH, row_bytes, ks * eb);  \
+                          kend - (key) < CH ? (int)(kend - (key)) : CH, ks * eb);             \
     } while (0)
     for (int64_t kb = 0; kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
