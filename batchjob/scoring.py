@@ -1,21 +1,24 @@
 """Scoring mode (``sampling.labels`` / ``input.labels_column``): the log-probability of each
 label continuation after the prompt, nothing generated.
 
-A row's labels (token ids, tokenized as continuations) form a trie. Every trie node that has
-children becomes one request: the prompt followed by the node's label prefix, run for one
-step; the log-softmax of its last position scores the node's child tokens. A label's
-log-probability is the sum over its tokens (teacher-forced). So:
+A row's labels (token ids, tokenized as continuations) form a trie. The log-softmax of the
+logits after the prompt + a node's label prefix scores that node's child tokens; a label's
+log-probability is the sum over its tokens (teacher-forced). Single-token labels ("Yes"/"No",
+"A".."D") only need the root: the logits of the prompt's last position, so the job is pure
+prefill and keeps the plan's whole prefix saving. Two ways to get the deeper nodes:
 
-- single-token labels ("Yes"/"No", "A".."D"): one request per row, the prompt itself; all
-  labels are read from the same last-position logits. No extra forward work at all: the job
-  is pure prefill and keeps the plan's whole prefix saving;
-- a label of k tokens adds at most k - 1 requests (labels sharing leading tokens share those
-  nodes), each the prompt + up to k - 1 label tokens. Those requests share the prompt as a
-  prefix, so the planner groups them and only their label tokens are computed again.
-
-Backend-neutral: a backend runs ``ScoringRequests.prompts`` (max_tokens 1) and hands each
-request's target log-probs to ``LabelCombiner.add``, which emits one ``FinishedRequest`` per
-original row when all of that row's requests are in.
+- native engine (``row_tries`` + ``RowScores``): ONE request per row, the prompt, run on the
+  input's own plan (so a query shared by its documents stays shared). After the prompt, the
+  row's sequence is teacher-forced through the trie (``_Trie.steps``, depth-first): each step
+  feeds a chain of label tokens as one prefill chunk whose logits are read at every position,
+  then the sequence's KV is rewound to the branch point of the next chain (the scheduler
+  frees the blocks past it). Each non-root node with children costs one token of forward
+  work, labels sharing leading tokens share those tokens;
+- vLLM backend (``expand`` + ``LabelCombiner``): every trie node with children becomes one
+  request (the prompt + the node's label prefix, one step); vLLM's prefix cache shares the
+  prompt between them. A backend runs ``ScoringRequests.prompts`` (max_tokens 1) and hands
+  each request's target log-probs to ``LabelCombiner.add``, which emits one
+  ``FinishedRequest`` per original row when all of that row's requests are in.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ class _Trie:
     prefixes: tuple[tuple[int, ...], ...]  # label prefix of each node with children (root ())
     targets: tuple[np.ndarray, ...]  # int32: child tokens of each node
     paths: tuple[tuple[tuple[int, int], ...], ...]  # per label: (node, target index) per token
+    # teacher-forced walk after the prompt (root = node 0, read at the prompt's last token):
+    # per step (base, path, nodes): rewind the label part of the KV to ``base`` tokens, feed
+    # path[base:]; the logits at the token of path[j] score node nodes[j - base]
+    steps: tuple[tuple[int, np.ndarray, np.ndarray], ...]
 
 
 def _trie(label_tokens: tuple[np.ndarray, ...]) -> _Trie:
@@ -55,7 +62,106 @@ def _trie(label_tokens: tuple[np.ndarray, ...]) -> _Trie:
             path.append((n, kids.index(t[k])))
         paths.append(tuple(path))
     prefixes = tuple(sorted(node_of, key=node_of.__getitem__))
-    return _Trie(prefixes, tuple(np.asarray(c, dtype=np.int32) for c in children), tuple(paths))
+    return _Trie(
+        prefixes,
+        tuple(np.asarray(c, dtype=np.int32) for c in children),
+        tuple(paths),
+        _steps(node_of),
+    )
+
+
+def _steps(node_of: dict[tuple[int, ...], int]) -> tuple[tuple[int, np.ndarray, np.ndarray], ...]:
+    """The non-root nodes with children in depth-first preorder, cut into chains: a node
+    extends the chain when it is the child of the chain's last node; otherwise a new step
+    starts at its parent's depth (an ancestor of the last node in preorder, so its KV is the
+    leading part of what the sequence holds)."""
+    steps: list[tuple[int, np.ndarray, np.ndarray]] = []
+    path: tuple[int, ...] = ()
+    base = 0
+    nodes: list[int] = []
+    for pre in sorted(p for p in node_of if p):  # tuple order: depth-first preorder
+        if nodes and len(pre) == len(path) + 1 and pre[:-1] == path:
+            nodes.append(node_of[pre])
+        else:
+            if nodes:
+                steps.append((base, np.asarray(path, np.int32), np.asarray(nodes, np.int64)))
+            base, nodes = len(pre) - 1, [node_of[pre]]
+        path = pre
+    if nodes:
+        steps.append((base, np.asarray(path, np.int32), np.asarray(nodes, np.int64)))
+    return tuple(steps)
+
+
+def row_tries(prompts: TokenizedPrompts) -> tuple[tuple[_Trie, ...], tuple[tuple[str, ...], ...]]:
+    """Every row's label trie and label texts, per input position (equal labels: one trie)."""
+    rs = prompts.settings
+    if rs is None or rs.labels is None or rs.label_tokens is None:
+        raise ValueError("scoring needs per-row labels (prompts.settings.labels)")
+    cache: dict[tuple[bytes, ...], _Trie] = {}
+    tries, labels = [], []
+    for pos in range(len(prompts)):
+        i = rs.index(int(prompts.row_ids[pos]))
+        toks = rs.label_tokens[i]
+        key = tuple(t.tobytes() for t in toks)
+        trie = cache.get(key)
+        if trie is None:
+            trie = cache[key] = _trie(toks)
+        tries.append(trie)
+        labels.append(rs.labels[i])
+    return tuple(tries), tuple(labels)
+
+
+def _finished_row(
+    pos: int, row_id: int, trie: _Trie, labels: tuple[str, ...], got: dict[int, np.ndarray]
+) -> FinishedRequest:
+    """A row's result from its nodes' target log-probs: each label sums its path."""
+    scores = np.asarray(
+        [sum(float(got[nd][t]) for nd, t in path) for path in trie.paths], dtype=np.float32
+    )
+    best = labels[int(np.argmax(scores))]
+    return FinishedRequest(
+        position=pos,
+        row_id=row_id,
+        token_ids=np.zeros(0, dtype=np.int32),
+        finish_reason="score",
+        text=best,
+        label_logprobs=scores,
+        label=best,
+    )
+
+
+class RowScores:
+    """Collects each row's trie-node log-probs (one request per row, ``row_tries``); emits the
+    row once every node with children has been read. A node read twice (a row preempted and
+    recomputed mid-step) keeps its latest value."""
+
+    def __init__(
+        self,
+        tries: tuple[_Trie, ...],
+        labels: tuple[tuple[str, ...], ...],
+        row_ids: np.ndarray,
+        on_finish: Callable[[FinishedRequest], None],
+    ) -> None:
+        self.tries = tries
+        self.labels = labels
+        self.row_ids = row_ids
+        self.on_finish = on_finish
+        self._got: dict[int, dict[int, np.ndarray]] = {}
+
+    def add(self, pos: int, node: int, target_logprobs: np.ndarray) -> None:
+        """Row ``pos``'s log-probs of node ``node``'s child tokens (``_Trie.targets`` order)."""
+        got = self._got.setdefault(pos, {})
+        got[node] = target_logprobs
+        trie = self.tries[pos]
+        if len(got) < len(trie.prefixes):
+            return
+        del self._got[pos]
+        self.on_finish(_finished_row(pos, int(self.row_ids[pos]), trie, self.labels[pos], got))
+
+    @property
+    def num_open(self) -> int:
+        """Rows with some nodes in and others missing."""
+        return len(self._got)
 
 
 @dataclass(frozen=True)
@@ -77,21 +183,8 @@ class ScoringRequests:
 
 def expand(prompts: TokenizedPrompts) -> ScoringRequests:
     """The scoring requests of every row (``prompts.settings`` holds its labels)."""
-    rs = prompts.settings
-    if rs is None or rs.labels is None or rs.label_tokens is None:
-        raise ValueError("scoring needs per-row labels (prompts.settings.labels)")
     n = len(prompts)
-    cache: dict[tuple[bytes, ...], _Trie] = {}
-    tries, labels = [], []
-    for pos in range(n):
-        i = rs.index(int(prompts.row_ids[pos]))
-        toks = rs.label_tokens[i]
-        key = tuple(t.tobytes() for t in toks)
-        trie = cache.get(key)
-        if trie is None:
-            trie = cache[key] = _trie(toks)
-        tries.append(trie)
-        labels.append(rs.labels[i])
+    tries, labels = row_tries(prompts)
     counts = np.fromiter((len(t.prefixes) for t in tries), dtype=np.int64, count=n)
     origin = np.repeat(np.arange(n, dtype=np.int64), counts)
     node = np.arange(len(origin), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -105,7 +198,7 @@ def expand(prompts: TokenizedPrompts) -> ScoringRequests:
             for o, k in zip(origin, node, strict=True)
         ]
         req = TokenizedPrompts.from_lists(seqs, row_ids=prompts.row_ids[origin], max_tokens=ones)
-    return ScoringRequests(req, targets, origin, node, tuple(tries), tuple(labels))
+    return ScoringRequests(req, targets, origin, node, tries, labels)
 
 
 class LabelCombiner:
@@ -132,23 +225,8 @@ class LabelCombiner:
         if self._left[pos]:
             return
         del self._got[pos]
-        trie = self.req.tries[pos]
-        scores = np.asarray(
-            [sum(float(got[nd][t]) for nd, t in path) for path in trie.paths], dtype=np.float32
-        )
-        labels = self.req.labels[pos]
-        best = labels[int(np.argmax(scores))]
-        self.on_finish(
-            FinishedRequest(
-                position=pos,
-                row_id=int(self.row_ids[pos]),
-                token_ids=np.zeros(0, dtype=np.int32),
-                finish_reason="score",
-                text=best,
-                label_logprobs=scores,
-                label=best,
-            )
-        )
+        trie, labels = self.req.tries[pos], self.req.labels[pos]
+        self.on_finish(_finished_row(pos, int(self.row_ids[pos]), trie, labels, got))
 
     def on_request(self, o: FinishedRequest) -> None:
         """A backend's finished scoring request (``target_logprobs`` set)."""

@@ -3,7 +3,9 @@
 ``sampling.logprobs``: each generated token's log-prob and the top-N equal the float32
 log-softmax of HF's logits at that step. Scoring: each label's log-prob equals the sum of HF's
 log-softmax over its tokens, teacher-forced after the prompt, for single- and multi-token
-labels (shared first tokens included), with prefix-sharing plans and tiny chunks.
+labels (shared first tokens, different lengths), per-row labels, with the input's own
+prefix-sharing plan (multi-token labels keep it: one request per row), tiny chunks, both
+scheduling policies and a KV budget small enough to preempt rows in the middle of their labels.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
 from batchjob.plan.build import build_plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.row_settings import RowSettings
-from batchjob.scoring import LabelCombiner, expand
+from batchjob.scoring import RowScores, row_tries
 from batchjob.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -101,60 +103,151 @@ def test_logprobs_zero_is_chosen_only(models):
     assert np.all(outs[0].logprobs.logprob <= 0)
 
 
-def score(model, info, prompts: TokenizedPrompts, labels: list[list[int]], chunk: int):
+def with_labels(prompts: TokenizedPrompts, labels: list[list[list[int]]]) -> TokenizedPrompts:
+    """``prompts`` with row i's labels ``labels[i]`` (token ids; texts "L0", "L1", ...) and
+    max_tokens = its longest label, as ``load_prompts`` sets them."""
     settings = RowSettings(
         row_ids=prompts.row_ids,
-        labels=tuple(tuple(f"L{j}" for j in range(len(labels))) for _ in range(len(prompts))),
-        label_tokens=tuple(
-            tuple(np.asarray(t, dtype=np.int32) for t in labels) for _ in range(len(prompts))
-        ),
+        labels=tuple(tuple(f"L{j}" for j in range(len(lab))) for lab in labels),
+        label_tokens=tuple(tuple(np.asarray(t, dtype=np.int32) for t in lab) for lab in labels),
     )
-    prompts = dataclasses.replace(prompts, settings=settings)
-    req = expand(prompts)
+    longest = np.asarray([max(map(len, lab)) for lab in labels], dtype=np.int32)
+    return dataclasses.replace(prompts, settings=settings, max_tokens=longest)
+
+
+def score(
+    model,
+    info,
+    prompts: TokenizedPrompts,
+    labels: list[list[int]] | list[list[list[int]]],
+    chunk: int,
+    policy: str = "batchllm",
+    kv_blocks: int | None = None,
+    decode_reserve: bool = True,
+    kv_threshold: float = 0.95,
+):
+    """Run scoring as the native backend does; ``labels``: one list for every row, or one
+    per row. ``kv_blocks``: the KV budget in blocks of 16 tokens (default: 2 GiB)."""
+    per_row = labels if isinstance(labels[0][0], list) else [labels] * len(prompts)
+    prompts = with_labels(prompts, per_row)  # type: ignore[arg-type]
+    tries, names = row_tries(prompts)
     got = {}
-    comb = LabelCombiner(req, prompts.row_ids, lambda o: got.__setitem__(o.position, o))
-    run = engine(model, info, chunk).run(
-        req.prompts,
-        build_plan(req.prompts),
-        SamplingConfig(max_tokens=1),
-        comb.on_request,
-        score_targets=req.targets,
+    scores = RowScores(tries, names, prompts.row_ids, lambda o: got.__setitem__(o.position, o))
+    kv_bytes = None if kv_blocks is None else kv_blocks * 16 * info.kv_bytes_per_token
+    eng = Engine(
+        model,
+        info,
+        SchedulerConfig(
+            chunk_size=chunk,
+            policy=policy,
+            decode_reserve=decode_reserve,
+            kv_threshold=kv_threshold,
+        ),
+        EngineConfig(block_size=16, kv_cache_bytes=kv_bytes),
     )
-    return [got[i] for i in range(len(prompts))], req, run
+    plan = build_plan(prompts)
+    run = eng.score(
+        prompts,
+        plan,
+        [t.steps for t in tries],
+        lambda pos, node: tries[pos].targets[node],
+        scores.add,
+    )
+    assert scores.num_open == 0
+    return [got[i] for i in range(len(prompts))], plan, run
 
 
+def hf_label_logprobs(hf, prompt: list[int], labels: list[list[int]]) -> list[float]:
+    """Teacher-forced: the sum of HF's log-softmax over each label's tokens after the prompt."""
+    want = []
+    for t in labels:
+        ref = hf_logsoftmax(hf, prompt + t)
+        want.append(sum(float(ref[len(prompt) - 1 + k, tok]) for k, tok in enumerate(t)))
+    return want
+
+
+def trie_nodes(labels: list[list[int]]) -> set[tuple[int, ...]]:
+    """The label-trie nodes with children: each costs one scored position."""
+    return {tuple(t[:k]) for t in labels for k in range(len(t))}
+
+
+MULTI = [[11, 30, 31], [11, 30, 9], [12], [40, 41], [11, 5, 6, 7, 8]]
+
+
+@pytest.mark.parametrize("policy", ["batchllm", "baseline"])
 @pytest.mark.parametrize("chunk", [2048, 7])
 @pytest.mark.parametrize(
     "labels",
     [
-        [[11], [12], [40]],  # single-token: one request per row
-        [[11, 30, 31], [11, 30, 9], [12], [40, 41]],  # multi-token, shared first tokens
+        [[11], [12], [40]],  # single-token: the prompt's last logits only
+        MULTI,  # multi-token, shared first tokens, lengths 1 to 5
     ],
 )
-def test_label_logprobs_match_hf(models, labels, chunk):
+def test_label_logprobs_match_hf(models, labels, chunk, policy):
     model, info, hf = models
     prompts = prompts_with_sharing(info.vocab_size)
-    outs, req, _ = score(model, info, prompts, labels, chunk)
-    distinct_nodes = {tuple(t[:k]) for t in labels for k in range(len(t))}
-    assert len(req.prompts) == len(prompts) * len(distinct_nodes)  # shared steps shared
+    outs, plan, run = score(model, info, prompts, labels, chunk, policy)
     for i, o in enumerate(outs):
-        p = prompts.row(i).tolist()
-        want = []
-        for t in labels:
-            ref = hf_logsoftmax(hf, p + t)
-            want.append(sum(float(ref[len(p) - 1 + k, tok]) for k, tok in enumerate(t)))
+        want = hf_label_logprobs(hf, prompts.row(i).tolist(), labels)
         np.testing.assert_allclose(o.label_logprobs, want, atol=3e-4)
         assert o.label == f"L{int(np.argmax(want))}"
         assert o.finish_reason == "score" and len(o.token_ids) == 0
+    s = run.scheduler
+    assert s.decode_tokens == 0 and s.preemptions == 0
+    if policy == "batchllm":  # the input's plan as is + one token per non-root trie node
+        extra = len(trie_nodes(labels)) - 1
+        assert s.prefill_tokens == plan.stats.single_level_prefill_tokens + extra * len(prompts)
+
+
+def test_per_row_labels_in_shared_groups(models):
+    """Each row its own labels (some sharing first tokens, of different lengths), the rows in
+    groups sharing a 29-token prefix: still one request per row on the input's plan."""
+    model, info, hf = models
+    prompts = prompts_with_sharing(info.vocab_size)
+    per_row = [
+        [[11, 30, 31], [11, 30, 9], [12]],
+        [[7]],
+        [[40, 41, 42, 43], [40, 41], [40, 9]],
+        [[11], [12, 13]],
+        MULTI,
+        [[5, 6], [6, 5]],
+    ]
+    outs, plan, run = score(model, info, prompts, per_row, 2048)
+    assert plan.num_groups < len(prompts)  # some rows share a prefix
+    for i, o in enumerate(outs):
+        want = hf_label_logprobs(hf, prompts.row(i).tolist(), per_row[i])
+        np.testing.assert_allclose(o.label_logprobs, want, atol=3e-4)
+        assert o.label == f"L{int(np.argmax(want))}"
+    extra = sum(len(trie_nodes(lab)) - 1 for lab in per_row)
+    assert run.scheduler.prefill_tokens == plan.stats.single_level_prefill_tokens + extra
+
+
+@pytest.mark.parametrize("policy", ["batchllm", "baseline"])
+def test_scoring_preempted_mid_labels_matches_hf(models, policy):
+    """A KV budget of 8 blocks of 16 tokens for rows of 32 prompt tokens (a shared 16-token
+    block + 16 own: full blocks, so the labels need new ones) + labels of up to 11 tokens,
+    rows admitted on the blocks in use up to the last one (batchllm without its decode
+    reserve and with kv_threshold 1: otherwise its label steps wait for blocks instead): rows
+    are preempted while in their labels and recompute the prompt and the current path; every
+    score still equals HF's."""
+    model, info, hf = models
+    rng = np.random.default_rng(5)
+    doc = rng.integers(5, info.vocab_size, 16)
+    seqs = [np.concatenate([doc, rng.integers(5, info.vocab_size, 16)]) for _ in range(10)]
+    prompts = TokenizedPrompts.from_lists(seqs, max_tokens=1)
+    labels = [[11, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [11, 30, 9], [12, 13, 14, 15, 16, 17]]
+    outs, _, run = score(model, info, prompts, labels, 2048, policy, 8, False, kv_threshold=1.0)
+    assert run.scheduler.preemptions > 0 and run.scheduler.recomputed_tokens > 0
+    for i, o in enumerate(outs):
+        want = hf_label_logprobs(hf, prompts.row(i).tolist(), labels)
+        np.testing.assert_allclose(o.label_logprobs, want, atol=3e-4)
 
 
 def test_single_token_labels_cost_one_prefill(models):
-    """Single-token labels: the requests are the prompts themselves, nothing decoded."""
+    """Single-token labels: the prompts' own prefill on the input's plan, nothing more."""
     model, info, _ = models
     prompts = prompts_with_sharing(info.vocab_size)
-    _, req, run = score(model, info, prompts, [[11], [12]], 2048)
-    assert req.same_rows and req.prompts.tokens is prompts.tokens
+    _, plan, run = score(model, info, prompts, [[11], [12]], 2048)
     assert run.scheduler.decode_tokens == 0
-    plan = build_plan(prompts)
     assert run.scheduler.prefill_tokens == plan.stats.single_level_prefill_tokens
     assert plan.stats.single_level_prefill_tokens < plan.stats.logical_prefill_tokens

@@ -8,8 +8,6 @@ naming the key, before the plan runs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -20,11 +18,10 @@ from batchjob.backends.native.structured import JsonConstraint
 from batchjob.config import JobConfig
 from batchjob.errors import ConfigError
 from batchjob.model_info import ModelInfo
-from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.row_settings import row_json_schemas
-from batchjob.scoring import LabelCombiner, expand
+from batchjob.scoring import RowScores, row_tries
 
 
 def check_device(device: str) -> None:
@@ -101,24 +98,22 @@ class NativeBackend:
         on_finish: OnFinish,
         on_iteration: OnIteration | None,
     ) -> BackendRun:
-        """Scoring mode (``batchjob.scoring``): one step per label-trie node, greedy, no stop
-        strings; single-token labels run the input's plan as is."""
-        req = expand(prompts)
-        sched = self.job.scheduler
-        if not req.same_rows:
-            plan = build_plan(req.prompts, enlarge=sched.enlarge, order=sched.reorder)
-        combiner = LabelCombiner(req, prompts.row_ids, on_finish)
-        sampling = dataclasses.replace(
-            self.job.sampling, temperature=0.0, stop=(), logprobs=None, max_tokens=1
-        )
-        r = self.engine.run(
-            req.prompts,
+        """Scoring mode (``batchjob.scoring``): one request per row on the input's own plan;
+        multi-token labels are teacher-forced after the prompt on the row's own sequence
+        (``Engine.score``), so the plan's sharing across rows holds for them too.
+        ``prompts.max_tokens`` is each row's longest label (``load_prompts``)."""
+        tries, labels = row_tries(prompts)
+        scores = RowScores(tries, labels, prompts.row_ids, on_finish)
+        r = self.engine.score(
+            prompts,
             plan,
-            sampling,
-            combiner.on_request,
+            [t.steps for t in tries],
+            lambda pos, node: tries[pos].targets[node],
+            scores.add,
             on_iteration=on_iteration,
-            score_targets=req.targets,
         )
+        if scores.num_open:
+            raise RuntimeError(f"scoring: {scores.num_open} rows finished with nodes missing")
         return self._backend_run(r)
 
     def _backend_run(self, r) -> BackendRun:

@@ -22,8 +22,11 @@ class ModelBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]: absolute positions (group prefix_len offset included)
     meta: AttentionMetadata
-    logits_index: torch.Tensor  # int64 [K]: token index of the last token of sampling chunks
+    logits_index: torch.Tensor  # int64 [K + R]: last token of each sampling chunk, then the
+    # R scored tokens (scoring chunks' trailing ``len(score_nodes)`` tokens)
     sample_seqs: np.ndarray  # int64 [K]: seq_id of each sampled row, in logits order
+    score_seqs: np.ndarray  # int64 [R]: seq_id of each scored logits row (after the K)
+    score_nodes: np.ndarray  # int64 [R]: the trie node each scored row scores
 
 
 def _pad_tables(tables: list[np.ndarray]) -> np.ndarray:
@@ -40,6 +43,7 @@ def _pad_tables(tables: list[np.ndarray]) -> np.ndarray:
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def _field(chunks: tuple[ScheduledChunk, ...], name: str) -> np.ndarray:
@@ -92,6 +96,18 @@ def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> 
 
     kv_len = kv_start + lens
     sampling = np.flatnonzero(samples)
+    logits_index = cu_q[1:][sampling] - 1
+    score_seqs = score_nodes = _NONE
+    scored = [(i, c.score_nodes) for i, c in enumerate(chunks) if c.score_nodes is not None]
+    if scored:  # scoring: the trailing len(score_nodes) tokens of each such chunk
+        at = np.fromiter((i for i, _ in scored), dtype=np.int64, count=len(scored))
+        nodes = [x for _, x in scored]
+        k = np.fromiter(map(len, nodes), dtype=np.int64, count=len(scored))
+        first = np.repeat(cu_q[1:][at] - k, k)
+        rows = first + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+        logits_index = np.concatenate([logits_index, rows])
+        score_seqs = np.repeat(seq_id[at], k)
+        score_nodes = np.concatenate(nodes).astype(np.int64)
 
     def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
@@ -116,6 +132,8 @@ def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> 
         input_ids=t(input_ids, torch.int64),
         positions=t(positions, torch.int64),
         meta=meta,
-        logits_index=t(cu_q[1:][sampling] - 1, torch.int64),
+        logits_index=t(logits_index, torch.int64),
         sample_seqs=seq_id[sampling],
+        score_seqs=score_seqs,
+        score_nodes=score_nodes,
     )

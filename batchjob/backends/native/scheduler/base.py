@@ -16,6 +16,17 @@ Protocol (the runner's loop)::
 retires finished requests, returning their outputs (``{seq_id: tokens}``). A request also
 finishes when it has ``max_tokens`` outputs, whether or not the runner says so.
 
+Scoring (``label_steps``, one per request, ``batchjob.scoring._Trie.steps``): a request
+samples nothing. Its chunks carry ``score_nodes`` (the runner reads the logits of those
+trailing tokens and passes ``sampled={}``). When a chunk completes the prompt or a label step,
+``update`` starts the next step: the request's own KV is rewound to the step's branch point
+(the blocks past it freed, ``computed`` set back) and the step's path tokens become prompt
+work again; after the last step the request finishes (``update`` returns it with no tokens).
+A preempted scoring request recomputes its prompt and the current step's path. KV: such a
+request holds at most its prompt + the longest label - 1 tokens, which is what
+``prompts.max_tokens`` = the longest label makes ``check_kv_budget`` and the admission
+reserve count.
+
 Memory: a request's ``Sequence`` (its mutable state) exists only while it is live: created
 when its group comes up for scheduling (batchllm: at the head of the prefix queue; baseline:
 at the head of the waiting line) and dropped when it finishes, its outputs handed back by
@@ -27,6 +38,7 @@ Pure Python + numpy: never import torch here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -43,6 +55,9 @@ from batchjob.config import SchedulerConfig
 from batchjob.intmath import cdiv
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
+
+# scoring: per request, its steps (base, path int32, nodes int64), ``batchjob.scoring``
+LabelSteps = SequenceOf[tuple[tuple[int, np.ndarray, np.ndarray], ...]]
 
 
 @dataclass
@@ -107,8 +122,15 @@ def check_kv_budget(kv: KVLayout, prompts: TokenizedPrompts, prefix_len: np.ndar
 class Scheduler(ABC):
     """Common state and the schedule/update protocol; policies fill ``_schedule``."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: KVLayout, num_requests: int) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv: KVLayout,
+        num_requests: int,
+        label_steps: LabelSteps | None = None,
+    ) -> None:
         self.cfg = cfg
+        self._label_steps = label_steps  # scoring: per request, its teacher-forced steps
         self.block_size = kv.block_size
         self.kv_cap_blocks = cfg.kv_cap_blocks(kv.num_blocks)  # no new prefill above it
         self.pool = BlockPool(kv.num_blocks)
@@ -200,11 +222,18 @@ class Scheduler(ABC):
             extra = sorted(finished - set(samplers))
             raise ValueError(f"finished seq_ids that did not sample: {extra}")
         self._pending = None
+        live = self._live
+        done: dict[int, list[int]] = {}
         for chunk in out.chunks:  # prefix chunks: a few per iteration at most
             if chunk.seq_id < 0:
                 self._prefix_chunk_done(chunk)
-        live = self._live
-        done: dict[int, list[int]] = {}
+            elif chunk.score_nodes is not None:
+                req = live[chunk.seq_id]
+                if req.state == RUNNING and req.computed == req.num_tokens:  # step complete
+                    if self._next_label_step(req):
+                        continue
+                    self._finish(req)
+                    done[req.seq_id] = req.outputs
         for seq_id in samplers:
             req = live[seq_id]
             req.outputs.append(int(sampled[seq_id]))
@@ -247,6 +276,8 @@ class Scheduler(ABC):
         """The ``Sequence`` of request ``seq_id``, created when it comes up (kept until it
         finishes)."""
         req = Sequence(seq_id, prompt, max_tokens, own_start, group, chunk_group)
+        if self._label_steps is not None:
+            req.start_scoring(self._label_steps[seq_id])
         self._live[seq_id] = req
         return req
 
@@ -302,6 +333,22 @@ class Scheduler(ABC):
         self._on_preempt(req)
         self._requeue(req)
 
+    def _next_label_step(self, req: Sequence) -> bool:
+        """Scoring: rewind ``req``'s own KV to the next step's branch point (freeing the
+        blocks past it) and queue the step's path tokens; False when no step is left."""
+        if not req.next_step():
+            return False
+        keep_tokens = req.score_from  # num_own_prompt + base <= what the KV holds
+        keep = cdiv(keep_tokens, self.block_size)
+        if len(req.blocks) > keep:
+            self.pool.free(reversed(req.blocks[keep:]))
+            del req.blocks[keep:]
+        req._table = None  # the tail blocks change even when their count does not
+        req.computed = keep_tokens
+        req.high_water = keep_tokens  # the positions past it get new tokens: not a recompute
+        self._partial[req.seq_id] = req
+        return True
+
     def _finish(self, req: Sequence) -> None:
         self._free_blocks(req)
         self._partial.pop(req.seq_id, None)
@@ -333,6 +380,20 @@ class Scheduler(ABC):
                 self._partial[seq.seq_id] = seq  # keeps its place (admission order) if there
             else:
                 self._partial.pop(seq.seq_id, None)
+        if seq.steps is not None:  # scoring: read the logits of positions score_from ..
+            f = seq.score_from
+            lo = max(start, f)
+            return ScheduledChunk(
+                seq.seq_id,
+                seq.tokens(start, end),
+                start,
+                seq.own_start + start,
+                seq.block_table(),
+                seq.chunk_group,
+                False,
+                False,
+                seq.score_nodes[lo - f : end - f] if lo < end else None,
+            )
         return ScheduledChunk(
             seq_id=seq.seq_id,
             token_ids=seq.tokens(start, end),

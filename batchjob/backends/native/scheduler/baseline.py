@@ -14,6 +14,7 @@
   filled in the same batch is sound). A new or resumed request reuses the longest cached run
   of its full blocks, but never its last known token, which is always recomputed for logits.
   A hit shows as ``kv_start > 0`` on its first chunk. ``kv_threshold`` is not used.
+  Scoring requests cache their prompt's full blocks only (their label part is rewound).
 * A request's ``Sequence`` is created when it reaches the head of the waiting line and
   dropped when it finishes: live objects follow the running set, not the dataset.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 
 from batchjob.backends.native.kv_cache import KVLayout
-from batchjob.backends.native.scheduler.base import Scheduler, check_kv_budget
+from batchjob.backends.native.scheduler.base import LabelSteps, Scheduler, check_kv_budget
 from batchjob.backends.native.scheduler.output import ScheduledChunk
 from batchjob.backends.native.scheduler.sequence import RUNNING, WAITING, Sequence
 from batchjob.config import SchedulerConfig
@@ -32,9 +33,15 @@ from batchjob.prompts import TokenizedPrompts
 
 
 class BaselineScheduler(Scheduler):
-    def __init__(self, cfg: SchedulerConfig, kv: KVLayout, prompts: TokenizedPrompts) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv: KVLayout,
+        prompts: TokenizedPrompts,
+        label_steps: LabelSteps | None = None,
+    ) -> None:
         check_kv_budget(kv, prompts, prefix_len=prompts.lengths * 0)
-        super().__init__(cfg, kv, len(prompts))
+        super().__init__(cfg, kv, len(prompts), label_steps)
         self._prompts = prompts
         self._next_new = 0  # the first request never created (file order)
         # the waiting line: preempted requests (front), then at most one new request looked
@@ -98,7 +105,7 @@ class BaselineScheduler(Scheduler):
     def _admit_with_cache(self, req: Sequence, budget: int) -> int:
         """Admit ``req`` with its cached blocks and a first chunk; its size, or 0 if no room."""
         bs = self.block_size
-        hits = self.pool.lookup(req.block_hashes((req.num_tokens - 1) // bs, bs))
+        hits = self.pool.lookup(req.block_hashes(_cacheable(req, req.num_tokens - 1) // bs, bs))
         cached = len(hits) * bs
         n = min(req.num_tokens - cached, budget)
         need = cdiv(cached + n, bs) - len(hits)
@@ -114,9 +121,15 @@ class BaselineScheduler(Scheduler):
 
     def _emit_and_cache(self, req: Sequence, n: int) -> ScheduledChunk:
         chunk = self._emit(req, n)
-        full = req.computed // self.block_size
+        full = _cacheable(req, req.computed) // self.block_size
         hashes = req.block_hashes(full, self.block_size)
         for i in range(req.num_cached_blocks, full):
             self.pool.cache(req.blocks[i], hashes[i])
         req.num_cached_blocks = full
         return chunk
+
+
+def _cacheable(req: Sequence, tokens: int) -> int:
+    """Of ``tokens`` own tokens, those whose blocks may be cached: a scoring request's label
+    path is rewound and overwritten, so only its prompt's full blocks are."""
+    return tokens if req.steps is None else min(tokens, req.num_own_prompt)

@@ -58,6 +58,7 @@ import numpy as np
 
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.base import (
+    LabelSteps,
     Scheduler,
     check_kv_budget,
     request_prefix_len,
@@ -143,13 +144,18 @@ def check_plan(plan: Plan, prompts: TokenizedPrompts) -> None:
 
 class BatchLLMScheduler(Scheduler):
     def __init__(
-        self, cfg: SchedulerConfig, kv: KVLayout, prompts: TokenizedPrompts, plan: Plan | None
+        self,
+        cfg: SchedulerConfig,
+        kv: KVLayout,
+        prompts: TokenizedPrompts,
+        plan: Plan | None,
+        label_steps: LabelSteps | None = None,
     ) -> None:
         n = len(prompts)
         if plan is not None:
             check_plan(plan, prompts)
         check_kv_budget(kv, prompts, request_prefix_len(plan, n))
-        super().__init__(cfg, kv, n)
+        super().__init__(cfg, kv, n, label_steps)
         self._prompts = prompts
         self._plan = plan  # None: groups of one in file order (memory-centric, no sharing)
         num_groups = n if plan is None else plan.num_groups
@@ -429,13 +435,13 @@ class _GrowthReserve:
         s = self._sched
         if self._proj is None:
             run = list(s._running.values())
-            tok = np.fromiter((r.num_tokens for r in run), np.int64, len(run))  # prefill whole
+            tok = np.fromiter(map(_grown_from, run), np.int64, len(run))  # prefill whole
             rem = np.fromiter((r.max_tokens - len(r.outputs) for r in run), np.int64, len(run))
             self._proj = _Projection(tok, np.maximum(rem, 1), s.block_size)
             self._own = sum(len(r.blocks) for r in run)
         # blocks no request owns: group prefixes, those started in this pass included
         base = s.pool.num_used - self._own - sum(len(r.blocks) for r in self._admitted)
-        peak = self._proj.peak_with(req.num_tokens, _remaining(req))
+        peak = self._proj.peak_with(_grown_from(req), _remaining(req))
         return base + extra_blocks + peak <= cap
 
     def admit(self, req: Sequence, extra_blocks: int, cap: int) -> bool:
@@ -443,9 +449,15 @@ class _GrowthReserve:
         if not self.fits(req, extra_blocks, cap):
             return False
         assert self._proj is not None
-        self._proj.add(req.num_tokens, _remaining(req))
+        self._proj.add(_grown_from(req), _remaining(req))
         self._admitted.append(req)
         return True
+
+
+def _grown_from(req: Sequence) -> int:
+    """Own tokens the decode growth starts from: the prompt and outputs. A scoring request's
+    label path is left out: its ``max_tokens`` (the longest label) already counts it."""
+    return req.num_own_prompt + len(req.outputs)
 
 
 def _remaining(req: Sequence) -> int:

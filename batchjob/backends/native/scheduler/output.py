@@ -37,6 +37,9 @@ class ScheduledChunk(NamedTuple):
     group: int  # plan group whose prefix KV precedes the own KV; -1: none (prefix seqs, singles)
     is_decode: bool  # exactly the request's latest sampled token (not a prompt/recompute chunk)
     samples: bool  # the runner samples from the logits of this chunk's last token
+    # scoring (never samples): the runner reads the logits of the chunk's last
+    # len(score_nodes) tokens; int64 trie node each scores (``batchjob.scoring``)
+    score_nodes: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

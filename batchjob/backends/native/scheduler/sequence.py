@@ -8,12 +8,21 @@ from batchjob.backends.native.kv_cache import BlockHash, hash_block
 
 NEW, WAITING, RUNNING, FINISHED = range(4)
 
+_NO_PATH = np.zeros(0, dtype=np.int32)
+_ROOT = np.zeros(1, dtype=np.int64)  # scoring: the prompt's last token reads trie node 0
+
 
 class Sequence:
     """Mutable state of one sequence: a request, or (batchllm) a group prefix.
 
     Own tokens are ``prompt[own_start:]`` followed by the sampled outputs; own-KV position
     ``p`` is model position ``own_start + p`` (``own_start`` = the group prefix length).
+
+    Scoring (``steps`` set, see ``batchjob.scoring``): nothing is sampled; the own tokens are
+    the distinct prompt followed by the current label ``path``, and the logits of own
+    positions ``score_from ..`` are read, scoring trie nodes ``score_nodes``. Before the
+    first step that is the prompt's last position (the root, node 0); each step then rewinds
+    the KV to ``num_own_prompt + base`` and feeds the rest of its path.
     """
 
     __slots__ = (
@@ -27,12 +36,18 @@ class Sequence:
         "max_tokens",
         "num_cached_blocks",
         "num_own_prompt",
+        "num_path",
         "outputs",
         "own_start",
+        "path",
         "prompt",
+        "score_from",
+        "score_nodes",
         "seq_id",
         "stamp",
         "state",
+        "step",
+        "steps",
     )
 
     def __init__(
@@ -60,11 +75,36 @@ class Sequence:
         self.stamp = -1  # admission order: larger is younger
         self.hashes: list[BlockHash] = []  # block hashes of full blocks (baseline)
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache (baseline)
+        self.steps: tuple[tuple[int, np.ndarray, np.ndarray], ...] | None = None  # scoring
+        self.step = -1  # scoring: the step running (-1: the prompt, scoring the root)
+        self.path = _NO_PATH  # scoring: int32 label tokens after the prompt
+        self.num_path = 0
+        self.score_from = 0  # scoring: first own position whose logits are read
+        self.score_nodes = _ROOT  # scoring: int64 trie node of each read position
+
+    def start_scoring(self, steps: tuple[tuple[int, np.ndarray, np.ndarray], ...]) -> None:
+        """Make this request a scoring one: read the root at the prompt's last token, then
+        run ``steps`` ((base, path, nodes) each, ``batchjob.scoring._Trie.steps``)."""
+        self.steps = steps
+        self.score_from = self.num_own_prompt - 1
+
+    def next_step(self) -> bool:
+        """Scoring: move to the next step (path, read positions); False when none is left.
+        The caller rewinds the KV to ``num_own_prompt + base`` (``computed``)."""
+        assert self.steps is not None
+        self.step += 1
+        if self.step == len(self.steps):
+            return False
+        base, path, nodes = self.steps[self.step]
+        self.path, self.num_path = path, len(path)
+        self.score_from = self.num_own_prompt + base
+        self.score_nodes = nodes
+        return True
 
     @property
     def num_tokens(self) -> int:
-        """Own tokens known: distinct prompt part + outputs."""
-        return self.num_own_prompt + len(self.outputs)
+        """Own tokens known: distinct prompt part + outputs (scoring: + the label path)."""
+        return self.num_own_prompt + len(self.outputs) + self.num_path
 
     @property
     def in_decode(self) -> bool:
@@ -75,7 +115,10 @@ class Sequence:
         p = self.num_own_prompt
         if end <= p:
             return self.prompt[self.own_start + start : self.own_start + end]
-        tail = np.asarray(self.outputs[max(start - p, 0) : end - p], dtype=np.int32)
+        if self.steps is not None:
+            tail = self.path[max(start - p, 0) : end - p]
+        else:
+            tail = np.asarray(self.outputs[max(start - p, 0) : end - p], dtype=np.int32)
         if start >= p:
             return tail
         return np.concatenate([self.prompt[self.own_start + start :], tail])
