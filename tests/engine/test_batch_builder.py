@@ -92,12 +92,17 @@ def _reference_build(out: SchedulerOutput, block_size: int, device: torch.device
         max_kv_len=int(kv_len.max(initial=0)),
         max_prefix_len=int(prefix_len.max(initial=0)),
     )
+    # scoring chunks: the logits of their trailing len(score_nodes) tokens, after the sampled
+    scored = [(i, c.score_nodes) for i, c in enumerate(chunks) if c.score_nodes is not None]
+    rows = [int(cu_q[i + 1]) - len(nd) + j for i, nd in scored for j in range(len(nd))]
     return ModelBatch(
         input_ids=t(input_ids, torch.int64),
         positions=t(positions, torch.int64),
         meta=meta,
-        logits_index=t(cu_q[1:][sampling] - 1, torch.int64),
+        logits_index=t(np.asarray([*(cu_q[1:][sampling] - 1), *rows], np.int64), torch.int64),
         sample_seqs=np.asarray([chunks[i].seq_id for i in sampling], dtype=np.int64),
+        score_seqs=np.asarray([chunks[i].seq_id for i, nd in scored for _ in nd], np.int64),
+        score_nodes=np.asarray([int(x) for _, nd in scored for x in nd], np.int64),
     )
 
 
@@ -160,6 +165,9 @@ def random_output(seed: int) -> SchedulerOutput:
 
 
 def _chunk(rng, seq_id, n, start, prefix_len, group, decode, bs) -> ScheduledChunk:
+    samples = seq_id >= 0 and bool(decode or rng.integers(0, 2))
+    scores = seq_id >= 0 and not samples and bool(rng.integers(0, 2))  # scoring: reads logits
+    nodes = rng.integers(0, 9, int(rng.integers(1, n + 1))) if scores else None
     return ScheduledChunk(
         seq_id=seq_id,
         token_ids=rng.integers(0, 500, n).astype(np.int32),
@@ -168,7 +176,8 @@ def _chunk(rng, seq_id, n, start, prefix_len, group, decode, bs) -> ScheduledChu
         block_table=rng.integers(0, 99, -(-(start + n) // bs)).astype(np.int32),
         group=group,
         is_decode=decode,
-        samples=seq_id >= 0 and bool(decode or rng.integers(0, 2)),
+        samples=samples,
+        score_nodes=nodes,
     )
 
 
