@@ -22,7 +22,7 @@ from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
 from batchjob.plan.build import build_plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.row_settings import RowSettings
-from batchjob.scoring import RowScores, row_tries
+from batchjob.scoring import RowScores, _trie, row_tries
 from batchjob.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -251,3 +251,23 @@ def test_single_token_labels_cost_one_prefill(models):
     assert run.scheduler.decode_tokens == 0
     assert run.scheduler.prefill_tokens == plan.stats.single_level_prefill_tokens
     assert plan.stats.single_level_prefill_tokens < plan.stats.logical_prefill_tokens
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_trie_steps_visit_every_node_once_on_held_kv(seed):
+    """The teacher-forced walk: each trie node with children is scored exactly once, at the
+    token that ends its prefix, and every step starts from a branch point whose tokens the
+    sequence still holds (a prefix of the previous step's path)."""
+    rng = np.random.default_rng(seed)
+    labels = list({tuple(rng.integers(1, 4, int(rng.integers(1, 6))).tolist()) for _ in range(8)})
+    trie = _trie(tuple(np.asarray(t, np.int32) for t in labels))
+    seen = [0]  # the root: the prompt's last token
+    held: tuple[int, ...] = ()
+    for base, path, nodes in trie.steps:
+        p = tuple(path.tolist())
+        assert base <= len(held) and p[:base] == held[:base] and len(nodes) == len(p) - base
+        for j, node in enumerate(nodes.tolist(), start=base):
+            assert trie.prefixes[node] == p[: j + 1]
+            seen.append(node)
+        held = p
+    assert sorted(seen) == list(range(len(trie.prefixes)))
