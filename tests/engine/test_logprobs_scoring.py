@@ -224,18 +224,18 @@ def test_per_row_labels_in_shared_groups(models):
 
 @pytest.mark.parametrize("policy", ["batchllm", "baseline"])
 def test_scoring_preempted_mid_labels_matches_hf(models, policy):
-    """A KV budget of 8 blocks of 16 tokens for rows of 32 prompt tokens (a shared 16-token
-    block + 16 own: full blocks, so the labels need new ones) + labels of up to 11 tokens,
-    rows admitted on the blocks in use up to the last one (batchllm without its decode
-    reserve and with kv_threshold 1: otherwise its label steps wait for blocks instead): rows
-    are preempted while in their labels and recompute the prompt and the current path; every
-    score still equals HF's."""
+    """A KV budget of 8 blocks of 16 tokens, rows of a shared 16-token block + 10 own tokens,
+    labels whose first step (with the prompt) fits the row's first own block and whose second
+    step (12 tokens, after a rewind) needs one more; rows admitted on the blocks in use up to
+    the last one (batchllm without its decode reserve and with kv_threshold 1: otherwise it
+    waits for blocks instead): rows are preempted in their second step and recompute the
+    prompt and that step's path; every score still equals HF's."""
     model, info, hf = models
     rng = np.random.default_rng(5)
     doc = rng.integers(5, info.vocab_size, 16)
-    seqs = [np.concatenate([doc, rng.integers(5, info.vocab_size, 16)]) for _ in range(10)]
+    seqs = [np.concatenate([doc, rng.integers(5, info.vocab_size, 10)]) for _ in range(10)]
     prompts = TokenizedPrompts.from_lists(seqs, max_tokens=1)
-    labels = [[11, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39], [11, 30, 9], [12, 13, 14, 15, 16, 17]]
+    labels = [[11, 20], [11, 21], list(range(12, 24))]
     outs, _, run = score(model, info, prompts, labels, 2048, policy, 8, False, kv_threshold=1.0)
     assert run.scheduler.preemptions > 0 and run.scheduler.recomputed_tokens > 0
     for i, o in enumerate(outs):

@@ -14,7 +14,8 @@
   filled in the same batch is sound). A new or resumed request reuses the longest cached run
   of its full blocks, but never its last known token, which is always recomputed for logits.
   A hit shows as ``kv_start > 0`` on its first chunk. ``kv_threshold`` is not used.
-  Scoring requests cache their prompt's full blocks only (their label part is rewound).
+  Scoring requests cache their prompt's full blocks only (their label part is rewound) and
+  reuse at most up to their first scored position (whose logits must be computed).
 * A request's ``Sequence`` is created when it reaches the head of the waiting line and
   dropped when it finishes: live objects follow the running set, not the dataset.
 """
@@ -105,7 +106,8 @@ class BaselineScheduler(Scheduler):
     def _admit_with_cache(self, req: Sequence, budget: int) -> int:
         """Admit ``req`` with its cached blocks and a first chunk; its size, or 0 if no room."""
         bs = self.block_size
-        hits = self.pool.lookup(req.block_hashes(_cacheable(req, req.num_tokens - 1) // bs, bs))
+        known = req.num_tokens - 1 if req.steps is None else min(req.score_from, req.num_own_prompt)
+        hits = self.pool.lookup(req.block_hashes(known // bs, bs))
         cached = len(hits) * bs
         n = min(req.num_tokens - cached, budget)
         need = cdiv(cached + n, bs) - len(hits)
@@ -121,15 +123,11 @@ class BaselineScheduler(Scheduler):
 
     def _emit_and_cache(self, req: Sequence, n: int) -> ScheduledChunk:
         chunk = self._emit(req, n)
-        full = _cacheable(req, req.computed) // self.block_size
+        full = (req.computed if req.steps is None else min(req.computed, req.num_own_prompt)) // (
+            self.block_size
+        )
         hashes = req.block_hashes(full, self.block_size)
         for i in range(req.num_cached_blocks, full):
             self.pool.cache(req.blocks[i], hashes[i])
         req.num_cached_blocks = full
         return chunk
-
-
-def _cacheable(req: Sequence, tokens: int) -> int:
-    """Of ``tokens`` own tokens, those whose blocks may be cached: a scoring request's label
-    path is rewound and overwritten, so only its prompt's full blocks are."""
-    return tokens if req.steps is None else min(tokens, req.num_own_prompt)

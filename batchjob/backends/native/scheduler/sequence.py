@@ -21,8 +21,9 @@ class Sequence:
     Scoring (``steps`` set, see ``batchjob.scoring``): nothing is sampled; the own tokens are
     the distinct prompt followed by the current label ``path``, and the logits of own
     positions ``score_from ..`` are read, scoring trie nodes ``score_nodes``. Before the
-    first step that is the prompt's last position (the root, node 0); each step then rewinds
-    the KV to ``num_own_prompt + base`` and feeds the rest of its path.
+    first step that is the prompt's last position (the root, node 0), read in the same chunk
+    as the first step's path; each later step rewinds the KV to ``num_own_prompt + base``
+    and feeds the rest of its path.
     """
 
     __slots__ = (
@@ -84,9 +85,16 @@ class Sequence:
 
     def start_scoring(self, steps: tuple[tuple[int, np.ndarray, np.ndarray], ...]) -> None:
         """Make this request a scoring one: read the root at the prompt's last token, then
-        run ``steps`` ((base, path, nodes) each, ``batchjob.scoring._Trie.steps``)."""
+        run ``steps`` ((base, path, nodes) each, ``batchjob.scoring._Trie.steps``). The first
+        step starts at the root (base 0): it runs with the prompt, as one prefill whose
+        logits are read from the prompt's last token on (no extra chunk or iteration)."""
         self.steps = steps
         self.score_from = self.num_own_prompt - 1
+        if steps:
+            _, path, nodes = steps[0]
+            self.step = 0
+            self.path, self.num_path = path, len(path)
+            self.score_nodes = np.concatenate([_ROOT, nodes])
 
     def next_step(self) -> bool:
         """Scoring: move to the next step (path, read positions); False when none is left.
