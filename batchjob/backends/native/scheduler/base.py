@@ -18,8 +18,9 @@ finishes when it has ``max_tokens`` outputs, whether or not the runner says so.
 
 Scoring (``label_steps``, one per request, ``batchjob.scoring._Trie.steps``): a request
 samples nothing. Its chunks carry ``score_nodes`` (the runner reads the logits of those
-trailing tokens and passes ``sampled={}``). When a chunk completes the prompt or a label step,
-``update`` starts the next step: the request's own KV is rewound to the step's branch point
+trailing tokens and passes ``sampled={}``). The first step is scheduled with the prompt (one
+prefill; the root is read at the prompt's last token). When a chunk completes a step,
+``update`` starts the next one: the request's own KV is rewound to the step's branch point
 (the blocks past it freed, ``computed`` set back) and the step's path tokens become prompt
 work again; after the last step the request finishes (``update`` returns it with no tokens).
 A preempted scoring request recomputes its prompt and the current step's path. KV: such a
