@@ -112,12 +112,9 @@ def row_tries(prompts: TokenizedPrompts) -> tuple[tuple[_Trie, ...], tuple[tuple
 
 
 def _finished_row(
-    pos: int, row_id: int, trie: _Trie, labels: tuple[str, ...], got: dict[int, np.ndarray]
+    pos: int, row_id: int, labels: tuple[str, ...], scores: np.ndarray
 ) -> FinishedRequest:
-    """A row's result from its nodes' target log-probs: each label sums its path."""
-    scores = np.asarray(
-        [sum(float(got[nd][t]) for nd, t in path) for path in trie.paths], dtype=np.float32
-    )
+    """A row's result from its labels' log-probs (float32, aligned with ``labels``)."""
     best = labels[int(np.argmax(scores))]
     return FinishedRequest(
         position=pos,
@@ -131,9 +128,12 @@ def _finished_row(
 
 
 class RowScores:
-    """Collects each row's trie-node log-probs (one request per row, ``row_tries``); emits the
-    row once every node with children has been read. A node read twice (a row preempted and
-    recomputed mid-step) keeps its latest value."""
+    """Every row's trie-node target log-probs (one request per row, ``row_tries``) in one
+    float32 buffer, written by numpy scatters (no Python per scored position): row ``pos``
+    owns ``buf[row_base[pos] : row_base[pos] + size]``, its trie's targets node by node.
+    ``finish(pos)`` (the scheduler finished the row: all its nodes were read) sums each
+    label's path and emits the row. A node read twice (a row preempted and recomputed
+    mid-step) keeps its latest value."""
 
     def __init__(
         self,
@@ -146,22 +146,50 @@ class RowScores:
         self.labels = labels
         self.row_ids = row_ids
         self.on_finish = on_finish
-        self._got: dict[int, dict[int, np.ndarray]] = {}
+        n = len(tries)
+        index: dict[int, int] = {}
+        self._tid = np.fromiter(
+            (index.setdefault(id(t), len(index)) for t in tries), dtype=np.int64, count=n
+        )
+        distinct = list({id(t): t for t in tries}.values())  # in index order
+        width = max((len(t.targets) for t in distinct), default=0) + 1
+        self._node_off = np.zeros((len(distinct), width), dtype=np.int64)  # [T, nodes + 1]
+        self._paths: list[list[np.ndarray]] = []  # per trie, per label: its flat target indices
+        flats = []
+        for i, t in enumerate(distinct):
+            off = np.zeros(len(t.targets) + 1, dtype=np.int64)
+            np.cumsum([len(x) for x in t.targets], out=off[1:])
+            self._node_off[i, : len(off)] = off
+            flats.append(np.concatenate(t.targets).astype(np.int64))
+            self._paths.append([np.asarray([off[nd] + k for nd, k in p]) for p in t.paths])
+        sizes = np.fromiter(map(len, flats), dtype=np.int64, count=len(flats))
+        self._tok_base = np.cumsum(sizes) - sizes  # [T]: each trie's targets in _tok
+        self._tok = np.concatenate(flats) if flats else np.zeros(0, np.int64)
+        self._size = sizes[self._tid]  # [N]
+        self._row_base = np.cumsum(self._size) - self._size
+        self.buf = np.zeros(int(self._size.sum()), dtype=np.float32)
 
-    def add(self, pos: int, node: int, target_logprobs: np.ndarray) -> None:
-        """Row ``pos``'s log-probs of node ``node``'s child tokens (``_Trie.targets`` order)."""
-        got = self._got.setdefault(pos, {})
-        got[node] = target_logprobs
-        trie = self.tries[pos]
-        if len(got) < len(trie.prefixes):
-            return
-        del self._got[pos]
-        self.on_finish(_finished_row(pos, int(self.row_ids[pos]), trie, self.labels[pos], got))
+    def gather_index(
+        self, seqs: np.ndarray, nodes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For scored positions (row ``seqs[j]``, trie node ``nodes[j]``): per target, the
+        position j, the target token id and its slot in ``buf`` (all int64, ragged flat)."""
+        t = self._tid[seqs]
+        a = self._node_off[t, nodes]
+        k = self._node_off[t, nodes + 1] - a
+        rep = np.repeat(np.arange(len(seqs)), k)
+        within = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+        tok = self._tok[np.repeat(self._tok_base[t] + a, k) + within]
+        dest = np.repeat(self._row_base[seqs] + a, k) + within
+        return rep, tok, dest
 
-    @property
-    def num_open(self) -> int:
-        """Rows with some nodes in and others missing."""
-        return len(self._got)
+    def finish(self, pos: int) -> None:
+        """Row ``pos`` is complete: emit its labels' log-probs (each the sum of its path)."""
+        base = int(self._row_base[pos])
+        vals = self.buf[base : base + int(self._size[pos])].astype(np.float64)
+        paths = self._paths[int(self._tid[pos])]
+        scores = np.asarray([vals[ix].sum() for ix in paths], dtype=np.float32)
+        self.on_finish(_finished_row(pos, int(self.row_ids[pos]), self.labels[pos], scores))
 
 
 @dataclass(frozen=True)
@@ -225,8 +253,11 @@ class LabelCombiner:
         if self._left[pos]:
             return
         del self._got[pos]
-        trie, labels = self.req.tries[pos], self.req.labels[pos]
-        self.on_finish(_finished_row(pos, int(self.row_ids[pos]), trie, labels, got))
+        paths = self.req.tries[pos].paths
+        scores = np.asarray(
+            [sum(float(got[nd][t]) for nd, t in path) for path in paths], dtype=np.float32
+        )
+        self.on_finish(_finished_row(pos, int(self.row_ids[pos]), self.req.labels[pos], scores))
 
     def on_request(self, o: FinishedRequest) -> None:
         """A backend's finished scoring request (``target_logprobs`` set)."""

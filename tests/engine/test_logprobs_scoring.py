@@ -146,14 +146,7 @@ def score(
         EngineConfig(block_size=16, kv_cache_bytes=kv_bytes),
     )
     plan = build_plan(prompts)
-    run = eng.score(
-        prompts,
-        plan,
-        [t.steps for t in tries],
-        lambda pos, node: tries[pos].targets[node],
-        scores.add,
-    )
-    assert scores.num_open == 0
+    run = eng.score(prompts, plan, [t.steps for t in tries], scores)
     return [got[i] for i in range(len(prompts))], plan, run
 
 

@@ -105,15 +105,8 @@ class NativeBackend:
         tries, labels = row_tries(prompts)
         scores = RowScores(tries, labels, prompts.row_ids, on_finish)
         r = self.engine.score(
-            prompts,
-            plan,
-            [t.steps for t in tries],
-            lambda pos, node: tries[pos].targets[node],
-            scores.add,
-            on_iteration=on_iteration,
+            prompts, plan, [t.steps for t in tries], scores, on_iteration=on_iteration
         )
-        if scores.num_open:
-            raise RuntimeError(f"scoring: {scores.num_open} rows finished with nodes missing")
         return self._backend_run(r)
 
     def _backend_run(self, r) -> BackendRun:

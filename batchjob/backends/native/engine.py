@@ -39,6 +39,7 @@ from batchjob.model_info import ModelInfo
 from batchjob.plan.plan import Plan
 from batchjob.prompts import TokenizedPrompts
 from batchjob.row_settings import RowSettings
+from batchjob.scoring import RowScores
 
 GiB = 1 << 30
 
@@ -223,16 +224,15 @@ class Engine:
         prompts: TokenizedPrompts,
         plan: Plan | None,
         label_steps: Sequence[tuple[tuple[int, np.ndarray, np.ndarray], ...]],
-        node_targets: Callable[[int, int], np.ndarray],
-        on_node: Callable[[int, int, np.ndarray], None],
+        scores: RowScores,
         on_iteration: Callable[[IterationRecord], None] | None = None,
     ) -> EngineRun:
-        """Scoring mode (``batchjob.scoring``): one request per prompt, run on ``plan``; after
-        its prompt, each request is teacher-forced through ``label_steps[i]`` (the scheduler
-        rewinds its KV between steps). Every scored logits row (request ``i``, trie node
-        ``n``) hands the float32 log-softmax of the tokens ``node_targets(i, n)`` to
-        ``on_node(i, n, logprobs)``. ``prompts.max_tokens`` must be each row's longest label
-        (its KV need: the prompt + the longest label - 1). Nothing is sampled."""
+        """Scoring mode (``batchjob.scoring``): one request per prompt, run on ``plan``; with
+        and after its prompt, each request is teacher-forced through ``label_steps[i]`` (the
+        scheduler rewinds its KV between steps). The float32 log-softmax of every scored
+        position's target tokens goes into ``scores.buf`` (one gather per iteration); a
+        request the scheduler finishes goes to ``scores.finish``. ``prompts.max_tokens`` must
+        be each row's longest label (its KV need: the prompt + the longest label - 1)."""
         sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan, label_steps)
         records: list[IterationRecord] = []
         bs = self.kv.block_size
@@ -244,12 +244,15 @@ class Engine:
             logits = self.model(
                 batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
             )
-            if len(batch.score_seqs):
-                seqs, nodes = batch.score_seqs.tolist(), batch.score_nodes.tolist()
-                targets = [node_targets(s, n) for s, n in zip(seqs, nodes, strict=True)]
-                for s, n, lp in zip(seqs, nodes, _gather_logprobs(logits, targets), strict=True):
-                    on_node(s, n, lp)
-            sched.update(out, {}, set())
+            if len(batch.score_seqs):  # logits rows: the scored positions (nothing sampled)
+                rep, tok, dest = scores.gather_index(batch.score_seqs, batch.score_nodes)
+                x = logits.float()
+                lse = torch.logsumexp(x, dim=-1)
+                r = torch.from_numpy(rep).to(x.device)
+                vals = x[r, torch.from_numpy(tok).to(x.device)] - lse[r]
+                scores.buf[dest] = vals.cpu().numpy()
+            for pos in sched.update(out, {}, set()):
+                scores.finish(pos)
             self._record(records, out, t0, on_iteration)
         return self._engine_run(records, sched.stats, t_start)
 
@@ -344,15 +347,3 @@ def _collect(
         top_ids=np.stack([s[1] for s in steps]).astype(np.int32),
         top_logprobs=np.stack([s[2] for s in steps]).astype(np.float32),
     )
-
-
-def _gather_logprobs(logits: torch.Tensor, targets: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Logits row j -> float32 log-softmax of the tokens ``targets[j]``, one batched gather
-    (log-softmax = logit - logsumexp, for the gathered tokens only)."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1)  # [R]
-    k = np.fromiter(map(len, targets), dtype=np.int64, count=len(targets))
-    rows = torch.from_numpy(np.repeat(np.arange(len(targets)), k)).to(x.device)
-    cols = torch.from_numpy(np.concatenate(targets).astype(np.int64)).to(x.device)
-    vals = (x[rows, cols] - lse[rows]).cpu().numpy().astype(np.float32)
-    return np.split(vals, np.cumsum(k)[:-1])
