@@ -101,6 +101,9 @@ def test_batch_kind():
     assert kind([ref.SeqSpec(1, 40, group=0)] * 3 + [ref.SeqSpec(1, 9)], (100,)) == "decode"
     assert kind([ref.SeqSpec(30, 30, group=0)] * 2 + [ref.SeqSpec(1, 9)], (100,)) == "prefix"
     assert kind([ref.SeqSpec(64, 64), ref.SeqSpec(1, 90)], ()) == "prefill"
+    # a chunk late in a long prompt: judged against torch on a long chunk
+    assert kind([ref.SeqSpec(512, 1500), ref.SeqSpec(64, 64)], ()) == "prefill_long"
+    assert kind([ref.SeqSpec(512, 900), ref.SeqSpec(64, 64)], ()) == "prefill"
 
 
 def _decode_batch() -> ref.PagedBatch:

@@ -2,7 +2,9 @@
 
 A shape class is (ISA, torch's CPU capability, head dim, GQA ratio, KV heads, block size,
 KV dtype, kind), the kind being what dominates a batch's query-key pairs: ``decode`` (one-token
-queries), ``prefill`` (chunks over their own KV) or ``prefix`` (chunks over a group's shared
+queries), ``prefill`` (chunks over their own KV), ``prefill_long`` (the same over own KV of
+``LONG_KV`` keys or more, pair-weighted: torch's flash kernel gains with length, so a long
+prompt's chunks are judged on a long chunk) or ``prefix`` (chunks over a group's shared
 prefix). On a class's first batch both backends run a small synthetic batch of that kind on
 one thread, timed in CPU time of that thread (one warm-up, then ``REPS`` alternating calls
 each, the fastest of each compared): other processes on a busy machine neither deschedule
@@ -36,8 +38,9 @@ from batchjob.kernels.cpu.build import cache_dir, cpu_model
 log = logging.getLogger(__name__)
 
 ENV = "BATCHJOB_CPU_CALIBRATE"
-KINDS = ("decode", "prefill", "prefix")
+KINDS = ("decode", "prefill", "prefill_long", "prefix")
 REPS = 5
+LONG_KV = 1024  # own-KV keys from which a prefill batch is judged as prefill_long
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,12 @@ def batch_kind(meta: AttentionMetadata) -> str:
         "prefill": float((q_len * kv_len * ~dec).sum()),
         "prefix": float((q_len * prefix * ~dec).sum()),
     }
-    return max(KINDS, key=lambda k: pairs[k])
+    kind = max(pairs, key=lambda k: pairs[k])
+    if kind == "prefill":
+        w = (q_len * kv_len * ~dec).astype(np.float64)  # the pairs each sequence adds
+        if float((w * kv_len).sum()) >= LONG_KV * float(w.sum()):
+            return "prefill_long"
+    return kind
 
 
 def synthetic_batch(cls: ShapeClass) -> ref.PagedBatch:
@@ -99,7 +107,9 @@ def synthetic_batch(cls: ShapeClass) -> ref.PagedBatch:
     elif cls.kind == "prefix":  # 12 members x 32 new tokens over a 320-token prefix
         seqs = tuple(ref.SeqSpec(32, 32, group=0) for _ in range(12))
         prefixes = (320,)
-    else:  # one 640-token causal chunk (torch's flash kernel gains on long ones)
+    elif cls.kind == "prefill_long":  # a 2048-token causal chunk (the default chunk size)
+        seqs, prefixes = (ref.SeqSpec(2048, 2048),), ()
+    else:  # one 640-token causal chunk
         seqs, prefixes = (ref.SeqSpec(640, 640),), ()
     spec = ref.BatchSpec(
         seqs,
