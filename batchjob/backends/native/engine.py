@@ -9,14 +9,14 @@ settings are the job's ``SchedulerConfig``, ``EngineConfig`` and ``SamplingConfi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from batchjob.backends.base import FinishedRequest, IterationRecord, TokenLogprobs
-from batchjob.backends.native.batch_builder import build_batch
+from batchjob.backends.native.batch_builder import ModelBatch, build_batch
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.sampling import (
     FINISH_REASONS,
@@ -27,6 +27,7 @@ from batchjob.backends.native.sampling import (
     truncate_at_stop,
 )
 from batchjob.backends.native.scheduler.base import (
+    Scheduler,
     check_kv_budget,
     kv_blocks_needed,
     request_prefix_len,
@@ -137,12 +138,8 @@ class Engine:
         visit_all = constraint is not None or top_n is not None
         logprobs: dict[int, list[tuple[float, np.ndarray, np.ndarray]]] = {}
         records: list[IterationRecord] = []
-        bs = self.kv.block_size
         t_start = time.perf_counter()
-        while sched.has_unfinished():
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            batch = build_batch(out, bs, self.info.torch_device)
+        for t0, out, batch in self._steps(sched):
             sampled: dict[int, int] = {}
             finished: set[int] = set()
             seqs = batch.sample_seqs
@@ -235,12 +232,8 @@ class Engine:
         be each row's longest label (its KV need: the prompt + the longest label - 1)."""
         sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan, label_steps)
         records: list[IterationRecord] = []
-        bs = self.kv.block_size
         t_start = time.perf_counter()
-        while sched.has_unfinished():
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            batch = build_batch(out, bs, self.info.torch_device)
+        for t0, out, batch in self._steps(sched):
             logits = self.model(
                 batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
             )
@@ -255,6 +248,14 @@ class Engine:
                 scores.finish(pos)
             self._record(records, out, t0, on_iteration)
         return self._engine_run(records, sched.stats, t_start)
+
+    def _steps(self, sched: Scheduler) -> Iterator[tuple[float, SchedulerOutput, ModelBatch]]:
+        """Every scheduler step until no request is left: (its start time, the scheduler's
+        output, the model batch built from it)."""
+        while sched.has_unfinished():
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            yield t0, out, build_batch(out, self.kv.block_size, self.info.torch_device)
 
     def _record(
         self,
