@@ -99,8 +99,10 @@ def batch_kind(meta: AttentionMetadata) -> str:
 
 
 def synthetic_batch(cls: ShapeClass) -> ref.PagedBatch:
-    """A small batch of the class's kind (a few ms per call at head dim 128; prefill tiles
-    big enough that per-call overheads do not flatter either side)."""
+    """A batch of the class's kind: a few ms per call at head dim 128 (prefill tiles big
+    enough that per-call overheads do not flatter either side), except ``prefill_long``:
+    ~80 ms per call at head dim 128, ~1 s for its whole first-use calibration (~3.5 s at head
+    dim 256 on AVX2), paid once per machine and kernel build (the decision is cached)."""
     if cls.kind == "decode":  # 4 groups x 8 members, prefix 192, own 32-95 keys
         seqs = tuple(ref.SeqSpec(1, 32 + 9 * i, group=g) for g in range(4) for i in range(8))
         prefixes: tuple[int, ...] = (192,) * 4
