@@ -14,6 +14,7 @@ after 2 warm-ups per side; A/B below 1 means A is faster.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import random
 import statistics
 import subprocess
@@ -65,14 +66,16 @@ def call(fn, max_rows: int, b: ref.PagedBatch):
     _, bs, hkv, _ = b.k_cache.shape
     units, blocks, _ = _work(b.meta, h, hkv, max_rows)
     out, pout, lse = torch.empty(t, h, d), torch.empty(t, h, d), torch.empty(2, t, h)
-    args = (b.q.data_ptr(), b.k_cache.data_ptr(), b.v_cache.data_ptr(), blocks.ctypes.data,
+    q = b.q.float().contiguous()  # the kernel's queries are float32 (CpuAttention.attend)
+    bf16 = int(b.k_cache.dtype == torch.bfloat16)
+    args = (q.data_ptr(), b.k_cache.data_ptr(), b.v_cache.data_ptr(), blocks.ctypes.data,
             units.ctypes.data, len(units), t, h, hkv, d, bs, b.scale, out.data_ptr(),
-            pout.data_ptr(), lse.data_ptr(), torch.get_num_threads(), 0)  # fmt: skip
+            pout.data_ptr(), lse.data_ptr(), torch.get_num_threads(), bf16)  # fmt: skip
 
     def run() -> None:
         if fn(*args) != 0:
             raise RuntimeError("kernel rejected its arguments")
-        _ = (units, blocks, out, pout, lse)  # alive as long as run
+        _ = (q, units, blocks, out, pout, lse)  # alive as long as run
 
     return run
 
@@ -84,14 +87,30 @@ def call(fn, max_rows: int, b: ref.PagedBatch):
 @click.option("--isa", type=click.Choice(build.ISAS), default="avx512", show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--repeats", default=10, show_default=True)
-def main(source_a: Path, source_b: Path, head_dims: str, isa: str, threads: int, repeats: int):
+@click.option("--only", default="", help="Run only the shapes whose name contains this.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True, help="The KV cache's (and queries') dtype.")  # fmt: skip
+def main(
+    source_a: Path,
+    source_b: Path,
+    head_dims: str,
+    isa: str,
+    threads: int,
+    repeats: int,
+    only: str,
+    dtype: str,
+):
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         kernels = [load(s, isa, Path(tmp)) for s in (source_a, source_b)]
-        print(f"{cpu_summary()}; {isa} build, {threads} threads; A = {source_a}, B = {source_b}")
+        print(f"{cpu_summary()}; {isa} build, {threads} threads, {dtype}")
+        print(f"A = {source_a}, B = {source_b}")
         print("| head dim | shape | A ms | B ms | A / B |\n|---:|---|---:|---:|---:|")
         for d in (int(x) for x in head_dims.split(",")):
             for name, spec in {**shapes(d), **small_group_shapes(d)}.items():
+                if only not in name:
+                    continue
+                spec = dataclasses.replace(spec, dtype=getattr(torch, dtype))
                 b = ref.build_batch(spec, seed=0)
                 runs = [call(fn, rows, b) for fn, rows in kernels]
                 times: list[list[float]] = [[], []]

@@ -25,7 +25,7 @@ from batchjob.backends.native.attention import torch_path as attention  # noqa: 
 from batchjob.config import load_job  # noqa: E402
 
 GROUPS = {  # torch ops, by what they do in the model
-    "linear layers": ("aten::mm", "aten::addmm"),
+    "linear layers": ("aten::mm", "aten::addmm", "aten::linear"),
     "KV writes": ("aten::index_copy_",),
 }
 
@@ -48,14 +48,18 @@ def _traced(backend_cls: type) -> None:
 @click.option("--max-tokens", default=50, show_default=True)
 @click.option("--attention", "attn", default="auto", show_default=True)
 @click.option("--head-dim", default=128, show_default=True, help="128: bench_peers' model.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True, help="model.dtype (the model folder is float32).")  # fmt: skip
 @click.option("--profile", is_flag=True, help="Split engine time with torch.profiler.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "profile_engine")
-def main(workload, scale, len_scale, max_tokens, attn, head_dim, profile, out) -> None:
+def main(workload, scale, len_scale, max_tokens, attn, head_dim, dtype, profile, out) -> None:
     name = "bench-peer" if head_dim == 128 else f"bench-peer-d{head_dim}"
     model = build_model(ROOT / "models" / name, smoke=False, head_dim=head_dim)
     data = out / f"{workload}-{scale}-{len_scale}-{max_tokens}.parquet"
     write_workload(workload, scale, len_scale, max_tokens, 1000, data)
-    toml = job_toml(data, model, out / "results.parquet", "batchllm", max_tokens, 1 << 30, 2048)
+    toml = job_toml(
+        data, model, out / "results.parquet", "batchllm", max_tokens, 1 << 30, 2048, dtype
+    )
     (out / "job.toml").write_text(toml.replace("[engine]\n", f'[engine]\nattention = "{attn}"\n'))
     job = load_job(out / "job.toml")
     torch.set_num_threads(2)

@@ -1,6 +1,8 @@
 /* Prefix-shared paged attention for the CPU, reading KV blocks in place (float32).
 
    One source, compiled once per ISA by kernels/cpu/build.py (never -march=native):
+     amx      avx512's flags + -mamx-tile -mamx-bf16 -mavx512bf16: as avx512, and bfloat16
+              caches' prefill tiles multiply on AMX (run_unit_amx)
      avx512   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma: 16 lanes, 32 registers
      avx2     -mavx2 -mfma:                                      8 lanes, 16 registers
      generic  no ISA flags (SSE2 / NEON):                        4 lanes
@@ -30,7 +32,14 @@
 #include <immintrin.h>
 #define L 16   /* float lanes of one vector */
 #define ACC 16 /* accumulator vectors of a register tile (32 zmm in all) */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1 /* bfloat16 caches: prefill tiles on AMX (run_unit_amx) */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ISA_NAME "amx"
+#else
 #define ISA_NAME "avx512"
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define L 8
@@ -171,6 +180,11 @@ typedef struct {
     float kv[CH * MAX_D];        /* one chunk of K or V rows, contiguous: [16][D] */
     float qtk[MAX_D * MAX_ROWS]; /* key-major tiles: query rows transposed, [D][RP] */
     float m[MAX_ROWS], l[MAX_ROWS];
+#ifdef HAVE_AMX
+    uint32_t qv[MAX_ROWS / 16][MAX_D / 2][16]; /* Q^T as bf16 pairs of dims: B tiles */
+    uint32_t vv[SC / 2 * MAX_D];                /* a span's V as bf16 pairs of keys: [SC/2][D] */
+    uint16_t pa[MAX_ROWS / 16][SC / 32][16][32]; /* a span's P, bf16, row-major: A tiles */
+#endif
 } scratch_t;
 
 /* Few rows (decode): s[r * SC + j] = q_r . k_j for the nv <= 16 keys of a chunk, L keys at
@@ -261,19 +275,19 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
    transpose; scores land key-major, sk[j * RP + r] (RP = NV * L), and stay so for the
    softmax and P.V. */
 INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, int RP, int v0, int64_t D,
-                         const float *K, int nv) {
+                         const float *K, int64_t ks, int nv) {
     const int KB = ACC / NV; /* KB divides CH: rows past nv are scratch */
     const float *qt = w->qtk + v0 * L; /* row vectors v0 .. v0 + NV of an RP-row tile */
     sk += v0 * L;
     for (int j0 = 0; j0 < nv; j0 += KB) {
-        const float *k = K + j0 * D; /* one base pointer: key i at k + i * D */
+        const float *k = K + j0 * ks; /* one base pointer: key i at k + i * ks */
         vf a[ACC];
         for (int i = 0; i < ACC; i++) a[i] = splat(0);
         for (int64_t d = 0; d < D; d++) {
             vf qv[4];
             for (int v = 0; v < NV; v++) qv[v] = ld(qt + d * RP + v * L);
             for (int i = 0; i < KB; i++) {
-                const float kd = k[i * D + d];
+                const float kd = k[i * ks + d];
                 for (int v = 0; v < NV; v++) a[i * NV + v] += kd * qv[v];
             }
         }
@@ -282,21 +296,22 @@ INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, int RP, int v0, 
     }
 }
 
-INLINE void scores_km(scratch_t *w, float *sk, int NV, int64_t D, const float *K, int nv) {
+INLINE void scores_km(scratch_t *w, float *sk, int NV, int64_t D, const float *K, int64_t ks,
+                      int nv) {
     const int RP = NV * L;
     switch (NV) { /* NV constant in each clone: the accumulators stay in registers */
-    case 1: scores_km_nv(w, sk, 1, RP, 0, D, K, nv); break;
-    case 2: scores_km_nv(w, sk, 2, RP, 0, D, K, nv); break;
-    case 4: scores_km_nv(w, sk, 4, RP, 0, D, K, nv); break; /* 3 rounds up: qt lanes are 0 */
-    default: /* 8 (AVX2, generic): two halves share the packed chunk */
-        scores_km_nv(w, sk, 4, RP, 0, D, K, nv);
-        scores_km_nv(w, sk, 4, RP, 4, D, K, nv);
+    case 1: scores_km_nv(w, sk, 1, RP, 0, D, K, ks, nv); break;
+    case 2: scores_km_nv(w, sk, 2, RP, 0, D, K, ks, nv); break;
+    case 4: scores_km_nv(w, sk, 4, RP, 0, D, K, ks, nv); break; /* 3 rounds up: qt lanes are 0 */
+    default: /* 8 (AVX2, generic): two halves read the chunk twice */
+        scores_km_nv(w, sk, 4, RP, 0, D, K, ks, nv);
+        scores_km_nv(w, sk, 4, RP, 4, D, K, ks, nv);
     }
 }
 
 /* Online softmax over a key-major span of n keys from key kb: vectorised over rows. */
 INLINE void softmax_km(scratch_t *w, int rows, int NV, int64_t R, int64_t D, int64_t causal,
-                       int64_t kb, int n) {
+                       int64_t kb, int n, const float scl) { /* scl: scores' scale, or 1 */
     const int RP = NV * L;
     for (int v = 0; v < NV; v++) {
         vi lim; /* row r sees span keys j < lim[r] (0 for padding rows) */
@@ -314,21 +329,21 @@ INLINE void softmax_km(scratch_t *w, int rows, int NV, int64_t R, int64_t D, int
             for (int j = 0; j < n; j++)
                 mx = vmax(mx, select_v(lim > j, ld(w->s + j * RP + v * L), splat(-INFINITY)));
         const vf mold = ld(w->m + v * L);
-        const vf mnew = vmax(mx, mold);
+        const vf mnew = vmax(mx * scl, mold); /* scl > 0: the max commutes with it */
         const vi none = mnew == splat(-INFINITY); /* no key seen yet: keep zeros */
         const vf alpha = select_v(none, splat(1.0f), exp2v(mold - mnew));
         vf sum = splat(0);
         if (all)
             for (int j = 0; j < n; j++) {
                 float *sj = w->s + j * RP + v * L;
-                const vf p = exp2v(ld(sj) - mnew);
+                const vf p = exp2v(ld(sj) * scl - mnew);
                 st(sj, p);
                 sum += p;
             }
         else
             for (int j = 0; j < n; j++) {
                 float *sj = w->s + j * RP + v * L;
-                const vf p = select_v(lim > j, exp2v(ld(sj) - mnew), splat(0));
+                const vf p = select_v(lim > j, exp2v(ld(sj) * scl - mnew), splat(0));
                 st(sj, p);
                 sum += p;
             }
@@ -435,6 +450,22 @@ INLINE void prefetch_rows(const char *p, int rows, int64_t stride) {
     for (int r = 0; r < rows; r++) __builtin_prefetch(p + r * stride, 0, 2);
 }
 
+/* A unit's normalised rows (nh heads of rh rows from KV head h0) and their log-sum-exp, to
+   out (own KV) or pout (a group's prefix). */
+INLINE void finish_unit(const args_t *a, const int64_t *u, const scratch_t *w, int rows, int rh,
+                        int64_t h0, const int64_t D) {
+    const int64_t H = a->H, R = a->H / a->Hkv, q0 = u[U_Q0];
+    float *out = u[U_DST] ? a->pout : a->out;
+    float *lse = a->lse + (u[U_DST] ? a->T * H : 0);
+    for (int r = 0; r < rows; r++) {
+        const int64_t hh = r / rh, rl = r % rh;
+        const int64_t row = (q0 + rl / R) * H + (h0 + hh) * R + rl % R;
+        const float inv = 1.0f / w->l[r];
+        for (int64_t d = 0; d < D; d++) out[row * D + d] = w->o[r * D + d] * inv;
+        lse[row] = (w->m[r] + log2f(w->l[r])) * (float)M_LN2;
+    }
+}
+
 /* kvh < 0: all KV heads in this unit (decode rows only), so it streams whole blocks.
    BF: the cache is bfloat16; every chunk is widened into w->kv first (per head in decode
    units), so the loops below always read float32. */
@@ -478,7 +509,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
             if (pass_v && few)
                 softmax_span(w, rows, rh, R, D, causal, kb, n);
             else if (pass_v)
-                softmax_km(w, rows, NV, R, D, causal, kb, n);
+                softmax_km(w, rows, NV, R, D, causal, kb, n, 1.0f);
             for (int c = 0; c < n; c += CH) {
                 const int nv = n - c < CH ? n - c : CH;
                 const int64_t at = KV_AT(kb + c);
@@ -498,28 +529,223 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                         else
                             scores_dot(w->qs + hh * rh * D, s, rh, D, x, st, nv);
                     }
-                else {
-                    const float *x = packed_rows(w->kv, cache, at, nv, D, ks, BF);
-                    if (pass_v)
-                        accumulate_km(w->o, w->s + c * RP, RP, rows, D, x, nv);
-                    else
-                        scores_km(w, w->s + c * RP, NV, D, x, nv);
-                }
+                else if (pass_v) /* V rows re-read per 4 query rows: a packed copy */
+                    accumulate_km(w->o, w->s + c * RP, RP, rows, D,
+                                  packed_rows(w->kv, cache, at, nv, D, ks, BF), nv);
+                else if (NV >= 4) { /* K read in place: once per 4 row vectors, 4 keys */
+                    int64_t st;    /* at a time (more rows Hkv * D apart thrash an L1 set) */
+                    const float *x = head_rows(w->kv, cache, at, nv, D, ks, BF, &st);
+                    scores_km(w, w->s + c * RP, NV, D, x, st, nv);
+                } else
+                    scores_km(w, w->s + c * RP, NV, D,
+                              packed_rows(w->kv, cache, at, nv, D, ks, BF), D, nv);
             }
         }
     }
 #undef KV_AT
 #undef PREFETCH
-    float *out = u[U_DST] ? a->pout : a->out;
-    float *lse = a->lse + (u[U_DST] ? a->T * H : 0);
-    for (int r = 0; r < rows; r++) {
-        const int64_t hh = r / rh, rl = r % rh;
-        const int64_t row = (q0 + rl / R) * H + (h0 + hh) * R + rl % R;
-        const float inv = 1.0f / w->l[r];
-        for (int64_t d = 0; d < D; d++) out[row * D + d] = w->o[r * D + d] * inv;
-        lse[row] = (w->m[r] + log2f(w->l[r])) * (float)M_LN2;
-    }
+    finish_unit(a, u, w, rows, rh, h0, D);
 }
+
+
+#ifdef HAVE_AMX
+/* AMX (bfloat16 caches, key-major tiles, D % 32 == 0). Eight tile registers, all 16 rows x 64
+   bytes: a tile multiply C[16][16] += A[16][32 bf16] B[16 pairs][16 x 2 bf16] (B holds K-dim
+   pairs side by side, "VNNI"). Scores come out transposed, S^T = K Q^T: A is 16 keys read in
+   place from the cache (rows Hkv * D apart, no copy), B the unit's queries packed once, and
+   S^T lands key-major, the layout softmax_km reads. P V needs P row-major (A) and V in key
+   pairs (B): both are packed per span of SC keys. Products of bf16 values summed in float32;
+   queries are those of a bf16 model (exact in bf16), P is rounded to bf16 as flash attention
+   does on GPUs. */
+static int amx_ok; /* the OS granted this process AMX tile state (batchjob_paged_attention) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+static void amx_configure(void) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    _tile_loadconfig(&c);
+}
+
+INLINE uint32_t bf16_bits(float x) { /* round to nearest even (finite x) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* r[i] lane j <- r[j] lane i (16 x 16 dwords): two unpack stages within 128-bit lanes, then
+   two 128-bit lane shuffles. */
+INLINE void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i u0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+        const __m512i u1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i v0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(u0, v0, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Two bf16 vectors' lanes as pairs: dword i = (lo[i], hi[i]). */
+INLINE __m512i pair16(__m256i lo, __m256i hi) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+/* S^T of one 16-key chunk for M row tiles: tiles 0..M-1 accumulate, 4 holds a K slice of
+   32 dims, 5-7 the queries' matching slice. sk: key-major scores, rows RP apart. */
+INLINE void amx_scores(const scratch_t *w, float *sk, int RP, int M, int64_t D,
+                       const uint16_t *K, int64_t ks) {
+    _tile_zero(0);
+    if (M > 1) _tile_zero(1);
+    if (M > 2) _tile_zero(2);
+    if (M > 3) _tile_zero(3);
+    for (int64_t kd = 0; kd < D / 32; kd++) {
+        _tile_loadd(4, K + kd * 32, ks * 2);
+        _tile_loadd(5, w->qv[0][kd * 16], 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (M > 1) {
+            _tile_loadd(6, w->qv[1][kd * 16], 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (M > 2) {
+            _tile_loadd(7, w->qv[2][kd * 16], 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (M > 3) {
+            _tile_loadd(5, w->qv[3][kd * 16], 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, sk, RP * 4);
+    if (M > 1) _tile_stored(1, sk + 16, RP * 4);
+    if (M > 2) _tile_stored(2, sk + 32, RP * 4);
+    if (M > 3) _tile_stored(3, sk + 48, RP * 4);
+}
+
+/* A span's probabilities (key-major float32, n keys) as row-major bf16 A tiles of 32 keys,
+   keys n .. the tile's end zero: pairs of keys side by side, then a 16 x 16 dword transpose. */
+INLINE void amx_pack_p(scratch_t *w, int RP, int M, int n) {
+    for (int m = 0; m < M; m++)
+        for (int kk = 0; kk * 32 < n; kk++) {
+            __m512i x[16];
+            for (int p = 0; p < 16; p++) {
+                const int j = kk * 32 + 2 * p;
+                const __m512 lo = j < n ? _mm512_loadu_ps(w->s + j * RP + m * 16) : _mm512_setzero_ps();
+                const __m512 hi = j + 1 < n ? _mm512_loadu_ps(w->s + (j + 1) * RP + m * 16)
+                                            : _mm512_setzero_ps();
+                x[p] = pair16((__m256i)_mm512_cvtneps_pbh(lo), (__m256i)_mm512_cvtneps_pbh(hi));
+            }
+            transpose16(x);
+            for (int r = 0; r < 16; r++) _mm512_storeu_si512(w->pa[m][kk][r], x[r]);
+        }
+}
+
+/* o[rows][D] += P V over a span: per row tile, up to 4 output tiles of 16 dims (0-3) stay in
+   tiles across the span's 32-key steps; 4 holds P, 5-7 V. */
+INLINE void amx_pv(scratch_t *w, int M, int64_t D, int n) {
+    const int nk = (n + 31) / 32, nd = (int)(D / 16);
+    for (int m = 0; m < M; m++)
+        for (int d0 = 0; d0 < nd; d0 += 4) {
+            const int c = nd - d0 < 4 ? nd - d0 : 4;
+            float *o = w->o + m * 16 * D + d0 * 16;
+            _tile_loadd(0, o, D * 4);
+            if (c > 1) _tile_loadd(1, o + 16, D * 4);
+            if (c > 2) _tile_loadd(2, o + 32, D * 4);
+            if (c > 3) _tile_loadd(3, o + 48, D * 4);
+            for (int kk = 0; kk < nk; kk++) {
+                const uint32_t *v = w->vv + kk * 16 * D + d0 * 16;
+                _tile_loadd(4, w->pa[m][kk], 64);
+                _tile_loadd(5, v, D * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                if (c > 1) {
+                    _tile_loadd(6, v + 16, D * 4);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if (c > 2) {
+                    _tile_loadd(7, v + 32, D * 4);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if (c > 3) {
+                    _tile_loadd(5, v + 48, D * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, o, D * 4);
+            if (c > 1) _tile_stored(1, o + 16, D * 4);
+            if (c > 2) _tile_stored(2, o + 32, D * 4);
+            if (c > 3) _tile_stored(3, o + 48, D * 4);
+        }
+}
+
+/* One key-major unit (one KV head, >= FEW_ROWS rows per head) over a bf16 cache on AMX. */
+INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
+    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->Hkv * D;
+    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], h0 = u[U_KVH];
+    const int rows = (int)(nq * R), M = (rows + 15) / 16, RP = M * 16;
+    for (int r = 0; r < RP; r++) { /* queries as bf16 pairs of dims, transposed; pad rows 0 */
+        const float *src = a->q + ((q0 + r / R) * H + h0 * R + r % R) * D;
+        for (int64_t p = 0; p < D / 2; p++)
+            w->qv[r / 16][p][r % 16] =
+                r < rows ? bf16_bits(src[2 * p]) | bf16_bits(src[2 * p + 1]) << 16 : 0;
+        w->m[r] = -INFINITY, w->l[r] = 0.0f;
+    }
+    memset(w->o, 0, sizeof(float) * RP * D);
+    int64_t kend = u[U_NKEYS];
+    if (causal + nq < kend) kend = causal + nq;
+    const int32_t *blocks = a->blocks + u[U_BLK];
+    const uint16_t *kc = a->k, *vc = a->v;
+#define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
+    amx_configure();
+    for (int64_t kb = 0; kb < kend; kb += SC) {
+        const int n = kend - kb < SC ? (int)(kend - kb) : SC;
+        for (int c = 0; c < n; c += CH) {
+            if (c + CH < n) /* the next chunk's K rows */
+                prefetch_rows((const char *)(kc + KV_AT(kb + c + CH)), CH, ks * 2);
+            amx_scores(w, w->s + c * RP, RP, M, D, kc + KV_AT(kb + c), ks);
+        }
+        softmax_km(w, rows, M, R, D, causal, kb, n, a->qscale);
+        for (int j = 0; j < (n + 31) / 32 * 16; j++) { /* V in key pairs; keys past n zero */
+            const int64_t k0 = kb + 2 * j;
+            const uint16_t *v0 = 2 * j < n ? vc + KV_AT(k0) : NULL;
+            const uint16_t *v1 = 2 * j + 1 < n ? vc + KV_AT(k0 + 1) : NULL;
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m256i lo = v0 ? _mm256_loadu_si256((const __m256i *)(v0 + d))
+                                      : _mm256_setzero_si256();
+                const __m256i hi = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + d))
+                                      : _mm256_setzero_si256();
+                _mm512_storeu_si512(w->vv + j * D + d, pair16(lo, hi));
+            }
+        }
+        if (kb + SC < kend) /* the next span's first K chunk */
+            prefetch_rows((const char *)(kc + KV_AT(kb + SC)), CH, ks * 2);
+        amx_pack_p(w, RP, M, n);
+        amx_pv(w, M, D, n);
+    }
+#undef KV_AT
+    finish_unit(a, u, w, rows, rows, h0, D);
+}
+#endif
 
 /* One clone per common head dim, so D is a compile-time constant in the inner loops. */
 #define BY_D(BF)                                                                              \
@@ -532,7 +758,39 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     default: run_unit_d(a, u, w, a->D, BF);                                                   \
     }
 static void run_unit_f32(const args_t *a, const int64_t *u, scratch_t *w) { BY_D(0) }
-static void run_unit_bf16(const args_t *a, const int64_t *u, scratch_t *w) { BY_D(1) }
+static void run_unit_bf16(const args_t *a, const int64_t *u, scratch_t *w) {
+#ifdef HAVE_AMX
+    if (amx_ok && a->D % 32 == 0 && u[U_KVH] >= 0 && u[U_NQ] * (a->H / a->Hkv) >= FEW_ROWS) {
+        switch (a->D) {
+        case 32: run_unit_amx(a, u, w, 32); break;
+        case 64: run_unit_amx(a, u, w, 64); break;
+        case 96: run_unit_amx(a, u, w, 96); break;
+        case 128: run_unit_amx(a, u, w, 128); break;
+        case 256: run_unit_amx(a, u, w, 256); break;
+        default: run_unit_amx(a, u, w, a->D);
+        }
+        return;
+    }
+#endif
+    BY_D(1)
+}
+
+/* Whether this build's bf16 prefill tiles run on AMX here: the OS must grant the process the
+   tile state once (Linux >= 5.16, arch_prctl ARCH_REQ_XCOMP_PERM); else they take the AVX-512
+   path. */
+int batchjob_kernel_amx(void) {
+#ifdef HAVE_AMX
+    static int asked;
+    if (!asked) {
+        amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                         18 /* XFEATURE_XTILEDATA */) == 0;
+        asked = 1;
+    }
+    return amx_ok;
+#else
+    return 0;
+#endif
+}
 
 /* What this build is: the Python side sizes its work units by these. */
 const char *batchjob_kernel_isa(void) { return ISA_NAME; }
@@ -557,6 +815,7 @@ int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_
     }
     const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
                       scale * (float)M_LOG2E};
+    if (kv_bf16) batchjob_kernel_amx(); /* once per process, before the threads start */
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
     {
@@ -573,6 +832,9 @@ int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < n_units; i++)
                 (kv_bf16 ? run_unit_bf16 : run_unit_f32)(&a, units + i * U_FIELDS, w);
+#ifdef HAVE_AMX
+            if (kv_bf16 && amx_ok) _tile_release(); /* no tile state kept between calls */
+#endif
         }
 #pragma omp for
         for (int64_t i = 0; i < T * H; i++) { /* merge the prefix partial into out */

@@ -80,11 +80,41 @@ def test_isa_path_bfloat16_cache(isa, head_dim, case):
     torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)  # within a bf16 rounding
 
 
+@pytest.mark.skipif("amx" not in ISAS, reason="CPU without AMX-BF16")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("ratio", (1, 4))
+def test_amx_tiles_match_naive_reference(head_dim, ratio):
+    """bf16 prefill chunks and group prefixes on AMX tiles (prefixes over a 256-key span and
+    ending mid-chunk, NaN in every cache slot not written), within a bf16 rounding of the
+    reference; and AMX did run them (the avx512 build's float32 products differ)."""
+    seed = 60 + HEAD_DIMS.index(head_dim) * 2 + ratio
+    spec = ref.random_spec(
+        seed,
+        num_q_heads=2 * ratio,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=(16, 32)[seed % 2],
+        max_prefix=600,
+        max_chunk=90,
+        prefill_prob=0.9,
+        dtype=torch.bfloat16,
+    )
+    b = ref.build_batch(spec, seed=seed)
+    args = (b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    out = CpuAttention("amx", calibrate=False).attend(*args)
+    want = ref.naive_prefix_shared_attention(*args)
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+    assert not torch.equal(out, CpuAttention("avx512", calibrate=False).attend(*args))
+
+
 def test_isa_selection(monkeypatch):
     assert build.cpu_isas(frozenset())[-1] == "generic"
     if build.platform.machine() == "x86_64":
         assert build.cpu_isas(frozenset({"avx2", "fma"})) == ("avx2", "generic")
         assert build.cpu_isas(frozenset({"avx2"})) == ("generic",)  # AVX2 without FMA
+        avx512 = build.ISA_CPU_FLAGS["avx512"]
+        assert build.cpu_isas(avx512)[0] == "avx512"  # no AMX: never the amx build
+        assert build.cpu_isas(avx512 | {"amx_tile", "amx_bf16", "avx512_bf16"})[0] == "amx"
     assert build.select_isa("auto") == ISAS[0]
     assert build.select_isa("generic") == "generic"
     monkeypatch.setenv(build.ISA_ENV, "generic")
