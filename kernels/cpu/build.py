@@ -38,7 +38,8 @@ import torch  # noqa: F401  (loads torch's libgomp before ours)
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "paged_attention.c"
+# one library: the attention kernel, and RoPE in place (the layer glue that gained from C)
+SOURCES = tuple(Path(__file__).parent / f for f in ("paged_attention.c", "rope.c"))
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 FLAGS += ["-std=gnu11"]
 ISA_ENV = "BATCHJOB_CPU_ISA"
@@ -70,6 +71,7 @@ class CpuKernel:
     lanes: int
     max_rows: int
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rope: ctypes._CFuncPtr  # type: ignore[name-defined]  # batchjob_rope (rope.c)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -129,7 +131,7 @@ def build(isa: str = "generic", compiler: str | None = None) -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     flags = [*FLAGS, *ISA_FLAGS[isa]]
-    src = SOURCE.read_bytes()
+    src = b"".join(f.read_bytes() for f in SOURCES)
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()
     out = cache_dir() / f"paged_attention-{isa}-{key[:16]}.so"
     if out.exists():
@@ -141,7 +143,7 @@ def build(isa: str = "generic", compiler: str | None = None) -> Path:
     tmp_dir = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         tmp = os.path.join(tmp_dir, out.name)
-        cmd = [cc, *flags, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
@@ -179,7 +181,11 @@ def _load(isa: str) -> CpuKernel | None:
     fn.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p]
     fn.argtypes += [ctypes.c_int, ctypes.c_int]  # threads, kv_bf16
     fn.restype = ctypes.c_int
-    return CpuKernel(isa, path, lib.batchjob_kernel_lanes(), lib.batchjob_kernel_max_rows(), fn)
+    rope = lib.batchjob_rope
+    rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, ctypes.c_int, ctypes.c_int]
+    rope.restype = ctypes.c_int
+    lanes, rows = lib.batchjob_kernel_lanes(), lib.batchjob_kernel_max_rows()
+    return CpuKernel(isa, path, lanes, rows, fn, rope)
 
 
 def load_kernel(isa: str | None = None) -> CpuKernel | None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from batchjob.backends.native.models import rope as rope_module
 from batchjob.backends.native.models.llama import rms_norm, silu_mul_
 from batchjob.backends.native.models.rope import (
     RopeTable,
@@ -24,9 +25,17 @@ def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+@pytest.mark.parametrize("path", ["c", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_rope_in_place_on_fused_qkv_view_equals_hf(dtype: torch.dtype, head_dim: int) -> None:
+def test_rope_in_place_on_fused_qkv_view_equals_hf(
+    dtype: torch.dtype, head_dim: int, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both the C pass (kernels/cpu/rope.c) and the torch ops rotate bit-equal to HF."""
+    if path == "torch":
+        monkeypatch.setattr(rope_module, "_kernel", [None])
+    elif rope_module._c_library() is None:
+        pytest.skip("no C compiler: the torch ops run")
     g = torch.Generator().manual_seed(head_dim)
     t, h, hkv = 37, 4, 2
     rope = RopeConfig(theta=10000.0, rope_type="default")

@@ -7,6 +7,17 @@ import math
 import torch
 
 from batchjob.backends.native.models.config import RopeConfig
+from batchjob.kernels.cpu.build import CpuKernel, load_kernel
+
+_C_DTYPES = (torch.float32, torch.bfloat16)
+_kernel: list[CpuKernel | None] = []  # the C library, loaded on first use (any ISA build:
+# the rotation is exact IEEE arithmetic, the same bits on every one)
+
+
+def _c_library() -> CpuKernel | None:
+    if not _kernel:
+        _kernel.append(load_kernel())
+    return _kernel[0]
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -77,6 +88,20 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     Bit-equal to ``apply_rope``: the first half is x1*cos - x2*sin (HF: x1*cos + (-x2)*sin),
     the second x2*cos + x1*sin, each product rounded before the sum (no fused multiply-add).
     """
+    kn = _c_library() if x.device.type == "cpu" and x.dtype in _C_DTYPES else None
+    if (
+        kn is not None
+        and x.stride(-1) == 1
+        and cos.dtype == sin.dtype == x.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and x.numel()
+    ):  # one pass in C (rope.c), bit-equal to the ops below: ~8x faster on the CPU
+        t, h, d = x.shape
+        bf16, threads = int(x.dtype == torch.bfloat16), torch.get_num_threads()
+        ptrs = (x.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        if kn.rope(ptrs[0], t, h, d, x.stride(0), x.stride(1), *ptrs[1:], bf16, threads) == 0:
+            return
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     first = x1 * cos
