@@ -811,7 +811,7 @@ int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_
     for (int64_t i = 0; i < n_units; i++) {
         const int64_t rh = units[i * U_FIELDS + U_NQ] * (H / Hkv);
         const int all = units[i * U_FIELDS + U_KVH] < 0;
-        if (rh * (all ? Hkv : 1) > MAX_ROWS || (all && rh >= 4)) return -2;
+        if (rh * (all ? Hkv : 1) > MAX_ROWS || (all && rh >= FEW_ROWS)) return -2;
     }
     const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
                       scale * (float)M_LOG2E};

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchjob.backends.native.attention import calibrate as calib
-from batchjob.backends.native.attention.cpu import CpuAttention
+from batchjob.backends.native.attention.cpu import CpuAttention, build_units
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels import reference as ref
 from batchjob.kernels.cpu import build
@@ -53,6 +53,30 @@ def test_isa_path_many_decodes_over_one_prefix(isa):
     out = CpuAttention(isa, calibrate=False).attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_isa_path_small_groups_take_all_heads_in_one_unit(isa, dtype):
+    """Decode over prefixes shared by 4-7 rows: one unit per group over all 8 KV heads (rows
+    4-7 a head, read as whole blocks), equal to the reference."""
+    seqs = tuple(
+        ref.SeqSpec(1, 3 + 7 * i % 40, group=g) for g, n in enumerate((4, 5, 7)) for i in range(n)
+    )
+    spec = ref.BatchSpec(
+        seqs, (150, 97, 300), num_q_heads=8, num_kv_heads=8, head_dim=64, dtype=dtype
+    )
+    b = ref.build_batch(spec, seed=5)
+    backend = CpuAttention(isa, calibrate=False)
+    units, _ = build_units(b.meta, 8, 8, backend.kernel.max_rows)
+    prefix_units = units[units[:, 5] == 1]  # DST: the groups' prefixes
+    whole = [n * 8 <= backend.kernel.max_rows for n in (4, 5, 7)]  # generic: 32 rows a unit
+    assert (prefix_units[:, 6] == -1).sum() == sum(whole)  # KVH -1: all heads in one unit
+    assert len(prefix_units) == sum(1 if w else 8 for w in whole)
+    out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    tol = 3e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("isa", ISAS)

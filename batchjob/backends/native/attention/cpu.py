@@ -34,6 +34,7 @@ from batchjob.intmath import cdiv
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
 MAX_ROWS = 64  # the widest build's (avx512) rows per unit; each build reports its own
+WHOLE_ROWS = 8  # units under this many rows a head take all KV heads (the kernel's FEW_ROWS)
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # unit fields, in the kernel's order
 Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH = range(7)
@@ -77,8 +78,9 @@ def build_units(
         base = table.size + grp * p_table.shape[1]
         parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1]))
     u = np.concatenate(parts, axis=1).T  # [n, 6]
-    # decode-like tiles (< 4 rows per head) take all KV heads in one unit: whole blocks stream
-    whole = (u[:, NQ] * r < 4) & (u[:, NQ] * r * hkv <= max_rows)
+    # decode-like tiles (< WHOLE_ROWS rows per head) take all KV heads in one unit: whole
+    # blocks stream
+    whole = (u[:, NQ] * r < WHOLE_ROWS) & (u[:, NQ] * r * hkv <= max_rows)
     # head-major: equal-cost units of one KV head run back to back, its KV stays in L2
     per_head = np.tile(u[~whole], (hkv, 1))
     units = np.empty((int(whole.sum()) + len(per_head), 7), dtype=np.int64)
