@@ -725,10 +725,13 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
             amx_scores(w, w->s + c * RP, RP, M, D, kc + KV_AT(kb + c), ks);
         }
         softmax_km(w, rows, M, R, D, causal, kb, n, a->qscale);
+        const uint16_t *vrow = vc; /* a 16-key chunk's first V row: chunks never straddle a
+                                      block, so one block-table lookup per chunk */
         for (int j = 0; j < (n + 31) / 32 * 16; j++) { /* V in key pairs; keys past n zero */
-            const int64_t k0 = kb + 2 * j;
-            const uint16_t *v0 = 2 * j < n ? vc + KV_AT(k0) : NULL;
-            const uint16_t *v1 = 2 * j + 1 < n ? vc + KV_AT(k0 + 1) : NULL;
+            const int key = 2 * j;
+            if (key % CH == 0 && key < n) vrow = vc + KV_AT(kb + key);
+            const uint16_t *v0 = key < n ? vrow + (key % CH) * ks : NULL;
+            const uint16_t *v1 = key + 1 < n ? vrow + (key % CH + 1) * ks : NULL;
             for (int64_t d = 0; d < D; d += 16) {
                 const __m256i lo = v0 ? _mm256_loadu_si256((const __m256i *)(v0 + d))
                                       : _mm256_setzero_si256();
