@@ -85,12 +85,8 @@ class Engine:
         self.kv = KVLayout.from_budget(
             kv_budget_bytes(engine, info.torch_device), engine.block_size, info.kv_bytes_per_token
         )
-        # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]. On the CPU left unfilled: the
-        # pages are mapped on first write (zeroing 1 GiB cost ~0.2 s of every run, and all of
-        # a large budget's RSS up front); what unwritten slots hold never reaches a result
-        # on the CPU paths (masked; their tests fill such slots with NaN). CUDA keeps zeros.
-        alloc = torch.empty if info.torch_device.type == "cpu" else torch.zeros
-        self.kv_cache = alloc(
+        # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
+        self.kv_cache = torch.zeros(
             info.kv_cache_shape(self.kv.num_blocks, self.kv.block_size),
             dtype=info.torch_dtype,
             device=info.torch_device,
