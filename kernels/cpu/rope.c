@@ -28,42 +28,36 @@ static inline uint16_t f_to_bf16(float f) { /* round to nearest even; finite inp
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float rb(float f) { return bf16_to_f(f_to_bf16(f)); } /* round to bf16 */
-
-static void rope_f32(float *x, int64_t T, int64_t H, int64_t half, int64_t st, int64_t sh,
-                     const float *cos, const float *sin, int n_threads) {
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * half, *s = sin + t * half;
-        for (int64_t h = 0; h < H; h++) {
-            float *x1 = x + t * st + h * sh, *x2 = x1 + half;
-#pragma omp simd
-            for (int64_t d = 0; d < half; d++) {
-                const float a = x1[d], b = x2[d];
-                const float ac = a * c[d], bs = b * s[d], bc = b * c[d], as = a * s[d];
-                x1[d] = ac - bs;
-                x2[d] = bc + as;
-            }
-        }
-    }
+/* Element i of a float32 or bf16 array as a float; a result rounded to the array's dtype
+   (bf16: to nearest even, as torch rounds each bf16 op; float32: as computed). */
+static inline float get(const void *p, int64_t i, const int bf) {
+    return bf ? bf16_to_f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline float rnd(float f, const int bf) { return bf ? bf16_to_f(f_to_bf16(f)) : f; }
+static inline void put(void *p, int64_t i, float f, const int bf) {
+    if (bf)
+        ((uint16_t *)p)[i] = f_to_bf16(f);
+    else
+        ((float *)p)[i] = f;
 }
 
-static void rope_bf16(uint16_t *x, int64_t T, int64_t H, int64_t half, int64_t st, int64_t sh,
-                      const uint16_t *cos, const uint16_t *sin, int n_threads) {
+/* One body for both dtypes: bf is a constant in each call below, so each is its own loop. */
+static inline __attribute__((always_inline)) void rope(void *x, int64_t T, int64_t H,
+                                                       int64_t half, int64_t st, int64_t sh,
+                                                       const void *cos, const void *sin,
+                                                       int n_threads, const int bf) {
 #pragma omp parallel for num_threads(n_threads) schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *c = cos + t * half, *s = sin + t * half;
+    for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < H; h++) {
-            uint16_t *x1 = x + t * st + h * sh, *x2 = x1 + half;
+            const int64_t x1 = t * st + h * sh, x2 = x1 + half, cs = t * half;
 #pragma omp simd
             for (int64_t d = 0; d < half; d++) {
-                const float a = bf16_to_f(x1[d]), b = bf16_to_f(x2[d]);
-                const float cd = bf16_to_f(c[d]), sd = bf16_to_f(s[d]);
-                x1[d] = f_to_bf16(rb(a * cd) - rb(b * sd));
-                x2[d] = f_to_bf16(rb(b * cd) + rb(a * sd));
+                const float a = get(x, x1 + d, bf), b = get(x, x2 + d, bf);
+                const float c = get(cos, cs + d, bf), s = get(sin, cs + d, bf);
+                put(x, x1 + d, rnd(a * c, bf) - rnd(b * s, bf), bf);
+                put(x, x2 + d, rnd(b * c, bf) + rnd(a * s, bf), bf);
             }
         }
-    }
 }
 
 /* Returns 0, or -1 for an odd head dim. bf16: 0 float32, 1 bfloat16. */
@@ -71,10 +65,8 @@ int batchjob_rope(void *x, int64_t T, int64_t H, int64_t D, int64_t st, int64_t 
                   const void *cos, const void *sin, int bf16, int n_threads) {
     if (D % 2) return -1;
     if (bf16)
-        rope_bf16((uint16_t *)x, T, H, D / 2, st, sh, (const uint16_t *)cos,
-                  (const uint16_t *)sin, n_threads);
+        rope(x, T, H, D / 2, st, sh, cos, sin, n_threads, 1);
     else
-        rope_f32((float *)x, T, H, D / 2, st, sh, (const float *)cos, (const float *)sin,
-                 n_threads);
+        rope(x, T, H, D / 2, st, sh, cos, sin, n_threads, 0);
     return 0;
 }
