@@ -98,9 +98,11 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         and x.numel()
     ):  # one pass in C (rope.c), bit-equal to the ops below: ~8x faster on the CPU
         t, h, d = x.shape
-        bf16, threads = int(x.dtype == torch.bfloat16), torch.get_num_threads()
-        ptrs = (x.data_ptr(), cos.data_ptr(), sin.data_ptr())
-        if kn.rope(ptrs[0], t, h, d, x.stride(0), x.stride(1), *ptrs[1:], bf16, threads) == 0:
+        rc = kn.rope(
+            x.data_ptr(), t, h, d, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+            int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == 0:
             return
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
