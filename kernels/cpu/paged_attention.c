@@ -32,6 +32,7 @@
 #include <immintrin.h>
 #define L 16   /* float lanes of one vector */
 #define ACC 16 /* accumulator vectors of a register tile (32 zmm in all) */
+#define SACC ACC
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAVE_AMX 1 /* bfloat16 caches: prefill tiles on AMX (run_unit_amx) */
 #include <sys/syscall.h>
@@ -44,10 +45,12 @@
 #include <immintrin.h>
 #define L 8
 #define ACC 8 /* 16 ymm: 8 accumulators + operands */
+#define SACC 12 /* score tiles: 12 accumulators, 3 row vectors, 1 broadcast key */
 #define ISA_NAME "avx2"
 #else
 #define L 4
 #define ACC 8
+#define SACC ACC
 #define ISA_NAME "generic"
 #endif
 
@@ -274,15 +277,15 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
    each K element is broadcast against them (NV x KB = ACC accumulators), so K needs no
    transpose; scores land key-major, sk[j * RP + r] (RP = NV * L), and stay so for the
    softmax and P.V. */
-INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, int RP, int v0, int64_t D,
-                         const float *K, int64_t ks, int nv) {
-    const int KB = ACC / NV; /* KB divides CH: rows past nv are scratch */
+INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, const int KB, int RP, int v0,
+                         int64_t D, const float *K, int64_t ks, int nv) {
+    /* KB keys x NV row vectors of accumulators; KB divides CH: keys past nv are scratch */
     const float *qt = w->qtk + v0 * L; /* row vectors v0 .. v0 + NV of an RP-row tile */
     sk += v0 * L;
     for (int j0 = 0; j0 < nv; j0 += KB) {
         const float *k = K + j0 * ks; /* one base pointer: key i at k + i * ks */
-        vf a[ACC];
-        for (int i = 0; i < ACC; i++) a[i] = splat(0);
+        vf a[SACC];
+        for (int i = 0; i < NV * KB; i++) a[i] = splat(0);
         for (int64_t d = 0; d < D; d++) {
             vf qv[4];
             for (int v = 0; v < NV; v++) qv[v] = ld(qt + d * RP + v * L);
@@ -300,12 +303,19 @@ INLINE void scores_km(scratch_t *w, float *sk, int NV, int64_t D, const float *K
                       int nv) {
     const int RP = NV * L;
     switch (NV) { /* NV constant in each clone: the accumulators stay in registers */
-    case 1: scores_km_nv(w, sk, 1, RP, 0, D, K, ks, nv); break;
-    case 2: scores_km_nv(w, sk, 2, RP, 0, D, K, ks, nv); break;
-    case 4: scores_km_nv(w, sk, 4, RP, 0, D, K, ks, nv); break; /* 3 rounds up: qt lanes are 0 */
-    default: /* 8 (AVX2, generic): two halves read the chunk twice */
-        scores_km_nv(w, sk, 4, RP, 0, D, K, ks, nv);
-        scores_km_nv(w, sk, 4, RP, 4, D, K, ks, nv);
+    case 1: scores_km_nv(w, sk, 1, ACC, RP, 0, D, K, ks, nv); break;
+    case 2: scores_km_nv(w, sk, 2, ACC / 2, RP, 0, D, K, ks, nv); break;
+    case 4: scores_km_nv(w, sk, 4, ACC / 4, RP, 0, D, K, ks, nv); break; /* 3 rounds up */
+    default: /* 8 (AVX2, generic): parts of the row vectors, each reads the chunk */
+#if L == 8 /* 3 + 3 + 2 vectors x 4 keys: 12 accumulators, 7 loads per 12 FMAs (4 x 2: 6 per
+              8), 5-19% faster on every prefill shape than two halves (AMD EPYC, Zen 3) */
+        scores_km_nv(w, sk, 3, 4, RP, 0, D, K, ks, nv);
+        scores_km_nv(w, sk, 3, 4, RP, 3, D, K, ks, nv);
+        scores_km_nv(w, sk, 2, 4, RP, 6, D, K, ks, nv);
+#else
+        scores_km_nv(w, sk, 4, ACC / 4, RP, 0, D, K, ks, nv);
+        scores_km_nv(w, sk, 4, ACC / 4, RP, 4, D, K, ks, nv);
+#endif
     }
 }
 

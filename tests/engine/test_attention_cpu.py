@@ -62,9 +62,11 @@ def test_units_cover_every_query_row_once():
 
 
 def test_unsupported_inputs_fall_back_to_torch():
-    spec = ref.random_spec(2, head_dim=24, block_size=16)  # head dim not a multiple of 16
-    b = ref.build_batch(spec, seed=2)
     backend = CpuAttention()
+    lanes = backend.kernel.lanes if backend.kernel is not None else 4
+    # a head dim that is no multiple of this build's lanes (24 is one of AVX2's 8)
+    spec = ref.random_spec(2, head_dim=lanes + 2, block_size=16)
+    b = ref.build_batch(spec, seed=2)
     assert not backend.supports(b.q, b.k_cache, b.v_cache)
     out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     want = TorchAttention().attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
