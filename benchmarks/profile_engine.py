@@ -22,6 +22,7 @@ from bench_peers import build_model, job_toml, write_workload  # noqa: E402
 from batchjob import pipeline  # noqa: E402
 from batchjob.backends.native.attention import cpu as attention_cpu  # noqa: E402
 from batchjob.backends.native.attention import torch_path as attention  # noqa: E402
+from batchjob.backends.native.attention.calibrate import KINDS, batch_kind  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
 
 GROUPS = {  # torch ops, by what they do in the model
@@ -35,7 +36,9 @@ def _traced(backend_cls: type) -> None:
     attend = backend_cls.attend
 
     def wrapped(self, *args):
-        with torch.profiler.record_function("attention"):
+        kind = batch_kind(args[3])  # (q, k_cache, v_cache, meta, scale)
+        record = torch.profiler.record_function
+        with record("attention"), record(f"attention: {kind}"):
             return attend(self, *args)
 
     backend_cls.attend = wrapped
@@ -75,6 +78,10 @@ def main(workload, scale, len_scale, max_tokens, attn, head_dim, dtype, profile,
     attn_s = ev["attention"].cpu_time_total / 1e6 if "attention" in ev else 0.0
     print(f"{workload} scale {scale}: {s.requests_run} requests, engine {s.engine_s:.1f} s")
     print(f"  attention (whole attend calls): {attn_s:.1f} s ({attn_s / s.engine_s:.0%})")
+    for kind in KINDS:  # what each batch kind's attend calls took (batch_kind's split)
+        if (e := ev.get(f"attention: {kind}")) is not None:
+            t = e.cpu_time_total / 1e6
+            print(f"    {kind:12s} {t:5.1f} s in {e.count} calls ({t / s.engine_s:.0%})")
     for name, keys in GROUPS.items():
         t = sum(ev[k].self_cpu_time_total for k in keys if k in ev) / 1e6
         print(f"  {name}: {t:.1f} s ({t / s.engine_s:.0%})")
