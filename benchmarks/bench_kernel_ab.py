@@ -48,7 +48,7 @@ def load(source: Path, isa: str, folder: Path) -> tuple[ctypes._CFuncPtr, int]: 
 def small_group_shapes(d: int) -> dict[str, ref.BatchSpec]:
     rng = random.Random(1)
     out = {}
-    for groups, share in ((14, 4), (8, 6), (4, 24)):  # 24: units of 17-32 rows
+    for groups, share in ((14, 4), (8, 6), (4, 24), (2, 48)):  # 24, 48: units of 17-32, 33-64 rows
         seqs = tuple(
             ref.SeqSpec(1, rng.randint(100, 150), group=g)
             for g in range(groups)

@@ -32,7 +32,6 @@
 #include <immintrin.h>
 #define L 16   /* float lanes of one vector */
 #define ACC 16 /* accumulator vectors of a register tile (32 zmm in all) */
-#define SACC ACC
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAVE_AMX 1 /* bfloat16 caches: prefill tiles on AMX (run_unit_amx) */
 #include <sys/syscall.h>
@@ -50,8 +49,10 @@
 #else
 #define L 4
 #define ACC 8
-#define SACC ACC
 #define ISA_NAME "generic"
+#endif
+#ifndef SACC
+#define SACC ACC /* score tiles' accumulators, where not set above */
 #endif
 
 #define CH 16            /* keys per chunk: block sizes are multiples of it */
@@ -274,7 +275,7 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
 }
 
 /* Key-major tiles (4..MAX_ROWS rows): rows live in NV vectors of L (w->qtk: [D][NV*L]),
-   each K element is broadcast against them (NV x KB = ACC accumulators), so K needs no
+   each K element is broadcast against them (NV x KB <= SACC accumulators), so K needs no
    transpose; scores land key-major, sk[j * RP + r] (RP = NV * L), and stay so for the
    softmax and P.V. */
 INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, const int KB, int RP, int v0,
@@ -305,7 +306,7 @@ INLINE void scores_km(scratch_t *w, float *sk, int NV, int64_t D, const float *K
     switch (NV) { /* NV constant in each clone: the accumulators stay in registers */
     case 1: scores_km_nv(w, sk, 1, ACC, RP, 0, D, K, ks, nv); break;
     case 2: scores_km_nv(w, sk, 2, ACC / 2, RP, 0, D, K, ks, nv); break;
-    case 4: scores_km_nv(w, sk, 4, ACC / 4, RP, 0, D, K, ks, nv); break; /* 3 rounds up */
+    case 4: scores_km_nv(w, sk, 4, ACC / 4, RP, 0, D, K, ks, nv); break; /* 3 up: qt lanes 0 */
     default: /* 8 (AVX2, generic): parts of the row vectors, each reads the chunk */
 #if L == 8 /* 3 + 3 + 2 vectors x 4 keys: 12 accumulators, 7 loads per 12 FMAs (4 x 2: 6 per
               8), 5-19% faster on every prefill shape than two halves (AMD EPYC, Zen 3) */
