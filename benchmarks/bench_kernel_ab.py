@@ -42,7 +42,7 @@ def load(source: Path, isa: str, folder: Path) -> tuple[ctypes._CFuncPtr, int]: 
     fn.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p]
     fn.argtypes += [ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn, lib.batchjob_kernel_max_rows()
+    return fn, (lib.batchjob_kernel_max_rows(), lib.batchjob_kernel_lanes())
 
 
 def small_group_shapes(d: int) -> dict[str, ref.BatchSpec]:
@@ -64,7 +64,7 @@ def call(fn, max_rows: int, b: ref.PagedBatch):
     """A zero-argument call of ``fn`` on batch ``b`` (its buffers kept alive in the closure)."""
     t, h, d = b.q.shape
     _, bs, hkv, _ = b.k_cache.shape
-    units, blocks, _ = _work(b.meta, h, hkv, max_rows)
+    units, blocks, _ = _work(b.meta, h, hkv, *max_rows, torch.get_num_threads())
     out, pout, lse = torch.empty(t, h, d), torch.empty(t, h, d), torch.empty(2, t, h)
     q = b.q.float().contiguous()  # the kernel's queries are float32 (CpuAttention.attend)
     bf16 = int(b.k_cache.dtype == torch.bfloat16)

@@ -62,6 +62,9 @@
 #define MAX_NV 8 /* 64 rows on AVX2 (32 generic), scored as two halves of 4 vectors */
 #endif
 #define MAX_ROWS (MAX_NV * L) /* query rows (tokens x heads) of one unit */
+/* All-KV-head units (kvh < 0): their rows, each head's tile padded to whole vectors. */
+#define MAX_WROWS 256
+#define SROWS (MAX_WROWS > MAX_ROWS ? MAX_WROWS : MAX_ROWS) /* scratch rows */
 #define MAX_D 256
 /* Units with fewer query rows per head than this take the row-major dot-product path: a
    key-major tile spends D broadcasts per key whatever its rows, a row-major one ~D/L loads per
@@ -178,12 +181,12 @@ INLINE int div_le(int n, int cap) {
 }
 
 typedef struct {
-    float qs[MAX_ROWS * MAX_D];  /* scaled queries; rows past the unit's are zero */
-    float o[MAX_ROWS * MAX_D];   /* unnormalised output accumulators */
-    float s[MAX_ROWS * SC];      /* scores, then probabilities, of one span of keys */
-    float kv[CH * MAX_D];        /* one chunk of K or V rows, contiguous: [16][D] */
-    float qtk[MAX_D * MAX_ROWS]; /* key-major tiles: query rows transposed, [D][RP] */
-    float m[MAX_ROWS], l[MAX_ROWS];
+    float qs[SROWS * MAX_D];  /* scaled queries; rows past the unit's are zero */
+    float o[SROWS * MAX_D];   /* unnormalised output accumulators */
+    float s[SROWS * SC];      /* scores, then probabilities, of one span of keys */
+    float kv[CH * MAX_D];     /* one chunk of K or V rows, contiguous: [16][D] */
+    float qtk[MAX_D * SROWS]; /* key-major tiles: query rows transposed, [D][RP] per head */
+    float m[SROWS], l[SROWS];
 #ifdef HAVE_AMX
     uint32_t qv[MAX_ROWS / 16][MAX_D / 2][16]; /* Q^T as bf16 pairs of dims: B tiles */
     uint32_t vv[SC / 2 * MAX_D];                /* a span's V as bf16 pairs of keys: [SC/2][D] */
@@ -278,10 +281,10 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
    each K element is broadcast against them (NV x KB <= SACC accumulators), so K needs no
    transpose; scores land key-major, sk[j * RP + r] (RP = NV * L), and stay so for the
    softmax and P.V. */
-INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, const int KB, int RP, int v0,
-                         int64_t D, const float *K, int64_t ks, int nv) {
+INLINE void scores_km_nv(const float *qtk, float *sk, const int NV, const int KB, int RP,
+                         int v0, int64_t D, const float *K, int64_t ks, int nv) {
     /* KB keys x NV row vectors of accumulators; KB divides CH: keys past nv are scratch */
-    const float *qt = w->qtk + v0 * L; /* row vectors v0 .. v0 + NV of an RP-row tile */
+    const float *qt = qtk + v0 * L; /* row vectors v0 .. v0 + NV of an RP-row tile */
     sk += v0 * L;
     for (int j0 = 0; j0 < nv; j0 += KB) {
         const float *k = K + j0 * ks; /* one base pointer: key i at k + i * ks */
@@ -300,8 +303,8 @@ INLINE void scores_km_nv(scratch_t *w, float *sk, const int NV, const int KB, in
     }
 }
 
-INLINE void scores_km(scratch_t *w, float *sk, int NV, int64_t D, const float *K, int64_t ks,
-                      int nv) {
+INLINE void scores_km(const float *w, float *sk, int NV, int64_t D, const float *K, int64_t ks,
+                      int nv) { /* w: the tile's transposed queries, [D][NV * L] */
     const int RP = NV * L;
     switch (NV) { /* NV constant in each clone: the accumulators stay in registers */
     case 1: scores_km_nv(w, sk, 1, ACC, RP, 0, D, K, ks, nv); break;
@@ -320,8 +323,13 @@ INLINE void scores_km(scratch_t *w, float *sk, int NV, int64_t D, const float *K
     }
 }
 
-/* Online softmax over a key-major span of n keys from key kb: vectorised over rows. */
-INLINE void softmax_km(scratch_t *w, int rows, int NV, int64_t R, int64_t D, int64_t causal,
+/* Online softmax over a key-major span of n keys from key kb: vectorised over rows. One
+   tile's scores s ([n][NV * L]), running max m and sum l, and output rows o ([rows][D]). */
+typedef struct {
+    float *s, *m, *l, *o;
+} tile_t;
+
+INLINE void softmax_km(tile_t w, int rows, int NV, int64_t R, int64_t D, int64_t causal,
                        int64_t kb, int n, const float scl) { /* scl: scores' scale, or 1 */
     const int RP = NV * L;
     for (int v = 0; v < NV; v++) {
@@ -335,34 +343,34 @@ INLINE void softmax_km(scratch_t *w, int rows, int NV, int64_t R, int64_t D, int
         for (int i = 0; i < L && v * L + i < rows; i++) all &= lim[i] == n;
         vf mx = splat(-INFINITY);
         if (all) /* padding lanes hold finite scores of zero queries: harmless */
-            for (int j = 0; j < n; j++) mx = vmax(mx, ld(w->s + j * RP + v * L));
+            for (int j = 0; j < n; j++) mx = vmax(mx, ld(w.s + j * RP + v * L));
         else
             for (int j = 0; j < n; j++)
-                mx = vmax(mx, select_v(lim > j, ld(w->s + j * RP + v * L), splat(-INFINITY)));
-        const vf mold = ld(w->m + v * L);
+                mx = vmax(mx, select_v(lim > j, ld(w.s + j * RP + v * L), splat(-INFINITY)));
+        const vf mold = ld(w.m + v * L);
         const vf mnew = vmax(mx * scl, mold); /* scl > 0: the max commutes with it */
         const vi none = mnew == splat(-INFINITY); /* no key seen yet: keep zeros */
         const vf alpha = select_v(none, splat(1.0f), exp2v(mold - mnew));
         vf sum = splat(0);
         if (all)
             for (int j = 0; j < n; j++) {
-                float *sj = w->s + j * RP + v * L;
+                float *sj = w.s + j * RP + v * L;
                 const vf p = exp2v(ld(sj) * scl - mnew);
                 st(sj, p);
                 sum += p;
             }
         else
             for (int j = 0; j < n; j++) {
-                float *sj = w->s + j * RP + v * L;
+                float *sj = w.s + j * RP + v * L;
                 const vf p = select_v(lim > j, exp2v(ld(sj) * scl - mnew), splat(0));
                 st(sj, p);
                 sum += p;
             }
-        st(w->l + v * L, ld(w->l + v * L) * alpha + sum);
-        st(w->m + v * L, mnew);
+        st(w.l + v * L, ld(w.l + v * L) * alpha + sum);
+        st(w.m + v * L, mnew);
         for (int i = 0; i < L && v * L + i < rows; i++)
             if (alpha[i] != 1.0f) {
-                float *o = w->o + (v * L + i) * D;
+                float *o = w.o + (v * L + i) * D;
                 for (int64_t d = 0; d < D; d += L) st(o + d, ld(o + d) * alpha[i]);
             }
     }
@@ -461,23 +469,30 @@ INLINE void prefetch_rows(const char *p, int rows, int64_t stride) {
     for (int r = 0; r < rows; r++) __builtin_prefetch(p + r * stride, 0, 2);
 }
 
-/* A unit's normalised rows (nh heads of rh rows from KV head h0) and their log-sum-exp, to
-   out (own KV) or pout (a group's prefix). */
+/* A unit's normalised rows (nh heads of rh rows from KV head h0; a head's m, l are hs apart)
+   and their log-sum-exp, to out (own KV) or pout (a group's prefix). */
 INLINE void finish_unit(const args_t *a, const int64_t *u, const scratch_t *w, int rows, int rh,
-                        int64_t h0, const int64_t D) {
+                        int hs, int64_t h0, const int64_t D) {
     const int64_t H = a->H, R = a->H / a->Hkv, q0 = u[U_Q0];
     float *out = u[U_DST] ? a->pout : a->out;
     float *lse = a->lse + (u[U_DST] ? a->T * H : 0);
     for (int r = 0; r < rows; r++) {
         const int64_t hh = r / rh, rl = r % rh;
         const int64_t row = (q0 + rl / R) * H + (h0 + hh) * R + rl % R;
-        const float inv = 1.0f / w->l[r];
+        const int ml = (int)(hh * hs + rl);
+        const float inv = 1.0f / w->l[ml];
         for (int64_t d = 0; d < D; d++) out[row * D + d] = w->o[r * D + d] * inv;
-        lse[row] = (w->m[r] + log2f(w->l[r])) * (float)M_LN2;
+        lse[row] = (w->m[ml] + log2f(w->l[ml])) * (float)M_LN2;
     }
 }
 
-/* kvh < 0: all KV heads in this unit (decode rows only), so it streams whole blocks.
+/* Row vectors of a key-major tile of `rows` rows (one KV head's). */
+INLINE int tile_nv(int rows) { return rows <= L ? 1 : rows <= 2 * L ? 2 : rows <= 4 * L ? 4 : 8; }
+
+/* kvh < 0: all KV heads in this unit, so it streams whole blocks (each chunk's rows of every
+   head are contiguous) instead of one head's rows, Hkv * D apart: decode rows (row-major dot
+   products) and small key-major tiles (a prefix shared by 8-32 decoding rows), each head with
+   its own tile, scores and softmax state in the scratch.
    BF: the cache is bfloat16; every chunk is widened into w->kv first (per head in decode
    units), so the loops below always read float32. */
 INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D,
@@ -487,17 +502,21 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
     const int rh = (int)(nq * R), rows = (int)(nh * rh); /* rows per head, in all */
     const int few = rh < FEW_ROWS; /* row-major dot products; else key-major tiles */
-    const int NV = few ? 0 : rows <= L ? 1 : rows <= 2 * L ? 2 : rows <= 4 * L ? 4 : 8;
-    const int RP = NV * L;
+    const int NV = few ? 0 : tile_nv(rh);
+    const int RP = NV * L, hs = few ? rh : RP; /* a head's tile rows; its m, l stride */
     for (int r = 0; r < rows; r++) {
         const int64_t hh = r / rh, rl = r % rh;
         const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
         for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = src[d] * a->qscale;
     }
-    for (int r = 0; r < (few ? rows : RP); r++) w->m[r] = -INFINITY, w->l[r] = 0.0f;
+    for (int r = 0; r < nh * hs; r++) w->m[r] = -INFINITY, w->l[r] = 0.0f;
     if (!few)
-        for (int64_t d = 0; d < D; d++)
-            for (int r = 0; r < RP; r++) w->qtk[d * RP + r] = r < rows ? w->qs[r * D + d] : 0.0f;
+        for (int64_t hh = 0; hh < nh; hh++) {
+            float *qt = w->qtk + hh * D * RP;
+            const float *qh = w->qs + hh * rh * D;
+            for (int64_t d = 0; d < D; d++)
+                for (int r = 0; r < RP; r++) qt[d * RP + r] = r < rh ? qh[r * D + d] : 0.0f;
+        }
     memset(w->o, 0, sizeof(float) * rows * D);
     int64_t kend = u[U_NKEYS];
     if (causal + nq < kend) kend = causal + nq; /* keys past the last query's limit */
@@ -510,6 +529,9 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
             prefetch_rows((const char *)(base) + KV_AT(key) * eb,                             \
                           kend - (key) < CH ? (int)(kend - (key)) : CH, ks * eb);             \
     } while (0)
+/* head hh's key-major tile */
+#define TILE(hh) ((tile_t){w->s + (hh) * SC * RP, w->m + (hh) * RP, w->l + (hh) * RP,         \
+                           w->o + (hh) * rh * D})
     for (int64_t kb = 0; kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
         /* Two walks over the span's chunks: K (scores), then V (weighted sum) after softmax;
@@ -520,7 +542,8 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
             if (pass_v && few)
                 softmax_span(w, rows, rh, R, D, causal, kb, n);
             else if (pass_v)
-                softmax_km(w, rows, NV, R, D, causal, kb, n, 1.0f);
+                for (int64_t hh = 0; hh < nh; hh++)
+                    softmax_km(TILE(hh), rh, NV, R, D, causal, kb, n, 1.0f);
             for (int c = 0; c < n; c += CH) {
                 const int nv = n - c < CH ? n - c : CH;
                 const int64_t at = KV_AT(kb + c);
@@ -541,21 +564,27 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                             scores_dot(w->qs + hh * rh * D, s, rh, D, x, st, nv);
                     }
                 else if (pass_v) /* V rows re-read per 4 query rows: a packed copy */
-                    accumulate_km(w->o, w->s + c * RP, RP, rows, D,
-                                  packed_rows(w->kv, cache, at, nv, D, ks, BF), nv);
-                else if (NV >= 4) { /* K read in place: once per 4 row vectors, 4 keys */
-                    int64_t st;    /* at a time (more rows Hkv * D apart thrash an L1 set) */
-                    const float *x = head_rows(w->kv, cache, at, nv, D, ks, BF, &st);
-                    scores_km(w, w->s + c * RP, NV, D, x, st, nv);
-                } else
-                    scores_km(w, w->s + c * RP, NV, D,
-                              packed_rows(w->kv, cache, at, nv, D, ks, BF), D, nv);
+                    for (int64_t hh = 0; hh < nh; hh++)
+                        accumulate_km(w->o + hh * rh * D, w->s + hh * SC * RP + c * RP, RP, rh,
+                                      D, packed_rows(w->kv, cache, at + hh * D, nv, D, ks, BF), nv);
+                else if (NV >= 4) /* K read in place: once per 4 row vectors, 4 keys at a */
+                    for (int64_t hh = 0; hh < nh; hh++) { /* time (more rows Hkv * D apart */
+                        int64_t st;                         /* thrash an L1 set) */
+                        const float *x = head_rows(w->kv, cache, at + hh * D, nv, D, ks, BF, &st);
+                        scores_km(w->qtk + hh * D * RP, w->s + hh * SC * RP + c * RP, NV, D, x,
+                                  st, nv);
+                    }
+                else
+                    for (int64_t hh = 0; hh < nh; hh++)
+                        scores_km(w->qtk + hh * D * RP, w->s + hh * SC * RP + c * RP, NV, D,
+                                  packed_rows(w->kv, cache, at + hh * D, nv, D, ks, BF), D, nv);
             }
         }
     }
 #undef KV_AT
 #undef PREFETCH
-    finish_unit(a, u, w, rows, rh, h0, D);
+#undef TILE
+    finish_unit(a, u, w, rows, rh, hs, h0, D);
 }
 
 
@@ -735,7 +764,7 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
                 prefetch_rows((const char *)(kc + KV_AT(kb + c + CH)), CH, ks * 2);
             amx_scores(w, w->s + c * RP, RP, M, D, kc + KV_AT(kb + c), ks);
         }
-        softmax_km(w, rows, M, R, D, causal, kb, n, a->qscale);
+        softmax_km((tile_t){w->s, w->m, w->l, w->o}, rows, M, R, D, causal, kb, n, a->qscale);
         const uint16_t *vrow = vc; /* a 16-key chunk's first V row: chunks never straddle a
                                       block, so one block-table lookup per chunk */
         for (int j = 0; j < (n + 31) / 32 * 16; j++) { /* V in key pairs; keys past n zero */
@@ -757,7 +786,7 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
         amx_pv(w, M, D, n);
     }
 #undef KV_AT
-    finish_unit(a, u, w, rows, rows, h0, D);
+    finish_unit(a, u, w, rows, rows, rows, h0, D);
 }
 #endif
 
@@ -810,6 +839,12 @@ int batchjob_kernel_amx(void) {
 const char *batchjob_kernel_isa(void) { return ISA_NAME; }
 int batchjob_kernel_lanes(void) { return L; }
 int batchjob_kernel_max_rows(void) { return MAX_ROWS; }
+/* All-KV-head units: Hkv x head_rows(rows per head) <= max_whole_rows. */
+int batchjob_kernel_max_whole_rows(void) { return MAX_WROWS; }
+int batchjob_kernel_few_rows(void) { return FEW_ROWS; }
+
+/* Scratch rows one KV head takes in an all-head unit of rh rows per head. */
+int batchjob_kernel_head_rows(int64_t rh) { return rh < FEW_ROWS ? (int)rh : tile_nv((int)rh) * L; }
 
 /* Per-thread scratch, allocated on a thread's first call and kept (OpenMP threads persist):
    no allocation per call. */
@@ -824,8 +859,9 @@ int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_
     if (D % L || D > MAX_D || BS % CH || Hkv <= 0 || H % Hkv) return -1;
     for (int64_t i = 0; i < n_units; i++) {
         const int64_t rh = units[i * U_FIELDS + U_NQ] * (H / Hkv);
-        const int all = units[i * U_FIELDS + U_KVH] < 0;
-        if (rh * (all ? Hkv : 1) > MAX_ROWS || (all && rh >= FEW_ROWS)) return -2;
+        if (units[i * U_FIELDS + U_KVH] >= 0 ? rh > MAX_ROWS /* one head; else all heads: */
+                                             : rh > MAX_ROWS || Hkv * batchjob_kernel_head_rows(rh) > MAX_WROWS)
+            return -2;
     }
     const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
                       scale * (float)M_LOG2E};

@@ -49,12 +49,13 @@ def test_big_group_and_long_causal_prefill():
 
 
 def test_units_cover_every_query_row_once():
-    spec = ref.random_spec(5, num_q_heads=4, num_kv_heads=2, max_chunk=100, prefill_prob=0.7)
+    spec = ref.random_spec(5, num_q_heads=8, num_kv_heads=8, max_chunk=100, prefill_prob=0.7)
     b = ref.build_batch(spec, seed=5)
-    units, _ = build_units(b.meta, 4, 2)
-    assert (units[:, 1] * 2 <= MAX_ROWS).all()
-    assert (units[:, 6] == -1).any() and (units[:, 6] >= 0).any()  # decodes: all heads at once
-    own = torch.zeros(b.q.shape[0], 2, dtype=torch.long)
+    units, _ = build_units(b.meta, 8, 8)
+    assert (units[:, 1] <= MAX_ROWS).all()
+    # decodes: all heads at once; prefill tiles of 64 rows a head: per head
+    assert (units[:, 6] == -1).any() and (units[:, 6] >= 0).any()
+    own = torch.zeros(b.q.shape[0], 8, dtype=torch.long)
     for q0, nq, _, _, _, dst, kvh in units.tolist():
         if dst == 0:
             own[q0 : q0 + nq, kvh if kvh >= 0 else slice(None)] += 1

@@ -4,12 +4,19 @@ the first-use calibration (kernel vs torch path per shape class) and its on-disk
 from __future__ import annotations
 
 import json
+import time
 
+import numpy as np
 import pytest
 import torch
 
 from batchjob.backends.native.attention import calibrate as calib
-from batchjob.backends.native.attention.cpu import CpuAttention, build_units
+from batchjob.backends.native.attention.cpu import (
+    MAX_WHOLE_ROWS,
+    CpuAttention,
+    build_units,
+    head_rows,
+)
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels import reference as ref
 from batchjob.kernels.cpu import build
@@ -58,25 +65,47 @@ def test_isa_path_many_decodes_over_one_prefix(isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_isa_path_small_groups_take_all_heads_in_one_unit(isa, dtype):
-    """Decode over prefixes shared by 4-7 rows: one unit per group over all 8 KV heads (rows
-    4-7 a head, read as whole blocks), equal to the reference."""
+    """Decode over prefixes shared by 4-7 rows (row-major dot products) and by 8-24 rows
+    (a key-major tile per head): one unit per group over all 8 KV heads, read as whole
+    blocks, where all heads' rows fit the scratch; a group of 40 rows a head: per head. Equal
+    to the reference."""
+    sizes = (4, 5, 7, 8, 13, 24, 40)
     seqs = tuple(
-        ref.SeqSpec(1, 3 + 7 * i % 40, group=g) for g, n in enumerate((4, 5, 7)) for i in range(n)
+        ref.SeqSpec(1, 3 + 7 * i % 40, group=g) for g, n in enumerate(sizes) for i in range(n)
     )
-    spec = ref.BatchSpec(
-        seqs, (150, 97, 300), num_q_heads=8, num_kv_heads=8, head_dim=64, dtype=dtype
-    )
+    prefixes = (150, 97, 300, 64, 200, 33, 120)
+    spec = ref.BatchSpec(seqs, prefixes, num_q_heads=8, num_kv_heads=8, head_dim=64, dtype=dtype)
     b = ref.build_batch(spec, seed=5)
     backend = CpuAttention(isa, calibrate=False)
-    units, _ = build_units(b.meta, 8, 8, backend.kernel.max_rows)
+    kn = backend.kernel
+    units, _ = build_units(b.meta, 8, 8, kn.max_rows, kn.lanes)
     prefix_units = units[units[:, 5] == 1]  # DST: the groups' prefixes
-    whole = [n * 8 <= backend.kernel.max_rows for n in (4, 5, 7)]  # generic: 32 rows a unit
+    tiles = [min(kn.max_rows, n - i) for n in sizes for i in range(0, n, kn.max_rows)]
+    whole = [8 * head_rows(np.array(n), kn.lanes) <= MAX_WHOLE_ROWS for n in tiles]
+    assert whole[:6] == [True] * 6  # 40 rows: 8 x 64 padded rows > 256 (generic: 32 + 8)
+    assert all(whole) == (kn.lanes == 4)
     assert (prefix_units[:, 6] == -1).sum() == sum(whole)  # KVH -1: all heads in one unit
     assert len(prefix_units) == sum(1 if w else 8 for w in whole)
     out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     tol = 3e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+
+
+def test_all_head_units_keep_threads_balanced():
+    """A unit over all KV heads holding more than a thread's share of the batch's work is
+    split per head: one group's prefix with 4 threads, not with 1. Nor are key-major tiles
+    taken whole where AMX runs them (whole_tiles False)."""
+    seqs = tuple(ref.SeqSpec(1, 3 + i % 5, group=0) for i in range(16))
+    spec = ref.BatchSpec(seqs, (500,), num_q_heads=8, num_kv_heads=8, head_dim=32)
+    b = ref.build_batch(spec, seed=1)
+    for threads, tiles, kvh in (
+        (1, True, [-1]),
+        (4, True, list(range(8))),
+        (1, False, list(range(8))),
+    ):
+        units, _ = build_units(b.meta, 8, 8, 64, 8, threads, whole_tiles=tiles)
+        assert sorted(units[units[:, 5] == 1][:, 6].tolist()) == kvh
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -183,7 +212,6 @@ def test_calibration_picks_a_backend_and_reuses_its_cache(monkeypatch, tmp_path)
     doc = json.loads(files[0].read_text())
     got = doc["classes"][cls.key]
     assert got["kernel_ms"] > 0 and got["torch_ms"] > 0
-    assert got["use_kernel"] == (got["kernel_ms"] <= got["torch_ms"])  # the faster one
     assert backend.uses_kernel(b.q, b.k_cache, b.v_cache, b.meta) == got["use_kernel"]
 
     # a new process (fresh in-memory state) reads the file and measures nothing
@@ -216,6 +244,29 @@ def test_cached_decision_routes_the_batch(monkeypatch, tmp_path, use_kernel):
     torch_out = TorchAttention().attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     assert torch.equal(out, kernel if use_kernel else torch_out)
     assert not torch.equal(kernel, torch_out)  # the two paths are distinguishable
+
+
+def _spin(ms: float):
+    """An attend-like callable that burns ``ms`` of this thread's CPU time."""
+
+    def run(*_args):
+        end = time.thread_time() + ms / 1e3
+        while time.thread_time() < end:
+            pass
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("kernel_ms", "torch_ms", "use_kernel"),
+    [(4.0, 5.0, True), (4.1, 4.0, True), (5.0, 4.0, False)],  # a near tie stays the kernel's
+)
+def test_calibration_picks_torch_only_when_clearly_faster(kernel_ms, torch_ms, use_kernel):
+    cls = calib.ShapeClass("generic", 32, 1, 2, 16, "float32", "decode")
+    d = calib.measure(cls, _spin(kernel_ms), _spin(torch_ms))
+    assert d.use_kernel == use_kernel
+    assert d.kernel_ms == pytest.approx(kernel_ms, rel=0.2)
+    assert d.torch_ms == pytest.approx(torch_ms, rel=0.2)
 
 
 def test_calibration_env(monkeypatch):

@@ -34,7 +34,8 @@ from batchjob.intmath import cdiv
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
 MAX_ROWS = 64  # the widest build's (avx512) rows per unit; each build reports its own
-WHOLE_ROWS = 8  # units under this many rows a head take all KV heads (the kernel's FEW_ROWS)
+WHOLE_ROWS = 8  # under this many rows a head, a unit's heads are row-major (the kernel's FEW_ROWS)
+MAX_WHOLE_ROWS = 256  # an all-head unit's scratch rows (the kernel's MAX_WROWS)
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # unit fields, in the kernel's order
 Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH = range(7)
@@ -49,15 +50,31 @@ def _tiles(starts: np.ndarray, lens: np.ndarray, tile: int):
     return owner, starts[owner] + off, np.minimum(tile, lens[owner] - off), off
 
 
+def head_rows(rows: np.ndarray, lanes: int) -> np.ndarray:
+    """Scratch rows one KV head's ``rows`` query rows take in an all-head unit: row-major
+    under ``WHOLE_ROWS``, else a key-major tile of 1, 2, 4 or 8 vectors of ``lanes`` (the
+    kernel's batchjob_kernel_head_rows)."""
+    nv = np.select([rows <= lanes, rows <= 2 * lanes, rows <= 4 * lanes], [1, 2, 4], 8)
+    return np.where(rows < WHOLE_ROWS, rows, nv * lanes)
+
+
 def build_units(
-    meta: AttentionMetadata, h: int, hkv: int, max_rows: int = MAX_ROWS
+    meta: AttentionMetadata,
+    h: int,
+    hkv: int,
+    max_rows: int = MAX_ROWS,
+    lanes: int = 16,
+    threads: int = 1,
+    whole_tiles: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(units int64 [U, 7], blocks int32): the kernel's work for one batch, costliest first.
 
-    A unit's KVH is one KV head, or -1 for all of them (decode tiles: under ``WHOLE_ROWS``
-    query rows per head, if all heads' rows fit one unit), so a decode reads each KV block as
-    one contiguous stream; a prefix shared by 4-7 decoding rows is read whole once, not one
-    head's slice per unit (0.65-0.85x the time on such decode shapes)."""
+    A unit's KVH is one KV head, or -1 for all of them: a tile whose rows of all KV heads fit
+    one unit (``head_rows``, ``MAX_WHOLE_ROWS``) reads each KV block as one contiguous stream,
+    not one head's rows 4 KiB apart (at 8 x 128): decode rows, and a prefix shared by 8-32
+    decoding rows (0.65-0.85x the time of per-head units on such decode shapes, AVX2). Unless
+    the unit would hold more than a ``threads``-th of the batch's work: then per head, so the
+    threads stay balanced. ``whole_tiles`` False: key-major tiles per head (AMX runs those)."""
     r = h // hkv
     tile = max(1, max_rows // r)
     cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
@@ -80,9 +97,11 @@ def build_units(
         base = table.size + grp * p_table.shape[1]
         parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1]))
     u = np.concatenate(parts, axis=1).T  # [n, 6]
-    # decode-like tiles (< WHOLE_ROWS rows per head) take all KV heads in one unit: whole
-    # blocks stream
-    whole = (u[:, NQ] * r < WHOLE_ROWS) & (u[:, NQ] * r * hkv <= max_rows)
+    # tiles whose rows of all KV heads fit one unit take them all: whole blocks stream
+    rows = u[:, NQ] * r
+    whole = (hkv * head_rows(rows, lanes) <= MAX_WHOLE_ROWS) & (whole_tiles | (rows < WHOLE_ROWS))
+    work = u[:, NQ] * np.minimum(u[:, NKEYS], u[:, CAUSAL] + u[:, NQ]) * hkv  # all heads'
+    whole &= work * threads <= work.sum()
     # head-major: equal-cost units of one KV head run back to back, its KV stays in L2
     per_head = np.tile(u[~whole], (hkv, 1))
     units = np.empty((int(whole.sum()) + len(per_head), 7), dtype=np.int64)
@@ -97,9 +116,15 @@ def build_units(
 
 
 def _work(
-    meta: AttentionMetadata, h: int, hkv: int, max_rows: int
+    meta: AttentionMetadata,
+    h: int,
+    hkv: int,
+    max_rows: int,
+    lanes: int = 16,
+    threads: int = 1,
+    whole_tiles: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
-    units, blocks = build_units(meta, h, hkv, max_rows)
+    units, blocks = build_units(meta, h, hkv, max_rows, lanes, threads, whole_tiles)
     return units, blocks, bool(units[:, DST].any())
 
 
@@ -187,8 +212,13 @@ class CpuAttention:
         assert kn is not None
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape
+        threads = torch.get_num_threads()
+        bf16 = k_cache.dtype == torch.bfloat16
+        whole_tiles = not (bf16 and kn.isa == "amx")  # AMX tiles: one KV head a unit
         units, blocks, has_prefix = self._work.get(
-            meta, (h, hkv, kn.max_rows), lambda: _work(meta, h, hkv, kn.max_rows)
+            meta,
+            (h, hkv, kn.max_rows, threads, whole_tiles),
+            lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole_tiles),
         )
         qf = q.to(torch.float32).contiguous()
         out = torch.empty(t, h, d, dtype=torch.float32)
@@ -210,8 +240,8 @@ class CpuAttention:
             out.data_ptr(),
             pout.data_ptr(),
             lse.data_ptr(),
-            torch.get_num_threads(),
-            int(k_cache.dtype == torch.bfloat16),
+            threads,
+            int(bf16),
         )
         if rc != 0:
             raise RuntimeError(f"CPU paged attention kernel rejected its arguments (code {rc})")
