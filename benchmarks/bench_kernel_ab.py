@@ -1,6 +1,7 @@
 """Two versions of the CPU attention kernel source, A against B, on bench_cpu_attention's shapes
-plus two decode shapes with small groups, calls alternated in one process (a drift of the
-machine's speed hits both sides).
+plus decode over 1000-token prefixes shared by 4-48 rows, calls alternated in one process (a
+drift of the machine's speed hits both sides). A kernel from before all-head key-major units
+(367a3ab) gets the work units it supports.
 
     git show HEAD~1:kernels/cpu/paged_attention.c > /tmp/old.c
     .venv/bin/python benchmarks/bench_kernel_ab.py kernels/cpu/paged_attention.c /tmp/old.c \\
@@ -32,7 +33,8 @@ from batchjob.kernels import reference as ref
 from batchjob.kernels.cpu import build
 
 
-def load(source: Path, isa: str, folder: Path) -> tuple[ctypes._CFuncPtr, int]:  # type: ignore[name-defined]
+def load(source: Path, isa: str, folder: Path) -> tuple[ctypes._CFuncPtr, dict]:  # type: ignore[name-defined]
+    """The build's entry point, and the ``build_units`` arguments its work units need."""
     out = folder / f"{source.stem}-{abs(hash(str(source)))}.so"
     flags = [*build.FLAGS, *build.ISA_FLAGS[isa]]
     subprocess.run(["gcc", *flags, str(source), "-o", str(out), "-lm"], check=True)
@@ -42,13 +44,18 @@ def load(source: Path, isa: str, folder: Path) -> tuple[ctypes._CFuncPtr, int]: 
     fn.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p]
     fn.argtypes += [ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn, (lib.batchjob_kernel_max_rows(), lib.batchjob_kernel_lanes())
+    rows, lanes = lib.batchjob_kernel_max_rows(), lib.batchjob_kernel_lanes()
+    if hasattr(lib, "batchjob_kernel_max_whole_rows"):  # all-head units of key-major tiles
+        return fn, {"max_rows": rows, "lanes": lanes}
+    # a kernel from before them: all-head units of row-major decode rows only, <= max_rows
+    return fn, {"max_rows": rows, "lanes": lanes, "whole_tiles": False, "max_whole": rows}
 
 
 def small_group_shapes(d: int) -> dict[str, ref.BatchSpec]:
     rng = random.Random(1)
     out = {}
-    for groups, share in ((14, 4), (8, 6), (4, 24), (2, 48)):  # 24, 48: units of 17-32, 33-64 rows
+    # share 16, 24: all-head units of key-major tiles; 48: per-head units of 33-64 rows
+    for groups, share in ((14, 4), (8, 6), (6, 16), (4, 24), (2, 48)):
         seqs = tuple(
             ref.SeqSpec(1, rng.randint(100, 150), group=g)
             for g in range(groups)
@@ -60,11 +67,11 @@ def small_group_shapes(d: int) -> dict[str, ref.BatchSpec]:
     return out
 
 
-def call(fn, max_rows: int, b: ref.PagedBatch):
+def call(fn, unit_args: dict, b: ref.PagedBatch):
     """A zero-argument call of ``fn`` on batch ``b`` (its buffers kept alive in the closure)."""
     t, h, d = b.q.shape
     _, bs, hkv, _ = b.k_cache.shape
-    units, blocks, _ = _work(b.meta, h, hkv, *max_rows, torch.get_num_threads())
+    units, blocks, _ = _work(b.meta, h, hkv, threads=torch.get_num_threads(), **unit_args)
     out, pout, lse = torch.empty(t, h, d), torch.empty(t, h, d), torch.empty(2, t, h)
     q = b.q.float().contiguous()  # the kernel's queries are float32 (CpuAttention.attend)
     bf16 = int(b.k_cache.dtype == torch.bfloat16)
@@ -112,7 +119,7 @@ def main(
                     continue
                 spec = dataclasses.replace(spec, dtype=getattr(torch, dtype))
                 b = ref.build_batch(spec, seed=0)
-                runs = [call(fn, rows, b) for fn, rows in kernels]
+                runs = [call(fn, unit_args, b) for fn, unit_args in kernels]
                 times: list[list[float]] = [[], []]
                 for rep in range(repeats + 2):
                     for side in (0, 1) if rep % 2 else (1, 0):

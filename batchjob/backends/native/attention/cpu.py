@@ -66,6 +66,7 @@ def build_units(
     lanes: int = 16,
     threads: int = 1,
     whole_tiles: bool = True,
+    max_whole: int = MAX_WHOLE_ROWS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(units int64 [U, 7], blocks int32): the kernel's work for one batch, costliest first.
 
@@ -74,7 +75,8 @@ def build_units(
     not one head's rows 4 KiB apart (at 8 x 128): decode rows, and a prefix shared by 8-32
     decoding rows (0.65-0.85x the time of per-head units on such decode shapes, AVX2). Unless
     the unit would hold more than a ``threads``-th of the batch's work: then per head, so the
-    threads stay balanced. ``whole_tiles`` False: key-major tiles per head (AMX runs those)."""
+    threads stay balanced. ``whole_tiles`` False: key-major tiles per head (AMX runs those);
+    ``max_whole``: the build's all-head scratch rows (older kernels: their ``max_rows``)."""
     r = h // hkv
     tile = max(1, max_rows // r)
     cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
@@ -99,7 +101,7 @@ def build_units(
     u = np.concatenate(parts, axis=1).T  # [n, 6]
     # tiles whose rows of all KV heads fit one unit take them all: whole blocks stream
     rows = u[:, NQ] * r
-    whole = (hkv * head_rows(rows, lanes) <= MAX_WHOLE_ROWS) & (whole_tiles | (rows < WHOLE_ROWS))
+    whole = (hkv * head_rows(rows, lanes) <= max_whole) & (whole_tiles | (rows < WHOLE_ROWS))
     work = u[:, NQ] * np.minimum(u[:, NKEYS], u[:, CAUSAL] + u[:, NQ]) * hkv  # all heads'
     whole &= work * threads <= work.sum()
     # head-major: equal-cost units of one KV head run back to back, its KV stays in L2
@@ -123,8 +125,9 @@ def _work(
     lanes: int = 16,
     threads: int = 1,
     whole_tiles: bool = True,
+    max_whole: int = MAX_WHOLE_ROWS,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
-    units, blocks = build_units(meta, h, hkv, max_rows, lanes, threads, whole_tiles)
+    units, blocks = build_units(meta, h, hkv, max_rows, lanes, threads, whole_tiles, max_whole)
     return units, blocks, bool(units[:, DST].any())
 
 
