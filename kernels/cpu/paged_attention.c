@@ -841,7 +841,6 @@ int batchjob_kernel_lanes(void) { return L; }
 int batchjob_kernel_max_rows(void) { return MAX_ROWS; }
 /* All-KV-head units: Hkv x head_rows(rows per head) <= max_whole_rows. */
 int batchjob_kernel_max_whole_rows(void) { return MAX_WROWS; }
-int batchjob_kernel_few_rows(void) { return FEW_ROWS; }
 
 /* Scratch rows one KV head takes in an all-head unit of rh rows per head. */
 int batchjob_kernel_head_rows(int64_t rh) { return rh < FEW_ROWS ? (int)rh : tile_nv((int)rh) * L; }
@@ -859,9 +858,8 @@ int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_
     if (D % L || D > MAX_D || BS % CH || Hkv <= 0 || H % Hkv) return -1;
     for (int64_t i = 0; i < n_units; i++) {
         const int64_t rh = units[i * U_FIELDS + U_NQ] * (H / Hkv);
-        if (units[i * U_FIELDS + U_KVH] >= 0 ? rh > MAX_ROWS /* one head; else all heads: */
-                                             : rh > MAX_ROWS || Hkv * batchjob_kernel_head_rows(rh) > MAX_WROWS)
-            return -2;
+        const int all = units[i * U_FIELDS + U_KVH] < 0;
+        if (rh > MAX_ROWS || (all && Hkv * batchjob_kernel_head_rows(rh) > MAX_WROWS)) return -2;
     }
     const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
                       scale * (float)M_LOG2E};

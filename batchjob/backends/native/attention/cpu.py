@@ -102,8 +102,8 @@ def build_units(
     # tiles whose rows of all KV heads fit one unit take them all: whole blocks stream
     rows = u[:, NQ] * r
     whole = (hkv * head_rows(rows, lanes) <= max_whole) & (whole_tiles | (rows < WHOLE_ROWS))
-    work = u[:, NQ] * np.minimum(u[:, NKEYS], u[:, CAUSAL] + u[:, NQ]) * hkv  # all heads'
-    whole &= work * threads <= work.sum()
+    work = u[:, NQ] * np.minimum(u[:, NKEYS], u[:, CAUSAL] + u[:, NQ])  # query-key pairs a head
+    whole &= work * threads <= work.sum()  # no unit over a thread's share (x hkv both sides)
     # head-major: equal-cost units of one KV head run back to back, its KV stays in L2
     per_head = np.tile(u[~whole], (hkv, 1))
     units = np.empty((int(whole.sum()) + len(per_head), 7), dtype=np.int64)
@@ -111,8 +111,7 @@ def build_units(
     units[: len(per_head), KVH] = np.repeat(np.arange(hkv), int((~whole).sum()))
     units[len(per_head) :, :6] = u[whole]
     units[len(per_head) :, KVH] = -1
-    keys = np.minimum(units[:, NKEYS], units[:, CAUSAL] + units[:, NQ])
-    cost = units[:, NQ] * keys * np.where(units[:, KVH] < 0, hkv, 1)
+    cost = np.concatenate([np.tile(work[~whole], hkv), work[whole] * hkv])
     units = units[np.argsort(-cost, kind="stable")]
     return np.ascontiguousarray(units), np.concatenate([table.ravel(), p_table.ravel()])
 
