@@ -110,7 +110,8 @@ class RunResult:
     cpu_s: float  # vLLM: CPU seconds during generate; batchjob: user+sys of the process
     loadavg_1m: float
     match_frac: float  # rows whose output ids equal batchjob's (nan if not compared)
-    head_dim: int = 128  # the benchmark model's (models/bench-peer[-d<D>])
+    head_dim: int = 128  # the benchmark model's (models/bench-peer[-d<D>][-kv<K>])
+    kv_heads: int = 8  # its KV heads (8 query heads; < 8: grouped-query attention)
     cpu_model: str = ""  # /proc/cpuinfo "model name" of the machine it ran on
     cpu_flags: str = ""  # the ISA flags that pick kernel paths and dtype (cpu_info.KEY_FLAGS)
 
@@ -119,15 +120,18 @@ class RunResult:
         return self.requests / self.run_s
 
 
-def model_dir(head_dim: int) -> Path:
-    """models/bench-peer (head dim 128, the original) or models/bench-peer-d<D>."""
-    return ROOT / "models" / ("bench-peer" if head_dim == 128 else f"bench-peer-d{head_dim}")
+def model_dir(head_dim: int, kv_heads: int = 8) -> Path:
+    """models/bench-peer (head dim 128, 8 KV heads: the original), else
+    models/bench-peer[-d<D>][-kv<K>]."""
+    name = "bench-peer" + (f"-d{head_dim}" if head_dim != 128 else "")
+    return ROOT / "models" / (name + (f"-kv{kv_heads}" if kv_heads != 8 else ""))
 
 
-def build_model(path: Path, smoke: bool, head_dim: int = 128) -> Path:
+def build_model(path: Path, smoke: bool, head_dim: int = 128, kv_heads: int = 8) -> Path:
     """models/bench-peer: Llama 256 / 8 layers / 8 heads x 128, vocab 1000 (64 KiB KV/token);
-    ``head_dim``: the same shape at another head dim (--head-dims, profile_engine.py); smoke:
-    hidden 64, 2 layers, 2 heads x ``head_dim``."""
+    ``head_dim``, ``kv_heads``: the same shape at another head dim (--head-dims) or with
+    grouped-query attention (--kv-heads: 8 query heads share ``kv_heads``); smoke: hidden 64,
+    2 layers, 2 heads x ``head_dim``."""
     if (path / "config.json").exists():
         return path
     if smoke:
@@ -141,7 +145,7 @@ def build_model(path: Path, smoke: bool, head_dim: int = 128) -> Path:
         hidden=256,
         layers=8,
         heads=8,
-        kv_heads=8,
+        kv_heads=kv_heads,
         head_dim=head_dim,
         intermediate=512,
         corpus=corpus,
@@ -451,6 +455,7 @@ def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
                 {
                     "workload": name,
                     "head_dim": hd,
+                    "kv_heads": r0.kv_heads,
                     "scale/len_scale/max_tokens": f"{sc}/{ls}/{mt}",
                     "system": system + (" (vLLM best)" if system == best else ""),
                     "repeats": len(rs),
@@ -602,6 +607,14 @@ def profile_split(stats_path: Path) -> dict[str, float]:
     "8 layers, 8 heads), built locally with random weights; e.g. 32,64,128.",
 )
 @click.option(
+    "--kv-heads",
+    type=click.IntRange(1, 8),
+    default=8,
+    show_default=True,
+    help="The benchmark models' KV heads (8 query heads; 2 = groups of 4, as Llama 3's 32/8); "
+    "the KV budget in GiB stays, so fewer KV heads hold more tokens.",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["float32", "bfloat16"]),
     default="float32",
@@ -634,6 +647,7 @@ def main(
     vllm_budget,
     max_model_len,
     head_dims,
+    kv_heads,
     dtype,
     smoke,
     out,
@@ -676,7 +690,8 @@ def main(
     done = {(r.workload, r.system, r.repeat, r.head_dim) for r in runs}
 
     def record(r: RunResult, hd: int) -> None:
-        r = replace(r, head_dim=hd, cpu_model=cpu.model, cpu_flags=" ".join(cpu.key_flags))
+        r = replace(r, head_dim=hd, kv_heads=kv_heads, cpu_model=cpu.model)
+        r = replace(r, cpu_flags=" ".join(cpu.key_flags))
         runs.append(r)
         print(
             f"  d{hd} {r.workload} rep {r.repeat} {r.system}: run {r.run_s:.1f} s "
@@ -691,8 +706,8 @@ def main(
         )
 
     for hd in dims:  # one model per head dim; every system runs on each
-        path = out / f"smoke-model-d{hd}" if smoke else model_dir(hd)
-        model = build_model(path, smoke=smoke, head_dim=hd)
+        path = out / f"smoke-model-d{hd}" if smoke else model_dir(hd, kv_heads)
+        model = build_model(path, smoke=smoke, head_dim=hd, kv_heads=kv_heads)
         runs_dir = out / "runs" / f"d{hd}"
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         datas: dict[str, Path] = {}

@@ -17,7 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from bench_peers import build_model, job_toml, write_workload  # noqa: E402
+from bench_peers import build_model, job_toml, model_dir, write_workload  # noqa: E402
 
 from batchjob import pipeline  # noqa: E402
 from batchjob.backends.native.attention import cpu as attention_cpu  # noqa: E402
@@ -51,13 +51,15 @@ def _traced(backend_cls: type) -> None:
 @click.option("--max-tokens", default=50, show_default=True)
 @click.option("--attention", "attn", default="auto", show_default=True)
 @click.option("--head-dim", default=128, show_default=True, help="128: bench_peers' model.")
+@click.option("--kv-heads", default=8, show_default=True, help="< 8: grouped-query attention.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               show_default=True, help="model.dtype (the model folder is float32).")  # fmt: skip
 @click.option("--profile", is_flag=True, help="Split engine time with torch.profiler.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "profile_engine")
-def main(workload, scale, len_scale, max_tokens, attn, head_dim, dtype, profile, out) -> None:
-    name = "bench-peer" if head_dim == 128 else f"bench-peer-d{head_dim}"
-    model = build_model(ROOT / "models" / name, smoke=False, head_dim=head_dim)
+def main(
+    workload, scale, len_scale, max_tokens, attn, head_dim, kv_heads, dtype, profile, out
+) -> None:
+    model = build_model(model_dir(head_dim, kv_heads), False, head_dim, kv_heads)
     data = out / f"{workload}-{scale}-{len_scale}-{max_tokens}.parquet"
     write_workload(workload, scale, len_scale, max_tokens, 1000, data)
     toml = job_toml(

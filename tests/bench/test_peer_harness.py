@@ -178,3 +178,14 @@ def test_vllm_peer_prefix_cache_and_tokens(model_dir: Path, workload: Path, tmp_
     )
     # fp32 greedy on both sides: vLLM's ids equal the unpadded HF reference
     assert [r["output_ids"] for r in rows] == greedy_reference(model_dir, prompts, max_tokens)
+
+
+def test_bench_models_per_head_dim_and_kv_heads(tmp_path: Path) -> None:
+    """--head-dims / --kv-heads: one folder per shape, grouped-query attention when kv < 8."""
+    bp = _load("bench_peers")
+    assert bp.model_dir(128).name == "bench-peer"  # the original's folder, unchanged
+    assert bp.model_dir(64).name == "bench-peer-d64"
+    assert bp.model_dir(128, 2).name == "bench-peer-kv2"
+    assert bp.model_dir(32, 4).name == "bench-peer-d32-kv4"
+    cfg = json.loads((bp.build_model(tmp_path / "m", False, 32, 2) / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (8, 2, 32)

@@ -52,6 +52,24 @@ def test_isa_path_matches_naive_reference(isa, head_dim, case):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", (48, 80))
+def test_isa_path_head_dims_off_the_power_of_two_tiles(isa, head_dim):
+    """Head dims whose vector count is not a multiple of 4 (3, 5 vectors of 16; 6, 10 of 8):
+    the tiles' divisors of D (div_le) take their other values."""
+    lanes = build.load_kernel(isa).lanes
+    if head_dim % lanes:
+        pytest.skip(f"head dim {head_dim} is not a multiple of {lanes} lanes")
+    spec = ref.random_spec(
+        head_dim, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16,
+        max_prefix=150, max_chunk=70, prefill_prob=0.6,
+    )  # fmt: skip
+    b = ref.build_batch(spec, seed=head_dim)
+    out = CpuAttention(isa, calibrate=False).attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_isa_path_many_decodes_over_one_prefix(isa):
     """More decode rows than one tile holds, 8 KV heads (whole-block decode units)."""
     seqs = tuple(ref.SeqSpec(1, 1 + 5 * i % 37, group=0) for i in range(40))
