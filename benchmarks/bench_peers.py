@@ -22,6 +22,9 @@ All vLLM runs (every workload, both orders, every repeat) go through ONE ``vllm_
 --plan`` process after the other systems: one 60-100 s engine start-up instead of one per
 run, the prefix cache reset between runs. A vLLM run's ``end_to_end_s`` is that process's
 ready time (spawn, imports, start-up) + its own generate_s: what it would cost alone.
+``--interleave``: that process starts (and is waited for) before the first batchjob run,
+then idles between its runs, each released right after the batchjob run of the same workload
+and repeat, so a drift of the machine's speed lasting minutes reaches both sides of a ratio.
 EOS: every system decodes exactly max_tokens tokens and EOS may be sampled (batchjob
 ``ignore_eos``; vllm_peer ``--no-min-tokens``), so outputs compare token by token.
 Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF generate_s.
@@ -329,6 +332,62 @@ def run_hf(
     return peer_result(name, "hf", rep, json.loads(out.read_text()), wall, rss, cpu, ours)
 
 
+def vllm_plan_cmd(
+    pending: list[tuple[str, str, int, Path]],
+    model: Path,
+    work: Path,
+    kv_gib: float,
+    chunk_size: int | None,
+    max_model_len: int | None,
+    dtype: str,
+    gated: bool = False,
+) -> tuple[list[dict], list[str]]:
+    """PLAN.json for the pending (workload, system, repeat, data) vLLM runs, and the
+    vllm_peer.py --plan command; ``gated``: each run waits for its go file (see release)."""
+    plan = []
+    d = work / "vllm-plan"
+    d.mkdir(parents=True, exist_ok=True)
+    for k, (name, system, rep, data) in enumerate(pending):
+        out = work / f"{name}-{system}-{rep}" / "peer.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.unlink(missing_ok=True)  # only this process's JSONs are read back below
+        plan.append(
+            {"input": str(data), "sort_prompts": system == "vllm-sorted", "output_json": str(out)}
+        )
+        if gated:
+            go = d / f"go-{k}"
+            go.unlink(missing_ok=True)
+            plan[-1]["wait_for"] = str(go)
+    (d / "plan.json").write_text(json.dumps(plan, indent=1))
+    (d / "plan.json.ready").unlink(missing_ok=True)
+    cmd = [str(VLLM_PY), str(ROOT / "benchmarks/vllm_peer.py"), "--omp-bind", "0-1"]
+    cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", dtype]
+    cmd += ["--no-min-tokens", "--warmup", "--model", str(model), "--plan", str(d / "plan.json")]
+    if chunk_size is not None:  # the same token budget per step as every other system
+        cmd += ["--max-num-batched-tokens", str(chunk_size)]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    return plan, cmd
+
+
+def vllm_results(
+    pending: list[tuple[str, str, int, Path]],
+    plan: list[dict],
+    rss: float,
+    cpu: float,
+    ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
+) -> list[RunResult]:
+    """The runs of a plan whose JSON was written (all, unless the process failed)."""
+    results = []
+    for (name, system, rep, _), p in zip(pending, plan, strict=True):
+        out = Path(p["output_json"])
+        if out.exists():
+            j = json.loads(out.read_text())
+            e2e = j["process_ready_s"] + j["generate_s"]
+            results.append(peer_result(name, system, rep, j, e2e, rss, cpu, ours_by[(name, rep)]))
+    return results
+
+
 def run_vllm_plan(
     pending: list[tuple[str, str, int, Path]],
     model: Path,
@@ -341,38 +400,54 @@ def run_vllm_plan(
 ) -> tuple[list[RunResult], Exception | None]:
     """Every pending (workload, system, repeat, data) vLLM run in ONE vllm_peer.py --plan
     process. Returns the runs it finished (all, unless it failed: then also the error)."""
-    plan = []
-    for name, system, rep, data in pending:
-        out = work / f"{name}-{system}-{rep}" / "peer.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.unlink(missing_ok=True)  # only this process's JSONs are read back below
-        plan.append(
-            {"input": str(data), "sort_prompts": system == "vllm-sorted", "output_json": str(out)}
-        )
-    d = work / "vllm-plan"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "plan.json").write_text(json.dumps(plan, indent=1))
-    cmd = [str(VLLM_PY), str(ROOT / "benchmarks/vllm_peer.py"), "--omp-bind", "0-1"]
-    cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", dtype]
-    cmd += ["--no-min-tokens", "--warmup", "--model", str(model), "--plan", str(d / "plan.json")]
-    if chunk_size is not None:  # the same token budget per step as every other system
-        cmd += ["--max-num-batched-tokens", str(chunk_size)]
-    if max_model_len is not None:
-        cmd += ["--max-model-len", str(max_model_len)]
+    plan, cmd = vllm_plan_cmd(pending, model, work, kv_gib, chunk_size, max_model_len, dtype)
     err, rss, cpu = None, float("nan"), float("nan")
     try:
-        wall, rss, cpu = run_child(cmd, d / "log.txt")
+        wall, rss, cpu = run_child(cmd, work / "vllm-plan" / "log.txt")
         print(f"  vLLM plan: {len(plan)} runs in one process, {wall:.1f} s", flush=True)
     except RuntimeError as e:  # keep the runs it finished (--resume skips them)
         err = e
-    results = []
-    for (name, system, rep, _), p in zip(pending, plan, strict=True):
-        out = Path(p["output_json"])
-        if out.exists():
-            j = json.loads(out.read_text())
-            e2e = j["process_ready_s"] + j["generate_s"]
-            results.append(peer_result(name, system, rep, j, e2e, rss, cpu, ours_by[(name, rep)]))
-    return results, err
+    return vllm_results(pending, plan, rss, cpu, ours_by), err
+
+
+class InterleavedVllm:
+    """--interleave: the vllm_peer.py --plan process starts (and is waited for) before any
+    batchjob run, then each of its runs is released right after the batchjob run of the same
+    workload and repeat, so a drift of the machine's speed that lasts minutes reaches both
+    systems instead of one (without it, all batchjob repeats run before all vLLM ones)."""
+
+    def __init__(self, pending: list[tuple[str, str, int, Path]], work: Path, plan_args: tuple):
+        self.pending, self.work = pending, work
+        self.plan, cmd = vllm_plan_cmd(pending, *plan_args, gated=True)
+        d = work / "vllm-plan"
+        self.log, self.ready = d / "log.txt", d / "plan.json.ready"
+        with open(self.log, "w") as f, open(self.log.with_suffix(".err"), "w") as e:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=e, cwd=ROOT)
+        self._wait(lambda: self.ready.exists(), "start-up")
+
+    def _wait(self, done, what: str) -> None:
+        while not done():
+            if self.proc.poll() is not None:
+                tail = self.log.with_suffix(".err").read_text()[-3000:]
+                raise RuntimeError(f"vllm_peer.py --plan exited during {what}:\n{tail}")
+            time.sleep(0.05)
+
+    def release(self, name: str, rep: int) -> None:
+        """Run the plan's runs of (name, rep) now, one after another; return when done."""
+        for k, (n, system, r, _) in enumerate(self.pending):
+            if (n, r) == (name, rep):
+                Path(self.plan[k]["wait_for"]).touch()
+                out = Path(self.plan[k]["output_json"])
+                self._wait(out.exists, f"{n} {system} repeat {r}")
+
+    def finish(self, ours_by) -> list[RunResult]:
+        for p in self.plan:  # any run not released yet: let the process run it and exit
+            Path(p["wait_for"]).touch()
+        _, status, ru = os.wait4(self.proc.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"vllm_peer.py --plan failed; log {self.log}")
+        rss, cpu = ru.ru_maxrss / 1024, ru.ru_utime + ru.ru_stime
+        return vllm_results(self.pending, self.plan, rss, cpu, ours_by)
 
 
 def run_backend_plan(
@@ -621,6 +696,12 @@ def profile_split(stats_path: Path) -> dict[str, float]:
     show_default=True,
     help="batchjob's model.dtype and vLLM's --dtype (the batchjob-vllm systems stay float32).",
 )
+@click.option(
+    "--interleave",
+    is_flag=True,
+    help="Start vLLM first, then alternate: each batchjob run, then vLLM's runs of the same "
+    "workload and repeat (default: all batchjob runs, then all vLLM runs of a head dim).",
+)
 @click.option("--smoke", is_flag=True, help="Tiny model and workload; vLLM only with --with-vllm.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_peers")
 @click.option(
@@ -649,6 +730,7 @@ def main(
     head_dims,
     kv_heads,
     dtype,
+    interleave,
     smoke,
     out,
     resume,
@@ -721,6 +803,23 @@ def main(
                 f"systems {chosen}",
                 flush=True,
             )
+        # per repeat, each workload in file order then sorted: slow drift spreads over all
+        pending = [
+            (name, system, rep, datas[name])
+            for rep in range(repeats)
+            for name in scales
+            for system in ("vllm-file", "vllm-sorted")
+            if system in chosen and (name, system, rep, hd) not in done
+        ]
+        plan_args = (model, runs_dir, kv_gib, chunk_size if vllm_budget else None)
+        plan_args += (max_model_len, dtype)
+        paired = None
+        if interleave and pending:  # in the order the loop below releases them
+            pending.sort(key=lambda p: (list(scales).index(p[0]), p[2]))
+            print(f"d{hd} vLLM: {len(pending)} runs, interleaved with batchjob's", flush=True)
+            paired = InterleavedVllm(pending, runs_dir, plan_args)
+        for name, (_, _, mt) in scales.items():
+            data = datas[name]
             for rep in range(repeats):
                 ours = None
                 for system in sorted(chosen, key=lambda s: s != "batchjob"):  # batchjob first
@@ -762,26 +861,15 @@ def main(
                         r = run_hf(name, rep, data, model, runs_dir, ours)
                     record(r, hd)
                 ours_by[(name, rep)] = ours
-        # per repeat, each workload in file order then sorted: slow drift spreads over all
-        pending = [
-            (name, system, rep, datas[name])
-            for rep in range(repeats)
-            for name in scales
-            for system in ("vllm-file", "vllm-sorted")
-            if system in chosen and (name, system, rep, hd) not in done
-        ]
-        if pending:
+                if paired is not None:
+                    paired.release(name, rep)
+        if paired is not None:
+            for r in paired.finish(ours_by):
+                record(r, hd)
+        elif pending:
             print(f"d{hd} vLLM: {len(pending)} runs in one vllm_peer.py --plan process", flush=True)
-            finished, err = run_vllm_plan(
-                pending,
-                model,
-                runs_dir,
-                kv_gib,
-                ours_by,
-                chunk_size if vllm_budget else None,
-                max_model_len,
-                dtype,
-            )
+            m, w, kv, cs, mml, dt = plan_args
+            finished, err = run_vllm_plan(pending, m, w, kv, ours_by, cs, mml, dt)
             for r in finished:
                 record(r, hd)
             if err is not None:

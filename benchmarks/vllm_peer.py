@@ -9,7 +9,10 @@ Runs INSIDE ``.venv-vllm`` (see benchmarks/setup_vllm_venv.sh), never in the pro
 ``--plan``: PLAN.json is a list of runs ``{"input": W.parquet, "sort_prompts": bool,
 "output_json": out.json}``, all on ONE engine (one start-up), the prefix cache reset before
 each; each run's JSON is the single-run JSON (start-up fields copied into every one), except
-that its peak memory covers that run only (``peak_window``: "run" vs "process").
+that its peak memory covers that run only (``peak_window``: "run" vs "process"). A run may
+name ``"wait_for": path``: it starts only once that file exists (bench_peers.py --interleave
+releases each vLLM run after the batchjob run it pairs with), and the process writes
+``PLAN.json.ready`` once its engine is up, so the caller runs nothing beside the start-up.
 
 Input: a ``prompt`` column (list<int>, token ids), a ``max_tokens`` column, and optionally a
 ``row_id`` column (else the file row index). Every row decodes exactly ``max_tokens`` tokens
@@ -88,6 +91,7 @@ class TreeSampler:
         self._interval = interval_s
         self._pss_every = pss_every  # PSS reads walk page tables (~4 ms/GiB): sample it less
         self._stop = threading.Event()
+        self.paused = threading.Event()  # set while waiting for a gated run: no sampling
         self._lock = threading.Lock()
         self.peak_rss = 0
         self.peak_pss = 0
@@ -134,8 +138,9 @@ class TreeSampler:
     def _run(self) -> None:
         n = 0
         while not self._stop.is_set():
-            self.sample(with_pss=n % self._pss_every == 0)
-            n += 1
+            if not self.paused.is_set():
+                self.sample(with_pss=n % self._pss_every == 0)
+                n += 1
             self._stop.wait(self._interval)
 
     def __enter__(self) -> TreeSampler:
@@ -387,7 +392,13 @@ def run_plan(args: argparse.Namespace) -> None:
     works = [load_workload(r.input, r.sort_prompts) for r in runs]  # fail before start-up
     with TreeSampler() as tree:
         llm, info = start_engine(args, tree)
+        Path(args.plan + ".ready").write_text(json.dumps(info["process_ready_s"]))
         for k, (r, work) in enumerate(zip(runs, works, strict=True)):
+            wait_for = plan[k].get("wait_for")
+            tree.paused.set()  # ~10% of a core otherwise (PSS reads), beside the caller's runs
+            while wait_for and not Path(wait_for).exists():  # the caller's go for this run
+                time.sleep(0.05)
+            tree.paused.clear()
             tree.reset()
             if not llm.reset_prefix_cache():  # no run may reuse another's cached prefixes
                 raise RuntimeError("reset_prefix_cache failed")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +47,32 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     assert by_system["baseline"]["match_vs_batchjob"] == 1.0
     md = (tmp_path / "peers.md").read_text()
     assert "| batchjob |" in md and md.count(host_cpu().model) == len(rows)
+
+
+@pytest.mark.slow
+def test_bench_peers_interleaved_with_vllm(tmp_path: Path) -> None:
+    """--interleave: vLLM starts first, then each of its runs follows batchjob's run of the same
+    repeat (released through vllm_peer.py's go files), and both land in one table."""
+    pytest.importorskip("vllm")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--smoke", "--with-vllm"]
+    cmd += ["--systems", "batchjob,vllm-sorted", "--interleave", "--repeats", "2"]
+    cmd += ["--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    runs = pq.read_table(tmp_path / "peers_runs.parquet").to_pylist()
+    assert sorted((r["system"], r["repeat"]) for r in runs) == [
+        ("batchjob", 0), ("batchjob", 1), ("vllm-sorted", 0), ("vllm-sorted", 1)
+    ]  # fmt: skip
+    assert all(r["match_frac"] == 1.0 for r in runs if r["system"] == "vllm-sorted")
+    # in time: vLLM ready, batchjob 0, vLLM 0, batchjob 1, vLLM 1
+    d = tmp_path / "runs" / "d32"
+    name = "micro-2000-200-s4"
+    done = [
+        d / "vllm-plan" / "plan.json.ready",
+        d / f"{name}-batchllm-0" / "results.parquet",
+        d / f"{name}-vllm-sorted-0" / "peer.json",
+        d / f"{name}-batchllm-1" / "results.parquet",
+        d / f"{name}-vllm-sorted-1" / "peer.json",
+    ]
+    times = [p.stat().st_mtime for p in done]
+    assert times == sorted(times)
