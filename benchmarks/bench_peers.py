@@ -32,9 +32,12 @@ Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF gen
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -422,8 +425,21 @@ class InterleavedVllm:
         d = work / "vllm-plan"
         self.log, self.ready = d / "log.txt", d / "plan.json.ready"
         with open(self.log, "w") as f, open(self.log.with_suffix(".err"), "w") as e:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=e, cwd=ROOT)
-        self._wait(lambda: self.ready.exists(), "start-up")
+            # its own process group: close() takes vLLM's engine and worker processes too
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=e, cwd=ROOT, start_new_session=True)
+        try:
+            self._wait(lambda: self.ready.exists(), "start-up")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the process group if it still runs (a batchjob run failed, Ctrl-C): it would
+        otherwise wait for its go files forever, holding its memory."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
     def _wait(self, done, what: str) -> None:
         while not done():
@@ -818,6 +834,7 @@ def main(
             pending.sort(key=lambda p: (list(scales).index(p[0]), p[2]))
             print(f"d{hd} vLLM: {len(pending)} runs, interleaved with batchjob's", flush=True)
             paired = InterleavedVllm(pending, runs_dir, plan_args)
+            atexit.register(paired.close)  # a failed batchjob run, Ctrl-C: no orphan left
         for name, (_, _, mt) in scales.items():
             data = datas[name]
             for rep in range(repeats):

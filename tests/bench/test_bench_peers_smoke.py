@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -76,3 +78,30 @@ def test_bench_peers_interleaved_with_vllm(tmp_path: Path) -> None:
     ]
     times = [p.stat().st_mtime for p in done]
     assert times == sorted(times)
+
+
+@pytest.mark.slow
+def test_bench_peers_interleaved_ctrl_c_leaves_no_vllm_process(tmp_path: Path) -> None:
+    """Ctrl-C while vLLM waits for its next go file: its whole process group goes too (it
+    would otherwise wait forever, holding its memory)."""
+    pytest.importorskip("vllm")
+    psutil = pytest.importorskip("psutil")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--smoke", "--with-vllm"]
+    cmd += ["--systems", "batchjob,vllm-sorted", "--interleave", "--repeats", "3"]
+    cmd += ["--out", str(tmp_path)]
+    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    with (tmp_path / "log.txt").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=restore_sigint)  # fmt: skip
+        ready = tmp_path / "runs" / "d32" / "vllm-plan" / "plan.json.ready"
+        deadline = time.monotonic() + 600
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "vLLM never got ready"
+            time.sleep(0.2)
+        peer = [c for c in psutil.Process(proc.pid).children() if "vllm_peer.py" in c.cmdline()[1]]
+        assert len(peer) == 1
+        tree = [peer[0], *peer[0].children(recursive=True)]  # with vLLM's engine and worker
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) != 0
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert alive == []
