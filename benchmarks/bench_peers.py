@@ -182,13 +182,19 @@ def run_child(cmd: list[str], log: Path) -> tuple[float, float, float]:
     t0 = time.perf_counter()
     with open(log, "w") as f, open(log.with_suffix(".err"), "w") as e:
         proc = subprocess.Popen(cmd, stdout=f, stderr=e, cwd=ROOT)
-        _, status, ru = os.wait4(proc.pid, 0)  # this child's own rusage, not all children's
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.perf_counter() - t0
+        rss, cpu = reap(proc, cmd, log)
+    return time.perf_counter() - t0, rss, cpu
+
+
+def reap(proc: subprocess.Popen, cmd: list[str], log: Path) -> tuple[float, float]:
+    """Wait for ``proc`` (stderr in ``log``.err); its own (max RSS MiB, CPU s), not all
+    children's. Raises with the log's tail if it failed."""
+    _, status, ru = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         tail = log.with_suffix(".err").read_text()[-3000:]
         raise RuntimeError(f"{cmd[:4]} exited {proc.returncode}; log {log}:\n{tail}")
-    return wall, ru.ru_maxrss / 1024, ru.ru_utime + ru.ru_stime
+    return ru.ru_maxrss / 1024, ru.ru_utime + ru.ru_stime
 
 
 def job_toml(
@@ -393,10 +399,10 @@ def vllm_results(
 
 def run_vllm_plan(
     pending: list[tuple[str, str, int, Path]],
+    ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
     model: Path,
     work: Path,
     kv_gib: float,
-    ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
     chunk_size: int | None = None,
     max_model_len: int | None = None,
     dtype: str = "float32",
@@ -420,15 +426,17 @@ class InterleavedVllm:
     systems instead of one (without it, all batchjob repeats run before all vLLM ones)."""
 
     def __init__(self, pending: list[tuple[str, str, int, Path]], work: Path, plan_args: tuple):
-        self.pending, self.work = pending, work
-        self.plan, cmd = vllm_plan_cmd(pending, *plan_args, gated=True)
+        self.pending = pending
+        self.plan, self.cmd = vllm_plan_cmd(pending, *plan_args, gated=True)
         d = work / "vllm-plan"
-        self.log, self.ready = d / "log.txt", d / "plan.json.ready"
+        self.log, ready = d / "log.txt", d / "plan.json.ready"
         with open(self.log, "w") as f, open(self.log.with_suffix(".err"), "w") as e:
             # its own process group: close() takes vLLM's engine and worker processes too
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=e, cwd=ROOT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=f, stderr=e, cwd=ROOT, start_new_session=True
+            )
         try:
-            self._wait(lambda: self.ready.exists(), "start-up")
+            self._wait(ready.exists, "start-up")
         except BaseException:
             self.close()
             raise
@@ -459,10 +467,7 @@ class InterleavedVllm:
     def finish(self, ours_by) -> list[RunResult]:
         for p in self.plan:  # any run not released yet: let the process run it and exit
             Path(p["wait_for"]).touch()
-        _, status, ru = os.wait4(self.proc.pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise RuntimeError(f"vllm_peer.py --plan failed; log {self.log}")
-        rss, cpu = ru.ru_maxrss / 1024, ru.ru_utime + ru.ru_stime
+        rss, cpu = reap(self.proc, self.cmd, self.log)
         return vllm_results(self.pending, self.plan, rss, cpu, ours_by)
 
 
@@ -788,8 +793,13 @@ def main(
     done = {(r.workload, r.system, r.repeat, r.head_dim) for r in runs}
 
     def record(r: RunResult, hd: int) -> None:
-        r = replace(r, head_dim=hd, kv_heads=kv_heads, cpu_model=cpu.model)
-        r = replace(r, cpu_flags=" ".join(cpu.key_flags))
+        r = replace(
+            r,
+            head_dim=hd,
+            kv_heads=kv_heads,
+            cpu_model=cpu.model,
+            cpu_flags=" ".join(cpu.key_flags),
+        )
         runs.append(r)
         print(
             f"  d{hd} {r.workload} rep {r.repeat} {r.system}: run {r.run_s:.1f} s "
@@ -885,8 +895,7 @@ def main(
                 record(r, hd)
         elif pending:
             print(f"d{hd} vLLM: {len(pending)} runs in one vllm_peer.py --plan process", flush=True)
-            m, w, kv, cs, mml, dt = plan_args
-            finished, err = run_vllm_plan(pending, m, w, kv, ours_by, cs, mml, dt)
+            finished, err = run_vllm_plan(pending, ours_by, *plan_args)
             for r in finished:
                 record(r, hd)
             if err is not None:

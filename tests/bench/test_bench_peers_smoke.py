@@ -51,15 +51,21 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     assert "| batchjob |" in md and md.count(host_cpu().model) == len(rows)
 
 
+def _interleaved(out: Path, repeats: int) -> list[str]:
+    """bench_peers --smoke with vLLM sorted, --interleave."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--smoke", "--with-vllm"]
+    cmd += ["--systems", "batchjob,vllm-sorted", "--interleave", "--repeats", str(repeats)]
+    return [*cmd, "--out", str(out)]
+
+
 @pytest.mark.slow
 def test_bench_peers_interleaved_with_vllm(tmp_path: Path) -> None:
     """--interleave: vLLM starts first, then each of its runs follows batchjob's run of the same
     repeat (released through vllm_peer.py's go files), and both land in one table."""
     pytest.importorskip("vllm")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--smoke", "--with-vllm"]
-    cmd += ["--systems", "batchjob,vllm-sorted", "--interleave", "--repeats", "2"]
-    cmd += ["--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        _interleaved(tmp_path, repeats=2), cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     runs = pq.read_table(tmp_path / "peers_runs.parquet").to_pylist()
     assert sorted((r["system"], r["repeat"]) for r in runs) == [
@@ -86,9 +92,7 @@ def test_bench_peers_interleaved_ctrl_c_leaves_no_vllm_process(tmp_path: Path) -
     would otherwise wait forever, holding its memory)."""
     pytest.importorskip("vllm")
     psutil = pytest.importorskip("psutil")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--smoke", "--with-vllm"]
-    cmd += ["--systems", "batchjob,vllm-sorted", "--interleave", "--repeats", "3"]
-    cmd += ["--out", str(tmp_path)]
+    cmd = _interleaved(tmp_path, repeats=3)
     restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     with (tmp_path / "log.txt").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
