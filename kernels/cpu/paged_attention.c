@@ -66,6 +66,9 @@
 #define MAX_WROWS 256
 #define SROWS (MAX_WROWS > MAX_ROWS ? MAX_WROWS : MAX_ROWS) /* scratch rows */
 #define MAX_D 256
+/* Score tiles sum q . k over at most this many dims at a time: a tile's transposed queries
+   ([D][RP]) then stay in L1 while each key group re-reads them (at D = 256 they did not). */
+#define DSPLIT 128
 /* Units with fewer query rows per head than this take the row-major dot-product path: a
    key-major tile spends D broadcasts per key whatever its rows, a row-major one ~D/L loads per
    row, so small groups (decode over a prefix shared by 4-7 rows, GQA decode) run 5-13% faster
@@ -286,20 +289,25 @@ INLINE void scores_km_nv(const float *qtk, float *sk, const int NV, const int KB
     /* KB keys x NV row vectors of accumulators; KB divides CH: keys past nv are scratch */
     const float *qt = qtk + v0 * L; /* row vectors v0 .. v0 + NV of an RP-row tile */
     sk += v0 * L;
-    for (int j0 = 0; j0 < nv; j0 += KB) {
-        const float *k = K + j0 * ks; /* one base pointer: key i at k + i * ks */
-        vf a[SACC];
-        for (int i = 0; i < NV * KB; i++) a[i] = splat(0);
-        for (int64_t d = 0; d < D; d++) {
-            vf qv[4];
-            for (int v = 0; v < NV; v++) qv[v] = ld(qt + d * RP + v * L);
-            for (int i = 0; i < KB; i++) {
-                const float kd = k[i * ks + d];
-                for (int v = 0; v < NV; v++) a[i * NV + v] += kd * qv[v];
+    for (int64_t d0 = 0; d0 < D; d0 += DSPLIT) { /* partial sums over DSPLIT dims at a time */
+        const int64_t d1 = d0 + DSPLIT < D ? d0 + DSPLIT : D;
+        for (int j0 = 0; j0 < nv; j0 += KB) {
+            const float *k = K + j0 * ks; /* one base pointer: key i at k + i * ks */
+            vf a[SACC];
+            for (int i = 0; i < KB; i++)
+                for (int v = 0; v < NV; v++)
+                    a[i * NV + v] = d0 && j0 + i < nv ? ld(sk + (j0 + i) * RP + v * L) : splat(0);
+            for (int64_t d = d0; d < d1; d++) {
+                vf qv[4];
+                for (int v = 0; v < NV; v++) qv[v] = ld(qt + d * RP + v * L);
+                for (int i = 0; i < KB; i++) {
+                    const float kd = k[i * ks + d];
+                    for (int v = 0; v < NV; v++) a[i * NV + v] += kd * qv[v];
+                }
             }
+            for (int i = 0; i < KB && j0 + i < nv; i++)
+                for (int v = 0; v < NV; v++) st(sk + (j0 + i) * RP + v * L, a[i * NV + v]);
         }
-        for (int i = 0; i < KB && j0 + i < nv; i++)
-            for (int v = 0; v < NV; v++) st(sk + (j0 + i) * RP + v * L, a[i * NV + v]);
     }
 }
 

@@ -70,6 +70,20 @@ def test_isa_path_head_dims_off_the_power_of_two_tiles(isa, head_dim):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", (176, 256))
+def test_isa_path_score_tiles_sum_over_head_dim_in_parts(isa, head_dim):
+    """Key-major score tiles sum q . k over at most 128 dims at a time (the kernel's DSPLIT):
+    176 = 128 + 48 and 256 = 2 x 128, on prefill chunks over a shared prefix and over their
+    own KV (causal), grouped-query 8/2."""
+    seqs = (*(ref.SeqSpec(30, 30 + 7 * i, group=0) for i in range(3)), ref.SeqSpec(50, 90))
+    spec = ref.BatchSpec(seqs, (100,), num_q_heads=8, num_kv_heads=2, head_dim=head_dim)
+    b = ref.build_batch(spec, seed=head_dim)
+    out = CpuAttention(isa, calibrate=False).attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_isa_path_many_decodes_over_one_prefix(isa):
     """More decode rows than one tile holds, 8 KV heads (whole-block decode units)."""
     seqs = tuple(ref.SeqSpec(1, 1 + 5 * i % 37, group=0) for i in range(40))
