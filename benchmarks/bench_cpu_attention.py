@@ -11,10 +11,11 @@ and one causal 2000-token prefill; plus one GQA shape (32 query heads over 8 KV 
 Each ISA build this CPU runs (kernels/cpu/build.py) is measured in its own process in which
 torch is held to the same ISA (``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``,
 ``ONEDNN_MAX_CPU_ISA``), so a narrower path is compared with the torch path a CPU of that
-ISA would run; the table also gives torch at this CPU's full ISA. Median wall ms per call,
-GFLOP/s of the kernel (4 flops per query-key pair per head dim: QK^T and P.V), the ratios
-(torch ms / kernel ms: above 1 the kernel is faster) and what the first-use calibration
-picks for that shape class (``kernel`` or ``torch``), then an fp32 GEMM's GFLOP/s.
+ISA would run; the table also gives torch at this CPU's full ISA. Median wall ms per call
+(torch's and the kernel's calls alternated), GFLOP/s of the kernel (4 flops per query-key
+pair per head dim: QK^T and P.V), the ratios (torch ms / kernel ms: above 1 the kernel is
+faster) and what the first-use calibration picks for that shape class (``kernel`` or
+``torch``), then an fp32 GEMM's GFLOP/s.
 """
 
 from __future__ import annotations
@@ -83,14 +84,18 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def median_ms(fn, args, repeats: int) -> float:
-    fn(*args)  # warm-up: per-batch work units / plans
-    times = []
+def paired_ms(fns, args, repeats: int) -> list[float]:
+    """Median wall ms per call of each of ``fns``, their calls alternated (a drift of the
+    machine's speed, minutes long on a VM, then hits every side alike)."""
+    for fn in fns:
+        fn(*args)  # warm-up: per-batch work units / plans
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+        for fn, ts in zip(fns, times, strict=True):
+            t = time.perf_counter()
+            fn(*args)
+            ts.append(time.perf_counter() - t)
+    return [statistics.median(ts) * 1e3 for ts in times]
 
 
 def measure_isa(isa: str, head_dims: list[int], repeats: int) -> list[dict]:
@@ -102,8 +107,7 @@ def measure_isa(isa: str, head_dims: list[int], repeats: int) -> list[dict]:
         for name, spec in shapes(d).items():
             b = ref.build_batch(spec, seed=0)
             args = (b.q, b.k_cache, b.v_cache, b.meta, b.scale)
-            t_ms = median_ms(TorchAttention().attend, args, repeats)
-            k_ms = median_ms(kernel.attend, args, repeats)
+            t_ms, k_ms = paired_ms((TorchAttention().attend, kernel.attend), args, repeats)
             pick = "kernel" if picker.uses_kernel(b.q, b.k_cache, b.v_cache, b.meta) else "torch"
             flops = pairs(spec) * spec.num_q_heads * d * 4
             rows.append(dict(isa=isa, d=d, shape=name, torch=t_ms, kernel=k_ms, pick=pick,
