@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchjob.backends.names import ATTENTION_BACKENDS, BACKENDS, SCHEDULING_POLICIES
+from batchjob.backends.names import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    LINEAR_BACKENDS,
+    SCHEDULING_POLICIES,
+)
 from batchjob.errors import ConfigError
 from batchjob.json_schema import XGRAMMAR_HINT, compact_json_schema
 from batchjob.storage import ObjectPath, is_uri
@@ -316,6 +321,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9  # of the GPU's memory, when kv_cache_bytes is None
     block_size: int = 16  # tokens per KV block (any size >= 1: the kernels index by // and %)
     attention: str = "auto"  # auto | torch | cpu (C kernel) | triton (CUDA)
+    linear: str = "auto"  # auto: float32 CPU models' few-row batches on the C kernel | torch
     threads: int | None = None  # torch CPU threads
     vllm: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine arguments (vllm only)
 
@@ -334,6 +340,7 @@ class EngineConfig:
         _float(self, "gpu_memory_fraction", "engine.gpu_memory_fraction", 0.0, 1.0, lo_open=True)
         _int("engine.block_size", self.block_size, lo=1)
         _str("engine.attention", self.attention, ATTENTION_BACKENDS)
+        _str("engine.linear", self.linear, LINEAR_BACKENDS)
         _int("engine.threads", self.threads, lo=1, optional=True)
 
 

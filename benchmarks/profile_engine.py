@@ -23,10 +23,11 @@ from batchjob import pipeline  # noqa: E402
 from batchjob.backends.native.attention import cpu as attention_cpu  # noqa: E402
 from batchjob.backends.native.attention import torch_path as attention  # noqa: E402
 from batchjob.backends.native.attention.calibrate import KINDS, batch_kind  # noqa: E402
+from batchjob.backends.native.models import cpu_linear  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
 
 GROUPS = {  # torch ops, by what they do in the model
-    "linear layers": ("aten::mm", "aten::addmm", "aten::linear"),
+    "linear layers": ("aten::mm", "aten::addmm", "aten::linear", "linear: C kernel"),
     "KV writes": ("aten::index_copy_",),
 }
 
@@ -44,12 +45,25 @@ def _traced(backend_cls: type) -> None:
     backend_cls.attend = wrapped
 
 
+def _traced_linear() -> None:
+    """Name every linear layer the C kernel runs (torch's show as aten::mm / addmm)."""
+    run = cpu_linear.PackedLinear.kernel_forward
+
+    def wrapped(self, x):
+        with torch.profiler.record_function("linear: C kernel"):
+            return run(self, x)
+
+    cpu_linear.PackedLinear.kernel_forward = wrapped
+
+
 @click.command()
 @click.option("--workload", default="case1", show_default=True)
 @click.option("--scale", default=0.03, show_default=True)
 @click.option("--len-scale", default=0.5, show_default=True)
 @click.option("--max-tokens", default=50, show_default=True)
 @click.option("--attention", "attn", default="auto", show_default=True)
+@click.option("--linear", type=click.Choice(["auto", "torch"]), default="auto", show_default=True,
+              help="engine.linear: torch runs every linear layer on torch's sgemm.")  # fmt: skip
 @click.option("--head-dim", default=128, show_default=True, help="128: bench_peers' model.")
 @click.option("--kv-heads", default=8, show_default=True, help="< 8: grouped-query attention.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
@@ -57,7 +71,7 @@ def _traced(backend_cls: type) -> None:
 @click.option("--profile", is_flag=True, help="Split engine time with torch.profiler.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "profile_engine")
 def main(
-    workload, scale, len_scale, max_tokens, attn, head_dim, kv_heads, dtype, profile, out
+    workload, scale, len_scale, max_tokens, attn, linear, head_dim, kv_heads, dtype, profile, out
 ) -> None:
     model = build_model(model_dir(head_dim, kv_heads), False, head_dim, kv_heads)
     data = out / f"{workload}-{scale}-{len_scale}-{max_tokens}.parquet"
@@ -65,7 +79,8 @@ def main(
     toml = job_toml(
         data, model, out / "results.parquet", "batchllm", max_tokens, 1 << 30, 2048, dtype
     )
-    (out / "job.toml").write_text(toml.replace("[engine]\n", f'[engine]\nattention = "{attn}"\n'))
+    engine = f'[engine]\nattention = "{attn}"\nlinear = "{linear}"\n'
+    (out / "job.toml").write_text(toml.replace("[engine]\n", engine))
     job = load_job(out / "job.toml")
     torch.set_num_threads(2)
     if not profile:
@@ -74,6 +89,7 @@ def main(
         return
     # one class only: CpuAttention falls back to TorchAttention, which would count twice
     _traced(attention.TorchAttention if attn == "torch" else attention_cpu.CpuAttention)
+    _traced_linear()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         s = pipeline.run(job).summary
     ev = {e.key: e for e in prof.key_averages()}

@@ -5,3 +5,4 @@ from __future__ import annotations
 BACKENDS = ("native", "vllm")  # engine.backend
 SCHEDULING_POLICIES = ("batchllm", "baseline")  # scheduler.policy
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention (native only)
+LINEAR_BACKENDS = ("auto", "torch")  # engine.linear (native only)

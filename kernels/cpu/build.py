@@ -38,8 +38,9 @@ import torch  # noqa: F401  (loads torch's libgomp before ours)
 
 log = logging.getLogger(__name__)
 
-# one library: the attention kernel, and RoPE in place (the layer glue that gained from C)
-SOURCES = tuple(Path(__file__).parent / f for f in ("paged_attention.c", "rope.c"))
+# one library: the attention kernel, RoPE in place (the layer glue that gained from C) and
+# the linear layers of few-row batches over packed weights
+SOURCES = tuple(Path(__file__).parent / f for f in ("paged_attention.c", "rope.c", "linear.c"))
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 FLAGS += ["-std=gnu11"]
 ISA_ENV = "BATCHJOB_CPU_ISA"
@@ -64,7 +65,9 @@ ISA_FLAGS = {
 @dataclass(frozen=True)
 class CpuKernel:
     """A loaded build: ``fn`` is ``batchjob_paged_attention`` (typed); ``lanes``: floats per
-    vector (head dims must be multiples); ``max_rows``: query rows one work unit may hold."""
+    vector (head dims must be multiples); ``max_rows``: query rows one work unit may hold;
+    ``linear``/``linear_pack``: linear.c's entry points, ``linear_panel_cols`` its panel
+    width."""
 
     isa: str
     path: Path
@@ -72,6 +75,9 @@ class CpuKernel:
     max_rows: int
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
     rope: ctypes._CFuncPtr  # type: ignore[name-defined]  # batchjob_rope (rope.c)
+    linear: ctypes._CFuncPtr  # type: ignore[name-defined]  # batchjob_linear (linear.c)
+    linear_pack: ctypes._CFuncPtr  # type: ignore[name-defined]
+    linear_panel_cols: int
 
 
 def cpu_flags() -> frozenset[str]:
@@ -184,8 +190,14 @@ def _load(isa: str) -> CpuKernel | None:
     rope = lib.batchjob_rope
     rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, ctypes.c_int, ctypes.c_int]
     rope.restype = ctypes.c_int
+    linear, linear_pack = lib.batchjob_linear, lib.batchjob_linear_pack
+    linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    linear.restype = ctypes.c_int
+    linear_pack.argtypes = [p, p, i64, i64]
+    linear_pack.restype = None
     lanes, rows = lib.batchjob_kernel_lanes(), lib.batchjob_kernel_max_rows()
-    return CpuKernel(isa, path, lanes, rows, fn, rope)
+    cols = lib.batchjob_linear_panel_cols()
+    return CpuKernel(isa, path, lanes, rows, fn, rope, linear, linear_pack, cols)
 
 
 def load_kernel(isa: str | None = None) -> CpuKernel | None:

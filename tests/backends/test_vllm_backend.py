@@ -150,6 +150,7 @@ def test_sampled_rows_run_and_differ_from_greedy(batchllm):
     ("sets", "words"),
     [
         ({"engine.attention": "cpu"}, "engine.attention"),
+        ({"engine.linear": "torch"}, "engine.linear"),
         ({"engine.vllm": "{no_such_arg = 1}"}, "engine.vllm.no_such_arg"),
         ({"engine.vllm": "{dtype = 'float16'}"}, "use model.dtype"),
         ({"engine.vllm": "{max_model_len = 64}", "model.max_model_len": "64"}, "not both"),

@@ -54,6 +54,7 @@ class NativeBackend:
             dtype=job.model.dtype,
             device=job.model.device,
             attention=job.engine.attention,
+            linear=job.engine.linear,
         )
         self.device = str(self.info.device)
         try:

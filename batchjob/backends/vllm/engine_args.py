@@ -18,7 +18,7 @@ Mapping (batchjob key -> vLLM engine argument):
 - ``engine.vllm``: any further ``EngineArgs`` field, passed through (``tensor_parallel_size``,
   ``quantization``, ``enforce_eager``, ``max_model_len``, ...), names checked against vLLM's.
 
-Not mapped: ``engine.attention`` other than ``auto`` (native kernels only).
+Not mapped: ``engine.attention`` or ``engine.linear`` other than ``auto`` (native kernels only).
 """
 
 from __future__ import annotations
@@ -120,6 +120,11 @@ def engine_settings(job: JobConfig, dtype: str, longest_request: int) -> EngineS
     if e.attention != "auto":
         raise ConfigError(
             f"engine.attention: {e.attention!r} is a native-engine kernel; vLLM picks its own "
+            '(leave it "auto" with engine.backend = "vllm")'
+        )
+    if e.linear != "auto":
+        raise ConfigError(
+            f"engine.linear: {e.linear!r} is a native-engine setting; vLLM picks its own "
             '(leave it "auto" with engine.backend = "vllm")'
         )
     extra = dict(getattr(e, "vllm", None) or {})

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -67,6 +68,14 @@ class ShapeClass:
             f"{self.isa}/torch-{cap}/d{self.head_dim}/r{self.gqa}/kv{self.kv_heads}/bs{self.block_size}"
             f"/{self.dtype}/{self.kind}"
         )
+
+
+class Keyed(Protocol):
+    @property
+    def key(self) -> str: ...
+
+
+C = TypeVar("C", bound=Keyed)  # a class of decisions: ShapeClass, cpu_linear.LinearClass
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,7 @@ class Calibration:
         except (OSError, ValueError, KeyError, TypeError):
             return {}
 
-    def decide(self, cls: ShapeClass, run: Callable[[ShapeClass], Decision]) -> Decision:
+    def decide(self, cls: C, run: Callable[[C], Decision]) -> Decision:
         """The cached decision for ``cls``, else ``run(cls)``, stored."""
         fresh = mode() == "fresh"
         if self._decisions is None:
@@ -183,7 +192,7 @@ class Calibration:
         if cls.key in self._decisions:
             return self._decisions[cls.key]
         d = run(cls)
-        log.info("attention calibration %s: kernel %.2f ms, torch %.2f ms", cls.key,
+        log.info("calibration %s: kernel %.2f ms, torch %.2f ms", cls.key,
                  d.kernel_ms, d.torch_ms)  # fmt: skip
         self._decisions[cls.key] = d
         merged = {**({} if fresh else self._read()), **self._decisions}  # other processes'

@@ -143,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # float32 [D/2]
         self.rope = RopeTable(dtype)  # cos/sin per position, filled on first use
         self.attn_backend = attn_backend  # write_kv/attend provider, see engine.attention
+        # the logits projection as a module (cpu_linear.PackedLinear), else F.linear below
+        self.logits_linear: nn.Module | None = None
 
     @torch.inference_mode()
     def forward(
@@ -161,8 +163,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend)
         h = self.norm(h[logits_index])  # [K, hidden]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()  # [K, vocab]
+        if self.logits_linear is not None:
+            return self.logits_linear(h).float()
+        return F.linear(h, self.logits_weight()).float()  # [K, vocab]
+
+    def logits_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the untied head's, else the embedding's."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _check_window(self, meta: AttentionMetadata) -> None:
         """Sliding-window attention is not implemented: refuse sequences longer than it."""

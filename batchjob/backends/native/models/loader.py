@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from batchjob.backends.native.models.cpu_linear import use_cpu_linear
 from batchjob.backends.native.models.llama import LlamaForCausalLM
 from batchjob.config import EngineConfig
 from batchjob.errors import ModelError
@@ -75,13 +76,15 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     attention: str = EngineConfig.attention,  # the one default, engine.attention's
+    linear: str = EngineConfig.linear,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Build the model, ready for ``forward``, from a ``ModelInfo`` or a model folder.
 
     A folder is read with ``read_model_info(folder, dtype, device)``; a ``ModelInfo`` (the
     job's, read once) already carries its dtype and device, and ``dtype``/``device`` are
     ignored. ``attention`` picks the backend (see ``attention.registry``); the result is
-    ``model.attn_backend`` and may be replaced afterwards.
+    ``model.attn_backend`` and may be replaced afterwards. ``linear``: ``auto`` runs a float32
+    CPU model's few-row batches on the C kernel where it is faster (``cpu_linear``).
     """
     from batchjob.backends.native.attention.registry import get_attention_backend
 
@@ -98,4 +101,6 @@ def load_model(
     _load_weights(net, info)
     net.to(dev).eval()
     net.attn_backend = get_attention_backend(attention, dev)
+    if linear == "auto" and dev.type == "cpu" and info.torch_dtype == torch.float32:
+        use_cpu_linear(net)
     return net, info

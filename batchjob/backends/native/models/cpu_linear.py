@@ -1,0 +1,208 @@
+"""Linear layers of few-row batches on the CPU: kernels/cpu/linear.c over weights packed once.
+
+A decode step multiplies tens of rows by every weight matrix. torch's sgemm (MKL) packs the
+weight on every call and runs such shapes far below its large-matrix speed, worse still with
+the weights cold after attention streamed the KV cache (an AVX2 EPYC: 1.3-4x slower than the
+packed kernel at 1-128 rows, docs/benchmarks.md "Linear layers of decode batches").
+
+``use_cpu_linear(model)`` swaps each float32 ``nn.Linear`` of a CPU model (and the logits
+projection) for a ``PackedLinear``: the weight packed into the kernel's panels beside the
+original, which torch keeps for the batches the kernel does not take. Per layer shape and
+row bucket (``BUCKETS``; above the last, always torch) a first-use calibration times both
+(``measure``: alternated calls, median of paired ratios, cached with attention's in the kernel
+library's calibration file) and the kernel takes the bucket only if it is faster, so a layer
+never runs slower than torch's own. Wide layers are calibrated on their first
+``CALIB_COLS`` output columns (the kernel's work is per column panel; the logits projection
+of a 150k vocabulary would otherwise take seconds a call).
+
+Memory: the packed copies double the linear weights, so packing is skipped (torch for all)
+when they would take more than ``MAX_MEMORY_SHARE`` of the memory available at load.
+``engine.linear = "torch"`` turns it off; ``$BATCHJOB_CPU_CALIBRATE`` applies as for attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchjob.backends.native.attention import calibrate as calib
+from batchjob.kernels.cpu.build import CpuKernel, load_kernel
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (16, 64, 128, 256)  # batch rows: a batch takes the decision of the first >= its rows
+CALIB_COLS = 2048  # output columns a calibration measures at most
+REPS = 7
+FLUSH_MIN, FLUSH_MAX = 32 << 20, 512 << 20  # bytes read before each timed call (flush_bytes)
+MAX_MEMORY_SHARE = 0.25  # of MemAvailable, for all packed copies together
+
+
+@dataclass(frozen=True)
+class LinearClass:
+    """A calibration class: kernel build, threads, layer shape (columns as measured) and row
+    bucket."""
+
+    isa: str
+    threads: int
+    in_features: int
+    out_features: int
+    rows: int
+
+    @property
+    def key(self) -> str:
+        cap = torch.backends.cpu.get_cpu_capability()
+        shape = f"k{self.in_features}/n{self.out_features}/m{self.rows}"
+        return f"linear/{self.isa}/torch-{cap}/t{self.threads}/{shape}"
+
+
+def _bucket(rows: int) -> int | None:
+    return next((b for b in BUCKETS if rows <= b), None)
+
+
+class PackedLinear(nn.Module):
+    """``F.linear(x, weight, bias)``; float32 2-D inputs of up to ``BUCKETS[-1]`` rows (inner
+    stride 1, any row stride) go to the C kernel where the calibration picked it."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuKernel, calibrate: bool
+    ) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias  # shared with the module this replaces
+        self.kernel, self.calibrate = kernel, calibrate
+        n, k = weight.shape
+        self.out_features, self.in_features = n, k
+        self.packed = pack(weight, kernel)
+        self._picks: dict[int, bool] = {}  # bucket -> the kernel takes it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        b = _bucket(rows) if rows else None
+        if b is not None and x.dtype == torch.float32 and x.stride(1) == 1 and self._pick(b):
+            return self.kernel_forward(x)
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        m, n, k = x.shape[0], self.out_features, self.in_features
+        y = torch.empty(m, n, dtype=torch.float32)
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        self.kernel.linear(x.data_ptr(), x.stride(0), self.packed.data_ptr(), bias,
+                           y.data_ptr(), n, m, n, k, torch.get_num_threads())  # fmt: skip
+        return y
+
+    def _pick(self, bucket: int) -> bool:
+        if bucket not in self._picks:
+            self._picks[bucket] = not self.calibrate or self._calibrated(bucket)
+        return self._picks[bucket]
+
+    def _calibrated(self, bucket: int) -> bool:
+        cols = min(self.out_features, CALIB_COLS)
+        threads = torch.get_num_threads()
+        cls = LinearClass(self.kernel.isa, threads, self.in_features, cols, bucket)
+        cal = calib.calibration_for(self.kernel.path)
+        return cal.decide(cls, lambda c: measure(c, self, self.kernel)).use_kernel
+
+
+def pack(weight: torch.Tensor, kernel: CpuKernel) -> torch.Tensor:
+    """The kernel's panel layout of ``weight`` [N, K]: cdiv(N, NP) x K x NP floats."""
+    n, k = weight.shape
+    np_ = kernel.linear_panel_cols
+    out = torch.empty((n + np_ - 1) // np_ * k * np_, dtype=torch.float32)
+    w = weight.detach().contiguous()
+    kernel.linear_pack(w.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def measure(cls: LinearClass, layer: PackedLinear, kernel: CpuKernel) -> calib.Decision:
+    """Wall ms of the kernel and torch on ``cls.rows`` random rows against the layer's first
+    ``cls.out_features`` output columns, with the engine's threads and cold caches, as in a
+    decode step (alternated calls; a buffer larger than the last-level cache is read before
+    each). Unlike attention's one-thread CPU-time calibration: how torch's sgemm splits a
+    few-row product over threads is much of what the kernel gains."""
+    w = layer.weight.detach()[: cls.out_features].contiguous()
+    b = layer.bias.detach()[: cls.out_features].contiguous() if layer.bias is not None else None
+    part = PackedLinear(w, b, kernel, calibrate=False)
+    x = torch.randn(cls.rows, cls.in_features, generator=torch.Generator().manual_seed(0))
+    fns = (part.kernel_forward, part.forward_torch)
+    times: tuple[list[float], list[float]] = ([], [])
+    flush = torch.ones(flush_bytes() // 4)
+    for fn in fns:
+        fn(x)  # warm-up
+    for _ in range(REPS):
+        for fn, ts in zip(fns, times, strict=True):
+            flush.sum()
+            t = time.perf_counter()
+            fn(x)
+            ts.append(time.perf_counter() - t)
+    k_ms, t_ms = (min(ts) * 1e3 for ts in times)
+    ratio = statistics.median(k / max(t, 1e-9) for k, t in zip(*times, strict=True))
+    return calib.Decision(ratio <= 1.0, k_ms, t_ms)
+
+
+def flush_bytes() -> int:
+    """Twice the last-level cache (sysfs), within [FLUSH_MIN, FLUSH_MAX]."""
+    size = FLUSH_MAX // 2
+    try:
+        caches = Path("/sys/devices/system/cpu/cpu0/cache")
+        last = max(caches.glob("index*"), key=lambda p: int((p / "level").read_text()))
+        text = (last / "size").read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        size = int(text.rstrip("KMG")) * unit
+    except (OSError, ValueError):
+        pass
+    return min(max(2 * size, FLUSH_MIN), FLUSH_MAX)
+
+
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
+    """Swap ``model``'s float32 CPU ``nn.Linear`` modules (and its logits projection, through
+    ``model.logits_linear``) for ``PackedLinear``; returns how many (0 when the kernel did not
+    build, or the packed copies would not fit ``MAX_MEMORY_SHARE``)."""
+    kernel = load_kernel(isa)
+    if kernel is None:
+        return 0
+    head = getattr(model, "logits_weight", None)
+    head_w = head() if callable(head) else None
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+        and child.weight is not head_w  # packed once, below, as model.logits_linear
+        and child.weight.dtype == torch.float32
+        and child.weight.device.type == "cpu"
+    ]
+    need = sum(c.weight.numel() * 4 for _, _, c in targets)
+    need += head_w.numel() * 4 if head_w is not None and head_w.dtype == torch.float32 else 0
+    avail = mem_available()
+    if avail is not None and need > MAX_MEMORY_SHARE * avail:
+        log.info("linear layers: packed weights (%.1f GB) would exceed %.0f%% of available "
+                 "memory; torch runs them", need / 1e9, MAX_MEMORY_SHARE * 100)  # fmt: skip
+        return 0
+    on = calib.mode() != "0"
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child.weight, child.bias, kernel, on))
+    n = len(targets)
+    if head_w is not None and head_w.dtype == torch.float32 and head_w.device.type == "cpu":
+        model.logits_linear = PackedLinear(head_w, None, kernel, on)
+        n += 1
+    return n

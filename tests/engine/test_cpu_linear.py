@@ -1,0 +1,145 @@
+"""Linear layers of few-row batches on the C kernel (kernels/cpu/linear.c, models/cpu_linear.py):
+the kernel per ISA against torch's F.linear, the routing of PackedLinear, the model swap and
+its guards, and the calibration that decides per layer shape and row bucket."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchjob.backends.native.models import cpu_linear, load_model
+from batchjob.backends.native.models.cpu_linear import BUCKETS, PackedLinear, use_cpu_linear
+from batchjob.config import EngineConfig
+from batchjob.errors import ConfigError
+from batchjob.kernels.cpu import build
+from batchjob.kernels.reference import SeqSpec, build_metadata
+from batchjob.tiny_model import make_tiny_model
+
+ISAS = build.cpu_isas()
+pytestmark = pytest.mark.skipif(build.load_kernel() is None, reason="no gcc")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    """fp32 sums of k products in another order: within a few ulps of the sum's magnitude."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * k**0.5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_torch_linear(isa, bias):
+    """Row counts around the tile heights (1-13, 64, 257), output columns not a multiple of
+    the panel (37, 1000: a zero-padded last panel), odd K, and rows read with a stride (the
+    down projection reads the gate half of gate_up in place)."""
+    kernel = build.load_kernel(isa)
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((37, 33), (1000, 64), (64, 256)):
+        w = torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g) if bias else None
+        layer = PackedLinear(w, b, kernel, calibrate=False)
+        for m in (1, 2, 5, 6, 7, 11, 12, 13, 64, 257):
+            wide = torch.randn(m, 2 * k, generator=g)
+            for x in (wide[:, :k].contiguous(), wide[:, :k]):  # contiguous, row stride 2k
+                _close(layer.kernel_forward(x), F.linear(x, w, b), k)
+
+
+def test_packed_linear_routes_by_rows_dtype_and_layout():
+    """The kernel for 2-D float32 rows up to the last bucket with inner stride 1; torch (the
+    same bits as F.linear) otherwise."""
+    kernel = build.load_kernel()
+    w, b = torch.randn(48, 40), torch.randn(48)
+    layer = PackedLinear(w, b, kernel, calibrate=False)
+    calls = []
+    run = layer.kernel_forward
+    layer.kernel_forward = lambda x: calls.append(x.shape) or run(x)  # type: ignore[method-assign]
+    small = torch.randn(BUCKETS[-1], 40)
+    _close(layer(small), F.linear(small, w, b), 40)
+    assert calls == [small.shape]
+    for x in (
+        torch.randn(BUCKETS[-1] + 1, 40),  # past the last bucket
+        torch.randn(40, 8).t(),  # inner stride 8
+        torch.randn(2, 3, 40),  # not 2-D
+        torch.randn(0, 40),  # no rows
+    ):
+        assert torch.equal(layer(x), F.linear(x, w, b))
+    assert calls == [small.shape]
+
+
+def test_calibration_decides_per_bucket_and_caches(tmp_path, monkeypatch):
+    """A layer measures a bucket once, on first use (a real timing of both sides); the
+    decision is written to the kernel library's calibration file and read back by a new
+    layer of the same shape without measuring."""
+    kernel = build.load_kernel()  # the cached library; its calibration file goes to tmp_path
+    monkeypatch.setenv("BATCHJOB_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_linear.calib, "_CALIBRATIONS", {})
+    w = torch.randn(96, 64)
+    measured = []
+    real = cpu_linear.measure
+
+    def spy(cls, layer, kn):
+        d = real(cls, layer, kn)
+        measured.append((cls.rows, d))
+        return d
+
+    monkeypatch.setattr(cpu_linear, "measure", spy)
+    layer = PackedLinear(w, None, kernel, calibrate=True)
+    x = torch.randn(10, 64)
+    for _ in range(3):
+        _close(layer(x), F.linear(x, w), 64)
+    assert [r for r, _ in measured] == [16]  # rows 10: bucket 16, measured once
+    d = measured[0][1]
+    assert d.kernel_ms > 0 and d.torch_ms > 0
+    layer(torch.randn(100, 64))
+    assert [r for r, _ in measured] == [16, 128]
+    monkeypatch.setattr(cpu_linear.calib, "_CALIBRATIONS", {})  # a new process
+    again = PackedLinear(w, None, kernel, calibrate=True)
+    again(x)
+    assert len(measured) == 2  # read from the file
+    assert again._picks == {16: d.use_kernel}
+    assert list(tmp_path.glob("*.calibration.json"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cpu_linear")
+    tied = make_tiny_model(root / "tied", family="llama", vocab_size=280, layers=2, seed=3)
+    return tied
+
+
+def _logits(model, info, ids: list[int]) -> torch.Tensor:
+    cache = torch.zeros(info.kv_cache_shape(8, 4), dtype=info.torch_dtype)
+    meta = build_metadata([SeqSpec(len(ids), len(ids), blocks=(3, 1, 6))], 4)
+    t = len(ids)
+    return model(torch.tensor(ids), torch.arange(t), cache, meta, torch.arange(t))
+
+
+def test_model_swap_packs_each_linear_once_and_keeps_logits(tiny, monkeypatch):
+    """``engine.linear = "auto"`` on a float32 CPU model: every projection of every layer a
+    PackedLinear and the logits projection one more (the head's weight packed once, not also
+    as the lm_head module), with logits equal to torch's within fp32 rounding; ``"torch"``:
+    none."""
+    monkeypatch.setenv("BATCHJOB_CPU_CALIBRATE", "0")  # the kernel takes every small batch
+    fast, info = load_model(tiny, dtype="float32", device="cpu", linear="auto")
+    plain, _ = load_model(tiny, dtype="float32", device="cpu", linear="torch")
+    packed = [m for m in fast.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * info.config.num_layers + 1
+    assert fast.logits_linear is not None and fast.logits_linear.weight is fast.logits_weight()
+    assert not any(isinstance(m, nn.Linear) for m in fast.layers.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert plain.logits_linear is None
+    ids = [5, 17, 99, 3, 250, 41, 8]
+    _close(_logits(fast, info, ids), _logits(plain, info, ids), info.config.hidden_size)
+
+
+def test_model_swap_skipped_when_packed_weights_would_not_fit(tiny, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "mem_available", lambda: 1 << 20)  # 1 MiB available
+    model, _ = load_model(tiny, dtype="float32", device="cpu", linear="auto")
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert use_cpu_linear(model) == 0
+
+
+def test_engine_linear_setting_is_validated():
+    assert EngineConfig(linear="torch").linear == "torch"
+    with pytest.raises(ConfigError, match=r"engine\.linear"):
+        EngineConfig(linear="mkl")
