@@ -14,8 +14,8 @@ from batchjob.backends.native.models.cpu_linear import BUCKETS, PackedLinear, us
 from batchjob.config import EngineConfig
 from batchjob.errors import ConfigError
 from batchjob.kernels.cpu import build
-from batchjob.kernels.reference import SeqSpec, build_metadata
 from batchjob.tiny_model import make_tiny_model
+from tests.engine.test_model_loader import _logits  # one prompt's logits, no engine
 
 ISAS = build.cpu_isas()
 pytestmark = pytest.mark.skipif(build.load_kernel() is None, reason="no gcc")
@@ -105,13 +105,6 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("cpu_linear")
     tied = make_tiny_model(root / "tied", family="llama", vocab_size=280, layers=2, seed=3)
     return tied
-
-
-def _logits(model, info, ids: list[int]) -> torch.Tensor:
-    cache = torch.zeros(info.kv_cache_shape(8, 4), dtype=info.torch_dtype)
-    meta = build_metadata([SeqSpec(len(ids), len(ids), blocks=(3, 1, 6))], 4)
-    t = len(ids)
-    return model(torch.tensor(ids), torch.arange(t), cache, meta, torch.arange(t))
 
 
 def test_model_swap_packs_each_linear_once_and_keeps_logits(tiny, monkeypatch):
