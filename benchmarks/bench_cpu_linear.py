@@ -1,7 +1,8 @@
-"""Linear layers of few-row batches: the C kernel over packed weights (models/cpu_linear.py)
-vs torch's F.linear, per layer shape and row count, warm and cold.
+"""Linear layers: the C kernel over packed weights (models/cpu_linear.py) vs torch's
+F.linear, per layer shape and row count (decode batches to prefill chunks), warm and cold.
 
     .venv/bin/python benchmarks/bench_cpu_linear.py [--isa auto] [--threads 2] [--repeats 30]
+        [--rows 1,8,36,66,128,256,512,1024,2048]
 
 Shapes (in -> out features): the benchmark models' projections at head dim 128 (hidden 256:
 qkv 256 -> 3072, o 1024 -> 256, gate_up 256 -> 1024, down 512 -> 256) and a 0.5B-class
@@ -26,7 +27,7 @@ from batchjob.kernels.cpu import build
 
 SHAPES = ((256, 3072), (1024, 256), (256, 1024), (512, 256), (896, 9728), (4864, 896),
           (2048, 2048))  # fmt: skip
-ROWS = (1, 8, 36, 66, 128, 256, 512)
+ROWS = "1,8,36,66,128,256,512,1024,2048"
 
 
 def paired(fns, x, repeats: int, flush: torch.Tensor | None) -> list[float]:
@@ -47,7 +48,8 @@ def paired(fns, x, repeats: int, flush: torch.Tensor | None) -> list[float]:
 @click.option("--isa", default="auto", show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--repeats", default=30, show_default=True)
-def main(isa: str, threads: int, repeats: int) -> None:
+@click.option("--rows", default=ROWS, show_default=True, help="Comma list of row counts.")
+def main(isa: str, threads: int, repeats: int, rows: str) -> None:
     torch.set_num_threads(threads)
     kernel = build.load_kernel(isa)
     if kernel is None:
@@ -62,7 +64,7 @@ def main(isa: str, threads: int, repeats: int) -> None:
         w = torch.randn(n, k, generator=g)
         layer = PackedLinear(w, None, kernel, calibrate=False)
         fns = (layer.forward_torch, layer.kernel_forward)
-        for m in ROWS:
+        for m in map(int, rows.split(",")):
             x = torch.randn(m, k, generator=g)
             tw, kw = paired(fns, x, repeats, None)
             tc, kc = paired(fns, x, repeats, flush)

@@ -39,7 +39,7 @@ import torch  # noqa: F401  (loads torch's libgomp before ours)
 log = logging.getLogger(__name__)
 
 # one library: the attention kernel, RoPE in place (the layer glue that gained from C) and
-# the linear layers of few-row batches over packed weights
+# the linear layers over packed weights
 SOURCES = tuple(Path(__file__).parent / f for f in ("paged_attention.c", "rope.c", "linear.c"))
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 FLAGS += ["-std=gnu11"]

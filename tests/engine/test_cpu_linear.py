@@ -21,9 +21,9 @@ ISAS = build.cpu_isas()
 pytestmark = pytest.mark.skipif(build.load_kernel() is None, reason="no gcc")
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+def _close(got: torch.Tensor, want: torch.Tensor, k: int, ulps: float = 2.0) -> None:
     """fp32 sums of k products in another order: within a few ulps of the sum's magnitude."""
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * k**0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=ulps * 1e-6 * k**0.5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -42,6 +42,24 @@ def test_kernel_matches_torch_linear(isa, bias):
             wide = torch.randn(m, 2 * k, generator=g)
             for x in (wide[:, :k].contiguous(), wide[:, :k]):  # contiguous, row stride 2k
                 _close(layer.kernel_forward(x), F.linear(x, w, b), k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_blocks_of_rows_and_k_match_torch(isa):
+    """Prefill-sized inputs: more rows than a row block (240) and K over several K blocks
+    (256; the last partial), so y carries partial sums between K blocks and the bias is
+    added once; a partial last panel and strided rows as above. (The sums go through y
+    between blocks, another order than torch's: 4 ulps of slack, not 2.)"""
+    kernel = build.load_kernel(isa)
+    g = torch.Generator().manual_seed(1)
+    k = 600
+    for n in (45, 300):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        layer = PackedLinear(w, b, kernel, calibrate=False)
+        for m in (241, 487):
+            wide = torch.randn(m, 2 * k, generator=g)
+            for x in (wide[:, :k].contiguous(), wide[:, :k]):
+                _close(layer.kernel_forward(x), F.linear(x, w, b), k, ulps=4)
 
 
 def test_packed_linear_routes_by_rows_dtype_and_layout():

@@ -1,9 +1,12 @@
-"""Linear layers of few-row batches on the CPU: kernels/cpu/linear.c over weights packed once.
+"""Linear layers on the CPU: kernels/cpu/linear.c over weights packed once.
 
 A decode step multiplies tens of rows by every weight matrix. torch's sgemm (MKL) packs the
 weight on every call and runs such shapes far below its large-matrix speed, worse still with
 the weights cold after attention streamed the KV cache (an AVX2 EPYC: 1.3-4x slower than the
-packed kernel at 1-128 rows, docs/benchmarks.md "Linear layers of decode batches").
+packed kernel at 1-128 rows, docs/benchmarks.md "Linear layers of decode batches"). On some
+CPUs the packed kernel also beats MKL on prefill chunks of 512-2048 rows (an AVX-512 EPYC,
+where MKL's large sgemm reached ~160 GFLOP/s of ~220), so the buckets run up to the default
+chunk size and the calibration decides each.
 
 ``use_cpu_linear(model)`` swaps each float32 ``nn.Linear`` of a CPU model (and the logits
 projection) for a ``PackedLinear``: the weight packed into the kernel's panels beside the
@@ -37,9 +40,10 @@ from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
 log = logging.getLogger(__name__)
 
-BUCKETS = (16, 64, 128, 256)  # batch rows: a batch takes the decision of the first >= its rows
+BUCKETS = (16, 64, 128, 256, 512, 1024, 2048)  # batch rows: a batch takes the decision of
+# the first bucket >= its rows (the last is engine.chunk_size's default)
 CALIB_COLS = 2048  # output columns a calibration measures at most
-REPS = 7
+REPS, REPS_LARGE = 7, 3  # timed calls per side; LARGE above 256 rows (tens of ms each)
 FLUSH_MIN, FLUSH_MAX = 32 << 20, 512 << 20  # bytes read before each timed call (flush_bytes)
 MAX_MEMORY_SHARE = 0.25  # of MemAvailable, for all packed copies together
 
@@ -68,7 +72,8 @@ def _bucket(rows: int) -> int | None:
 
 class PackedLinear(nn.Module):
     """``F.linear(x, weight, bias)``; float32 2-D inputs of up to ``BUCKETS[-1]`` rows (inner
-    stride 1, any row stride) go to the C kernel where the calibration picked it."""
+    stride 1, any row stride) go to the C kernel where the calibration picked it for their
+    bucket."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuKernel, calibrate: bool
@@ -125,9 +130,10 @@ def pack(weight: torch.Tensor, kernel: CpuKernel) -> torch.Tensor:
 def measure(cls: LinearClass, layer: PackedLinear, kernel: CpuKernel) -> calib.Decision:
     """Wall ms of the kernel and torch on ``cls.rows`` random rows against the layer's first
     ``cls.out_features`` output columns, with the engine's threads and cold caches, as in a
-    decode step (alternated calls; a buffer larger than the last-level cache is read before
-    each). Unlike attention's one-thread CPU-time calibration: how torch's sgemm splits a
-    few-row product over threads is much of what the kernel gains."""
+    decode step (alternated calls, fewer for the large buckets; a buffer larger than the
+    last-level cache is read before each). Unlike attention's one-thread CPU-time
+    calibration: how torch's sgemm splits a few-row product over threads is much of what
+    the kernel gains."""
     w = layer.weight.detach()[: cls.out_features].contiguous()
     b = layer.bias.detach()[: cls.out_features].contiguous() if layer.bias is not None else None
     part = PackedLinear(w, b, kernel, calibrate=False)
@@ -137,7 +143,7 @@ def measure(cls: LinearClass, layer: PackedLinear, kernel: CpuKernel) -> calib.D
     flush = torch.ones(flush_bytes() // 4)
     for fn in fns:
         fn(x)  # warm-up
-    for _ in range(REPS):
+    for _ in range(REPS if cls.rows <= 256 else REPS_LARGE):
         for fn, ts in zip(fns, times, strict=True):
             flush.sum()
             t = time.perf_counter()
