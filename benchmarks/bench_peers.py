@@ -22,9 +22,11 @@ All vLLM runs (every workload, both orders, every repeat) go through ONE ``vllm_
 --plan`` process after the other systems: one 60-100 s engine start-up instead of one per
 run, the prefix cache reset between runs. A vLLM run's ``end_to_end_s`` is that process's
 ready time (spawn, imports, start-up) + its own generate_s: what it would cost alone.
-``--interleave``: that process starts (and is waited for) before the first batchjob run,
-then idles between its runs, each released right after the batchjob run of the same workload
-and repeat, so a drift of the machine's speed lasting minutes reaches both sides of a ratio.
+``--interleave``: that process starts (and is waited for) after the first batchjob run (whose
+kernel build and first-use calibration then see a quiet machine: vLLM's idle worker spins
+for ~20 s after start-up), then idles between its runs, each released right after the
+batchjob run of the same workload and repeat, so a drift of the machine's speed lasting
+minutes reaches both sides of a ratio.
 EOS: every system decodes exactly max_tokens tokens and EOS may be sampled (batchjob
 ``ignore_eos``; vllm_peer ``--no-min-tokens``), so outputs compare token by token.
 Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF generate_s.
@@ -420,7 +422,7 @@ def run_vllm_plan(
 
 
 class InterleavedVllm:
-    """--interleave: the vllm_peer.py --plan process starts (and is waited for) before any
+    """--interleave: the vllm_peer.py --plan process starts (and is waited for) after the first
     batchjob run, then each of its runs is released right after the batchjob run of the same
     workload and repeat, so a drift of the machine's speed that lasts minutes reaches both
     systems instead of one (without it, all batchjob repeats run before all vLLM ones)."""
@@ -720,8 +722,9 @@ def profile_split(stats_path: Path) -> dict[str, float]:
 @click.option(
     "--interleave",
     is_flag=True,
-    help="Start vLLM first, then alternate: each batchjob run, then vLLM's runs of the same "
-    "workload and repeat (default: all batchjob runs, then all vLLM runs of a head dim).",
+    help="Alternate: each batchjob run, then vLLM's runs of the same workload and repeat "
+    "(vLLM's process starts after batchjob's first run; default: all batchjob runs, then all "
+    "vLLM runs of a head dim).",
 )
 @click.option("--smoke", is_flag=True, help="Tiny model and workload; vLLM only with --with-vllm.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_peers")
@@ -843,8 +846,6 @@ def main(
         if interleave and pending:  # in the order the loop below releases them
             pending.sort(key=lambda p: (list(scales).index(p[0]), p[2]))
             print(f"d{hd} vLLM: {len(pending)} runs, interleaved with batchjob's", flush=True)
-            paired = InterleavedVllm(pending, runs_dir, plan_args)
-            atexit.register(paired.close)  # a failed batchjob run, Ctrl-C: no orphan left
         for name, (_, _, mt) in scales.items():
             data = datas[name]
             for rep in range(repeats):
@@ -888,7 +889,10 @@ def main(
                         r = run_hf(name, rep, data, model, runs_dir, ours)
                     record(r, hd)
                 ours_by[(name, rep)] = ours
-                if paired is not None:
+                if interleave and pending:
+                    if paired is None:  # after batchjob's first run, which calibrates quietly
+                        paired = InterleavedVllm(pending, runs_dir, plan_args)
+                        atexit.register(paired.close)  # a failed run, Ctrl-C: no orphan left
                     paired.release(name, rep)
         if paired is not None:
             for r in paired.finish(ours_by):

@@ -60,7 +60,8 @@ def _interleaved(out: Path, repeats: int) -> list[str]:
 
 @pytest.mark.slow
 def test_bench_peers_interleaved_with_vllm(tmp_path: Path) -> None:
-    """--interleave: vLLM starts first, then each of its runs follows batchjob's run of the same
+    """--interleave: vLLM starts after batchjob's first run (which builds and calibrates the
+    kernel on a quiet machine), then each of its runs follows batchjob's run of the same
     repeat (released through vllm_peer.py's go files), and both land in one table."""
     pytest.importorskip("vllm")
     proc = subprocess.run(
@@ -72,12 +73,12 @@ def test_bench_peers_interleaved_with_vllm(tmp_path: Path) -> None:
         ("batchjob", 0), ("batchjob", 1), ("vllm-sorted", 0), ("vllm-sorted", 1)
     ]  # fmt: skip
     assert all(r["match_frac"] == 1.0 for r in runs if r["system"] == "vllm-sorted")
-    # in time: vLLM ready, batchjob 0, vLLM 0, batchjob 1, vLLM 1
+    # in time: batchjob 0, vLLM ready, vLLM 0, batchjob 1, vLLM 1
     d = tmp_path / "runs" / "d32"
     name = "micro-2000-200-s4"
     done = [
-        d / "vllm-plan" / "plan.json.ready",
         d / f"{name}-batchllm-0" / "results.parquet",
+        d / "vllm-plan" / "plan.json.ready",
         d / f"{name}-vllm-sorted-0" / "peer.json",
         d / f"{name}-batchllm-1" / "results.parquet",
         d / f"{name}-vllm-sorted-1" / "peer.json",
