@@ -321,7 +321,8 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9  # of the GPU's memory, when kv_cache_bytes is None
     block_size: int = 16  # tokens per KV block (any size >= 1: the kernels index by // and %)
     attention: str = "auto"  # auto | torch | cpu (C kernel) | triton (CUDA)
-    linear: str = "auto"  # auto: float32 CPU models' few-row batches on the C kernel | torch
+    linear: str = "auto"  # auto: float32 CPU models' batches of <= 2048 rows on the C kernel
+    # where the calibration found it faster | torch
     threads: int | None = None  # torch CPU threads
     vllm: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine arguments (vllm only)
 

@@ -31,6 +31,7 @@ import time
 import click
 import torch
 
+from batchjob.backends.native.attention.calibrate import alternated_times
 from batchjob.backends.native.attention.cpu import CpuAttention
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels import reference as ref
@@ -87,15 +88,7 @@ def loadavg() -> str:
 def paired_ms(fns, args, repeats: int) -> list[float]:
     """Median wall ms per call of each of ``fns``, their calls alternated (a drift of the
     machine's speed, minutes long on a VM, then hits every side alike)."""
-    for fn in fns:
-        fn(*args)  # warm-up: per-batch work units / plans
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times, strict=True):
-            t = time.perf_counter()
-            fn(*args)
-            ts.append(time.perf_counter() - t)
-    return [statistics.median(ts) * 1e3 for ts in times]
+    return [statistics.median(ts) * 1e3 for ts in alternated_times(fns, args, repeats)]
 
 
 def measure_isa(isa: str, head_dims: list[int], repeats: int) -> list[dict]:

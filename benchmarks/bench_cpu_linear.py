@@ -16,11 +16,11 @@ decides per shape and row bucket from the cold case with the engine's threads.
 from __future__ import annotations
 
 import statistics
-import time
 
 import click
 import torch
 
+from batchjob.backends.native.attention.calibrate import alternated_times
 from batchjob.backends.native.models.cpu_linear import PackedLinear, flush_bytes
 from batchjob.cpu_info import cpu_summary
 from batchjob.kernels.cpu import build
@@ -31,16 +31,10 @@ ROWS = "1,8,36,66,128,256,512,1024,2048"
 
 
 def paired(fns, x, repeats: int, flush: torch.Tensor | None) -> list[float]:
-    for fn in fns:
-        fn(x)
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times, strict=True):
-            if flush is not None:
-                flush.sum()
-            t = time.perf_counter()
-            fn(x)
-            ts.append(time.perf_counter() - t)
+    """Median ms per call of each of ``fns`` on ``x``, calls alternated, ``flush`` read
+    before each (cold caches) when given."""
+    before = flush.sum if flush is not None else None
+    times = alternated_times(fns, (x,), repeats, before=before)
     return [statistics.median(ts) * 1e3 for ts in times]
 
 

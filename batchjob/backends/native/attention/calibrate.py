@@ -29,7 +29,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -149,22 +149,44 @@ def measure(
     kernel's pick from the median of the calls' paired ratios (see the module docstring)."""
     b = synthetic_batch(cls)
     args = (b.q, b.k_cache, b.v_cache, b.meta, b.scale)
-    times: tuple[list[float], list[float]] = ([], [])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernel takes its thread count from torch's
     try:
-        for fn in (kernel, fallback):
-            fn(*args)  # warm-up: per-batch work, caches
-        for _ in range(REPS):
-            for fn, ts in zip((kernel, fallback), times, strict=True):
-                t = time.thread_time()
-                fn(*args)
-                ts.append(time.thread_time() - t)
+        k_s, t_s = alternated_times((kernel, fallback), args, REPS, clock=time.thread_time)
     finally:
         torch.set_num_threads(threads)
-    k_ms, t_ms = (min(ts) * 1e3 for ts in times)
-    ratio = statistics.median(k / max(t, 1e-9) for k, t in zip(*times, strict=True))
-    return Decision(ratio <= TORCH_MARGIN, k_ms, t_ms)
+    return paired_decision(k_s, t_s, TORCH_MARGIN)
+
+
+def alternated_times(
+    fns: Sequence[Callable[..., object]],
+    args: tuple,
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+    before: Callable[[], object] | None = None,
+) -> list[list[float]]:
+    """Seconds (by ``clock``) of each timed call of each of ``fns(*args)``: one warm-up call
+    each (per-batch work, caches), then ``repeats`` rounds of one call each, alternated, so a
+    drift of the machine's speed reaches every side alike; ``before()`` runs untimed ahead
+    of each timed call (a cache flush)."""
+    for fn in fns:
+        fn(*args)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times, strict=True):
+            if before is not None:
+                before()
+            t = clock()
+            fn(*args)
+            ts.append(clock() - t)
+    return times
+
+
+def paired_decision(kernel_s: list[float], torch_s: list[float], margin: float) -> Decision:
+    """The fastest call of each side, in ms, and the kernel's pick: the median of the calls'
+    paired ratios (kernel / torch, from ``alternated_times``) at most ``margin``."""
+    ratio = statistics.median(k / max(t, 1e-9) for k, t in zip(kernel_s, torch_s, strict=True))
+    return Decision(ratio <= margin, min(kernel_s) * 1e3, min(torch_s) * 1e3)
 
 
 class Calibration:

@@ -26,8 +26,6 @@ when they would take more than ``MAX_MEMORY_SHARE`` of the memory available at l
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,19 +137,10 @@ def measure(cls: LinearClass, layer: PackedLinear, kernel: CpuKernel) -> calib.D
     part = PackedLinear(w, b, kernel, calibrate=False)
     x = torch.randn(cls.rows, cls.in_features, generator=torch.Generator().manual_seed(0))
     fns = (part.kernel_forward, part.forward_torch)
-    times: tuple[list[float], list[float]] = ([], [])
     flush = torch.ones(flush_bytes() // 4)
-    for fn in fns:
-        fn(x)  # warm-up
-    for _ in range(REPS if cls.rows <= 256 else REPS_LARGE):
-        for fn, ts in zip(fns, times, strict=True):
-            flush.sum()
-            t = time.perf_counter()
-            fn(x)
-            ts.append(time.perf_counter() - t)
-    k_ms, t_ms = (min(ts) * 1e3 for ts in times)
-    ratio = statistics.median(k / max(t, 1e-9) for k, t in zip(*times, strict=True))
-    return calib.Decision(ratio <= 1.0, k_ms, t_ms)
+    reps = REPS if cls.rows <= 256 else REPS_LARGE
+    k_s, t_s = calib.alternated_times(fns, (x,), reps, before=flush.sum)
+    return calib.paired_decision(k_s, t_s, 1.0)
 
 
 def flush_bytes() -> int:
@@ -188,6 +177,8 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
         return 0
     head = getattr(model, "logits_weight", None)
     head_w = head() if callable(head) else None
+    if head_w is not None and (head_w.dtype != torch.float32 or head_w.device.type != "cpu"):
+        head_w = None  # kept on torch, as the layers below
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -198,7 +189,7 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
         and child.weight.device.type == "cpu"
     ]
     need = sum(c.weight.numel() * 4 for _, _, c in targets)
-    need += head_w.numel() * 4 if head_w is not None and head_w.dtype == torch.float32 else 0
+    need += head_w.numel() * 4 if head_w is not None else 0
     avail = mem_available()
     if avail is not None and need > MAX_MEMORY_SHARE * avail:
         log.info("linear layers: packed weights (%.1f GB) would exceed %.0f%% of available "
@@ -208,7 +199,7 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child.weight, child.bias, kernel, on))
     n = len(targets)
-    if head_w is not None and head_w.dtype == torch.float32 and head_w.device.type == "cpu":
+    if head_w is not None:
         model.logits_linear = PackedLinear(head_w, None, kernel, on)
         n += 1
     return n

@@ -84,7 +84,8 @@ def load_model(
     job's, read once) already carries its dtype and device, and ``dtype``/``device`` are
     ignored. ``attention`` picks the backend (see ``attention.registry``); the result is
     ``model.attn_backend`` and may be replaced afterwards. ``linear``: ``auto`` runs a float32
-    CPU model's few-row batches on the C kernel where it is faster (``cpu_linear``).
+    CPU model's batches of up to 2048 rows on the C kernel where it is faster
+    (``cpu_linear``).
     """
     from batchjob.backends.native.attention.registry import get_attention_backend
 
