@@ -28,7 +28,7 @@ from batchjob.kernels import reference as ref
 
 @click.command()
 @click.option("--head-dims", default="32,64,96,128,256", show_default=True)
-@click.option("--isa", default="auto", show_default=True, help="amx|avx512|avx2|generic")
+@click.option("--isa", default="auto", show_default=True, help="amx|avx512bf16|avx512|avx2|generic")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               show_default=True, help="The KV cache's and queries' dtype.")  # fmt: skip
 def main(head_dims: str, isa: str, dtype: str) -> None:

@@ -1,9 +1,10 @@
 """CPU attention backends side by side: the C kernel (each ISA build) vs the torch path.
 
     .venv/bin/python benchmarks/bench_cpu_attention.py [--head-dims 32,64,128] [--isas all]
-        [--threads 2] [--repeats 10]
+        [--threads 2] [--repeats 10] [--dtype float32|bfloat16]
 
-Per head dim (8 query heads = 8 KV heads, fp32, block 16) four shapes: a small decode batch
+Per head dim (8 query heads = 8 KV heads, float32 or bfloat16 queries and cache, block 16)
+four shapes: a small decode batch
 (3 groups x 15 members, prefix 600, own 60-150 keys), a larger one (32 groups x 8, prefix
 512, own 64-96), a group prefill (16 members x 100 distinct tokens over a 600-token prefix)
 and one causal 2000-token prefill; plus one GQA shape (32 query heads over 8 KV heads).
@@ -53,9 +54,9 @@ TORCH_ISA_ENV = {
 }
 
 
-def shapes(head_dim: int) -> dict[str, ref.BatchSpec]:
+def shapes(head_dim: int, dtype: torch.dtype = torch.float32) -> dict[str, ref.BatchSpec]:
     rng = random.Random(0)
-    dims = dict(num_q_heads=8, num_kv_heads=8, head_dim=head_dim)
+    dims = dict(num_q_heads=8, num_kv_heads=8, head_dim=head_dim, dtype=dtype)
     decode = [ref.SeqSpec(1, rng.randint(60, 150), group=g) for g in range(3) for _ in range(15)]
     big = [ref.SeqSpec(1, rng.randint(64, 96), group=g) for g in range(32) for _ in range(8)]
     return {
@@ -66,7 +67,7 @@ def shapes(head_dim: int) -> dict[str, ref.BatchSpec]:
         ),
         "causal prefill 2000": ref.BatchSpec((ref.SeqSpec(2000, 2000),), (), **dims),
         "GQA 32/8: decode 45 seqs": ref.BatchSpec(
-            tuple(decode), (600,) * 3, num_q_heads=32, num_kv_heads=8, head_dim=head_dim
+            tuple(decode), (600,) * 3, **{**dims, "num_q_heads": 32}
         ),
     }
 
@@ -91,13 +92,13 @@ def paired_ms(fns, args, repeats: int) -> list[float]:
     return [statistics.median(ts) * 1e3 for ts in alternated_times(fns, args, repeats)]
 
 
-def measure_isa(isa: str, head_dims: list[int], repeats: int) -> list[dict]:
+def measure_isa(isa: str, head_dims: list[int], repeats: int, dtype: torch.dtype) -> list[dict]:
     """Rows for one ISA build (run in a process whose torch is held to that ISA)."""
     rows = []
     kernel = CpuAttention(isa, calibrate=False)
     picker = CpuAttention(isa, calibrate=True)
     for d in head_dims:
-        for name, spec in shapes(d).items():
+        for name, spec in shapes(d, dtype).items():
             b = ref.build_batch(spec, seed=0)
             args = (b.q, b.k_cache, b.v_cache, b.meta, b.scale)
             t_ms, k_ms = paired_ms((TorchAttention().attend, kernel.attend), args, repeats)
@@ -113,21 +114,23 @@ def measure_isa(isa: str, head_dims: list[int], repeats: int) -> list[dict]:
 @click.option("--isas", default="all", show_default=True, help="Comma list or 'all' (this CPU).")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--repeats", default=10, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True, help="Queries' and KV cache's dtype.")  # fmt: skip
 @click.option("--child", default="", hidden=True)
-def main(head_dims: str, isas: str, threads: int, repeats: int, child: str) -> None:
+def main(head_dims: str, isas: str, threads: int, repeats: int, dtype: str, child: str) -> None:
     torch.set_num_threads(threads)
     dims = [int(x) for x in head_dims.split(",")]
     if child:  # one ISA, torch already held to it by the parent's environment
-        print(json.dumps(measure_isa(child, dims, repeats)))
+        print(json.dumps(measure_isa(child, dims, repeats, getattr(torch, dtype))))
         return
     todo = build.cpu_isas() if isas == "all" else tuple(isas.split(","))
-    print(f"CPU: {build.cpu_model()}; ISA builds: {', '.join(todo)}; threads {threads}")
+    print(f"CPU: {build.cpu_model()}; ISA builds: {', '.join(todo)}; threads {threads}; {dtype}")
     print(f"load average before: {loadavg()}")
     rows: list[dict] = []
     for isa in todo:
         env = {**os.environ, **TORCH_ISA_ENV.get(isa, {})}
         cmd = [sys.executable, __file__, "--head-dims", head_dims, "--threads", str(threads)]
-        cmd += ["--repeats", str(repeats), "--child", isa]
+        cmd += ["--repeats", str(repeats), "--dtype", dtype, "--child", isa]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         rows += json.loads(res.stdout.strip().splitlines()[-1])
     native = {(r["d"], r["shape"]): r["torch"] for r in rows if r["isa"] == todo[0]}

@@ -2,14 +2,15 @@
 per ISA target.
 
 The same source is compiled per instruction set with explicit flags, never ``-march=native``
-(``ISA_FLAGS``): ``amx`` (``avx512`` plus AMX-BF16 tiles for bfloat16 caches' prefill work;
-the process asks the OS for AMX state on first use and keeps to AVX-512 if refused),
-``avx512`` (16 lanes, 32 vector registers), ``avx2`` (AVX2 + FMA, 8 lanes,
-16 registers) and ``generic`` (no ISA flags: SSE2 on x86-64, NEON on arm64). The source
-sizes its register tiles from the ISA macros the compiler defines. ``cpu_isas()`` lists the
-targets this CPU runs, read from its flags; ``select_isa()`` picks the widest, or the one
-``$BATCHJOB_CPU_ISA`` (``amx|avx512|avx2|generic|auto``) or the caller names, narrowed to what
-the CPU has, so tests run every path a wider CPU can execute.
+(``ISA_FLAGS``): ``amx`` (``avx512bf16`` plus AMX-BF16 tiles for bfloat16 caches' prefill work; the
+process asks the OS for AMX state on first use and keeps to vdpbf16ps if refused), ``avx512bf16``
+(``avx512`` plus AVX512-BF16: bfloat16 caches' key-major tiles on vdpbf16ps, e.g. AMD Zen 4, Intel
+Cooper Lake), ``avx512`` (16 lanes, 32 vector registers), ``avx2`` (AVX2 + FMA, 8 lanes, 16
+registers) and ``generic`` (no ISA flags: SSE2 on x86-64, NEON on arm64). The source sizes its
+register tiles from the ISA macros the compiler defines. ``cpu_isas()`` lists the targets this CPU
+runs, read from its flags; ``select_isa()`` picks the widest, or the one ``$BATCHJOB_CPU_ISA``
+(``amx|avx512bf16|avx512|avx2|generic|auto``) or the caller names, narrowed to what the CPU has, so
+tests run every path a wider CPU can execute.
 
 Libraries are cached by source, compiler, flags and ISA in a folder (``$BATCHJOB_KERNEL_CACHE``
 or ``~/.cache/batchjob/kernels``), written atomically so concurrent processes never load half
@@ -45,10 +46,11 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trappin
 FLAGS += ["-std=gnu11"]
 ISA_ENV = "BATCHJOB_CPU_ISA"
 # widest first; the CPU flags (/proc/cpuinfo) each target needs, and its compiler flags
-ISAS = ("amx", "avx512", "avx2", "generic")
+ISAS = ("amx", "avx512bf16", "avx512", "avx2", "generic")
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"})
 ISA_CPU_FLAGS = {
     "amx": _AVX512 | {"amx_tile", "amx_bf16", "avx512_bf16"},
+    "avx512bf16": _AVX512 | {"avx512_bf16"},
     "avx512": _AVX512,
     "avx2": frozenset({"avx2", "fma"}),
     "generic": frozenset(),
@@ -56,6 +58,7 @@ ISA_CPU_FLAGS = {
 _AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]
 ISA_FLAGS = {
     "amx": [*_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-mavx512bf16"],
+    "avx512bf16": [*_AVX512_FLAGS, "-mavx512bf16"],
     "avx512": _AVX512_FLAGS,
     "avx2": ["-mavx2", "-mfma"],
     "generic": [],

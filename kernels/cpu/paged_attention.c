@@ -32,11 +32,16 @@
 #include <immintrin.h>
 #define L 16   /* float lanes of one vector */
 #define ACC 16 /* accumulator vectors of a register tile (32 zmm in all) */
+#ifdef __AVX512BF16__
+#define HAVE_BF16DP 1 /* bfloat16 caches: key-major tiles on vdpbf16ps (run_unit_dp) */
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAVE_AMX 1 /* bfloat16 caches: prefill tiles on AMX (run_unit_amx) */
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ISA_NAME "amx"
+#elif defined(HAVE_BF16DP)
+#define ISA_NAME "avx512bf16"
 #else
 #define ISA_NAME "avx512"
 #endif
@@ -190,9 +195,12 @@ typedef struct {
     float kv[CH * MAX_D];     /* one chunk of K or V rows, contiguous: [16][D] */
     float qtk[MAX_D * SROWS]; /* key-major tiles: query rows transposed, [D][RP] per head */
     float m[SROWS], l[SROWS];
+#ifdef HAVE_BF16DP
+    uint32_t vv[SC / 2 * MAX_D];    /* a span's V of one head as bf16 pairs of keys: [SC/2][D] */
+    uint32_t pp[SC / 2 * MAX_ROWS]; /* its P as bf16 pairs of keys: [SC/2][RP] */
+#endif
 #ifdef HAVE_AMX
     uint32_t qv[MAX_ROWS / 16][MAX_D / 2][16]; /* Q^T as bf16 pairs of dims: B tiles */
-    uint32_t vv[SC / 2 * MAX_D];                /* a span's V as bf16 pairs of keys: [SC/2][D] */
     uint16_t pa[MAX_ROWS / 16][SC / 32][16][32]; /* a span's P, bf16, row-major: A tiles */
 #endif
 } scratch_t;
@@ -596,6 +604,183 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 }
 
 
+#ifdef HAVE_BF16DP
+/* bfloat16 caches on vdpbf16ps (AVX512-BF16): c[i] += a[2i] b[2i] + a[2i+1] b[2i+1], 16 lanes
+   of float32, so one instruction sums a pair of products. Key-major tiles as in
+   scores_km/accumulate_km, but over pairs: scores pair the dims (each key's pair broadcast
+   from the cache in place, against the rows' pairs packed once per unit), P.V pairs the keys
+   (two V rows interleaved per span, against each row's two probabilities broadcast). Half the
+   multiply instructions of the float32 tiles and no widening of the cache. Products of bf16
+   values summed in float32: queries rounded to bf16 (those of a bf16 model are exact), P
+   rounded to bf16 as flash attention does on GPUs (and the AMX path). Needs D % 32 == 0. */
+INLINE uint32_t bf16_bits(float x) { /* round to nearest even (finite x) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* Two bf16 vectors' lanes as pairs: dword i = (lo[i], hi[i]). */
+INLINE __m512i pair16(__m256i lo, __m256i hi) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+/* A chunk's key-major scores for M row vectors: qv [D/2][RP] (the rows' dim pairs), K's
+   rows ks apart, KB keys x M vectors of accumulators; partial sums over DSPLIT dims at a
+   time, as scores_km_nv. */
+INLINE void scores_dp_m(const uint32_t *qv, float *sk, const int M, const int KB, int RP,
+                        int64_t D, const uint16_t *K, int64_t ks, int nv) {
+    for (int64_t p0 = 0; p0 < D / 2; p0 += DSPLIT / 2) {
+        const int64_t p1 = p0 + DSPLIT / 2 < D / 2 ? p0 + DSPLIT / 2 : D / 2;
+        for (int j0 = 0; j0 < nv; j0 += KB) {
+            const uint16_t *k = K + j0 * ks;
+            __m512 a[16];
+            for (int i = 0; i < KB; i++)
+                for (int v = 0; v < M; v++)
+                    a[i * M + v] = p0 && j0 + i < nv ? _mm512_loadu_ps(sk + (j0 + i) * RP + v * 16)
+                                                     : _mm512_setzero_ps();
+            for (int64_t p = p0; p < p1; p++) {
+                __m512bh q[4];
+                for (int v = 0; v < M; v++)
+                    q[v] = (__m512bh)_mm512_loadu_si512(qv + p * RP + v * 16);
+                for (int i = 0; i < KB; i++) {
+                    uint32_t kk; /* keys past nv: rows of the same block, masked later */
+                    memcpy(&kk, k + i * ks + 2 * p, 4);
+                    const __m512bh kp = (__m512bh)_mm512_set1_epi32((int)kk);
+                    for (int v = 0; v < M; v++) a[i * M + v] = _mm512_dpbf16_ps(a[i * M + v], kp, q[v]);
+                }
+            }
+            for (int i = 0; i < KB && j0 + i < nv; i++)
+                for (int v = 0; v < M; v++) _mm512_storeu_ps(sk + (j0 + i) * RP + v * 16, a[i * M + v]);
+        }
+    }
+}
+
+INLINE void scores_dp(const uint32_t *qv, float *sk, int M, int64_t D, const uint16_t *K,
+                      int64_t ks, int nv) {
+    switch (M) { /* M constant in each clone: the accumulators stay in registers */
+    case 1: scores_dp_m(qv, sk, 1, 16, 16, D, K, ks, nv); break;
+    case 2: scores_dp_m(qv, sk, 2, 8, 32, D, K, ks, nv); break;
+    case 3: scores_dp_m(qv, sk, 3, 4, 48, D, K, ks, nv); break;
+    default: scores_dp_m(qv, sk, 4, 4, 64, D, K, ks, nv); break;
+    }
+}
+
+/* o[r] += sum over key pairs jp of (P pair pp[jp * RP + r]) . (V pair row vv[jp * D]), for
+   `rows` rows of D: 4 rows x AV vectors of D a step, then single rows. */
+INLINE void pv_dp(float *obase, const uint32_t *pp, int RP, int rows, int64_t D,
+                  const uint32_t *vv, int np) {
+    const int AV = div_le((int)(D / 16), 4);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        float *o0 = obase + r * D;
+        for (int64_t d = 0; d < D; d += AV * 16) {
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int v = 0; v < AV; v++) acc[i][v] = _mm512_loadu_ps(o0 + i * D + d + v * 16);
+            for (int jp = 0; jp < np; jp++) {
+                const uint32_t *vj = vv + jp * D + d, *pj = pp + jp * RP + r;
+                __m512bh x[4];
+                for (int v = 0; v < AV; v++) x[v] = (__m512bh)_mm512_loadu_si512(vj + v * 16);
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh pi = (__m512bh)_mm512_set1_epi32((int)pj[i]);
+                    for (int v = 0; v < AV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pi, x[v]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int v = 0; v < AV; v++) _mm512_storeu_ps(o0 + i * D + d + v * 16, acc[i][v]);
+        }
+    }
+    for (; r < rows; r++) {
+        float *o = obase + r * D;
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 acc = _mm512_loadu_ps(o + d);
+            for (int jp = 0; jp < np; jp++)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pp[jp * RP + r]),
+                                       (__m512bh)_mm512_loadu_si512(vv + jp * D + d));
+            _mm512_storeu_ps(o + d, acc);
+        }
+    }
+}
+
+/* A span's probabilities (key-major float32 s, n keys, M row vectors) as bf16 key pairs,
+   pp[jp * RP + r]; a missing odd key's half zero. */
+INLINE void pack_p_pairs(uint32_t *pp, const float *s, int RP, int M, int n) {
+    for (int jp = 0; jp < (n + 1) / 2; jp++)
+        for (int v = 0; v < M; v++) {
+            const __m512 lo = _mm512_loadu_ps(s + 2 * jp * RP + v * 16);
+            const __m512 hi = 2 * jp + 1 < n ? _mm512_loadu_ps(s + (2 * jp + 1) * RP + v * 16)
+                                             : _mm512_setzero_ps();
+            _mm512_storeu_si512(pp + jp * RP + v * 16,
+                                pair16((__m256i)_mm512_cvtneps_pbh(lo), (__m256i)_mm512_cvtneps_pbh(hi)));
+        }
+}
+
+/* A key-major unit (>= FEW_ROWS rows per head) over a bfloat16 cache: one KV head, or all of
+   them (kvh < 0: each chunk's rows of every head are one contiguous stream, as run_unit_d).
+   Per head, a tile of M = rows / 16 (rounded up) row vectors: its queries' dim pairs in
+   w->qtk, its scores in w->s, m and l RP apart; per span, its V and P pairs in w->vv, w->pp. */
+INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
+    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->Hkv * D;
+    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
+    const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
+    const int rh = (int)(nq * R), M = (rh + 15) / 16, RP = M * 16;
+    uint32_t *qv = (uint32_t *)w->qtk; /* head hh's pairs at hh * (D / 2) * RP */
+    for (int64_t hh = 0; hh < nh; hh++)
+        for (int r = 0; r < RP; r++) {
+            const float *src = a->q + ((q0 + r / R) * H + (h0 + hh) * R + r % R) * D;
+            for (int64_t p = 0; p < D / 2; p++)
+                qv[(hh * (D / 2) + p) * RP + r] =
+                    r < rh ? bf16_bits(src[2 * p]) | bf16_bits(src[2 * p + 1]) << 16 : 0;
+            w->m[hh * RP + r] = -INFINITY, w->l[hh * RP + r] = 0.0f;
+        }
+    memset(w->o, 0, sizeof(float) * nh * rh * D);
+    int64_t kend = u[U_NKEYS];
+    if (causal + nq < kend) kend = causal + nq;
+    const int32_t *blocks = a->blocks + u[U_BLK];
+    const uint16_t *kc = a->k, *vc = a->v;
+#define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
+#define PREFETCH(base, key)                                                                   \
+    do {                                                                                      \
+        if ((key) < kend)                                                                     \
+            prefetch_rows((const char *)((base) + KV_AT(key)),                                \
+                          kend - (key) < CH ? (int)(kend - (key)) : CH, ks * 2);              \
+    } while (0)
+    for (int64_t kb = 0; kb < kend; kb += SC) {
+        const int n = kend - kb < SC ? (int)(kend - kb) : SC, np = (n + 1) / 2;
+        for (int c = 0; c < n; c += CH) {
+            const int nv = n - c < CH ? n - c : CH;
+            PREFETCH(c + CH < n ? kc : vc, c + CH < n ? kb + c + CH : kb);
+            const int64_t at = KV_AT(kb + c);
+            for (int64_t hh = 0; hh < nh; hh++)
+                scores_dp(qv + hh * (D / 2) * RP, w->s + hh * SC * RP + c * RP, M, D,
+                          kc + at + hh * D, ks, nv);
+        }
+        for (int64_t hh = 0; hh < nh; hh++) {
+            float *o = w->o + hh * rh * D;
+            softmax_km((tile_t){w->s + hh * SC * RP, w->m + hh * RP, w->l + hh * RP, o}, rh, M,
+                       R, D, causal, kb, n, a->qscale);
+            for (int jp = 0; jp < np; jp++) { /* V in key pairs; a key past n zero */
+                const uint16_t *v0 = vc + KV_AT(kb + 2 * jp) + hh * D;
+                const uint16_t *v1 = 2 * jp + 1 < n ? vc + KV_AT(kb + 2 * jp + 1) + hh * D : NULL;
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m256i lo = _mm256_loadu_si256((const __m256i *)(v0 + d));
+                    const __m256i hi = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + d))
+                                          : _mm256_setzero_si256();
+                    _mm512_storeu_si512(w->vv + jp * D + d, pair16(lo, hi));
+                }
+            }
+            pack_p_pairs(w->pp, w->s + hh * SC * RP, RP, M, n);
+            pv_dp(o, w->pp, RP, rh, D, w->vv, np);
+        }
+        if (kb + SC < kend) PREFETCH(kc, kb + SC);
+    }
+#undef KV_AT
+#undef PREFETCH
+    finish_unit(a, u, w, nh * rh, rh, RP, h0, D);
+}
+#endif
+
 #ifdef HAVE_AMX
 /* AMX (bfloat16 caches, key-major tiles, D % 32 == 0). Eight tile registers, all 16 rows x 64
    bytes: a tile multiply C[16][16] += A[16][32 bf16] B[16 pairs][16 x 2 bf16] (B holds K-dim
@@ -619,12 +804,6 @@ static void amx_configure(void) {
     c.palette = 1;
     for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
     _tile_loadconfig(&c);
-}
-
-INLINE uint32_t bf16_bits(float x) { /* round to nearest even (finite x) */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
 /* r[i] lane j <- r[j] lane i (16 x 16 dwords): two unpack stages within 128-bit lanes, then
@@ -652,12 +831,6 @@ INLINE void transpose16(__m512i *r) {
         t[12 + c] = _mm512_shuffle_i32x4(u1, v1, 0xDD);
     }
     for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
-/* Two bf16 vectors' lanes as pairs: dword i = (lo[i], hi[i]). */
-INLINE __m512i pair16(__m256i lo, __m256i hi) {
-    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
-                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
 }
 
 /* S^T of one 16-key chunk for M row tiles: tiles 0..M-1 accumulate, 4 holds a K slice of
@@ -819,6 +992,19 @@ static void run_unit_bf16(const args_t *a, const int64_t *u, scratch_t *w) {
         case 128: run_unit_amx(a, u, w, 128); break;
         case 256: run_unit_amx(a, u, w, 256); break;
         default: run_unit_amx(a, u, w, a->D);
+        }
+        return;
+    }
+#endif
+#ifdef HAVE_BF16DP
+    if (a->D % 32 == 0 && u[U_NQ] * (a->H / a->Hkv) >= FEW_ROWS) {
+        switch (a->D) {
+        case 32: run_unit_dp(a, u, w, 32); break;
+        case 64: run_unit_dp(a, u, w, 64); break;
+        case 96: run_unit_dp(a, u, w, 96); break;
+        case 128: run_unit_dp(a, u, w, 128); break;
+        case 256: run_unit_dp(a, u, w, 256); break;
+        default: run_unit_dp(a, u, w, a->D);
         }
         return;
     }

@@ -165,13 +165,18 @@ def test_isa_path_bfloat16_cache(isa, head_dim, case):
     torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)  # within a bf16 rounding
 
 
-@pytest.mark.skipif("amx" not in ISAS, reason="CPU without AMX-BF16")
+BF16_TILE_ISAS = [i for i in ("amx", "avx512bf16") if i in ISAS]
+
+
+@pytest.mark.skipif(not BF16_TILE_ISAS, reason="CPU without AVX512-BF16")
+@pytest.mark.parametrize("isa", BF16_TILE_ISAS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("ratio", (1, 4))
-def test_amx_tiles_match_naive_reference(head_dim, ratio):
-    """bf16 prefill chunks and group prefixes on AMX tiles (prefixes over a 256-key span and
-    ending mid-chunk, NaN in every cache slot not written), within a bf16 rounding of the
-    reference; and AMX did run them (the avx512 build's float32 products differ)."""
+def test_bf16_tiles_match_naive_reference(isa, head_dim, ratio):
+    """bf16 prefill chunks and group prefixes on AMX tiles (amx) or vdpbf16ps tiles
+    (avx512bf16: pairs of dims in Q.K, pairs of keys in P.V): prefixes over a 256-key span and
+    ending mid-chunk, NaN in every cache slot not written; within a bf16 rounding of the
+    reference; and the bf16 tiles did run them (the avx512 build's float32 products differ)."""
     seed = 60 + HEAD_DIMS.index(head_dim) * 2 + ratio
     spec = ref.random_spec(
         seed,
@@ -186,7 +191,7 @@ def test_amx_tiles_match_naive_reference(head_dim, ratio):
     )
     b = ref.build_batch(spec, seed=seed)
     args = (b.q, b.k_cache, b.v_cache, b.meta, b.scale)
-    out = CpuAttention("amx", calibrate=False).attend(*args)
+    out = CpuAttention(isa, calibrate=False).attend(*args)
     want = ref.naive_prefix_shared_attention(*args)
     torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
     assert not torch.equal(out, CpuAttention("avx512", calibrate=False).attend(*args))
@@ -199,7 +204,11 @@ def test_isa_selection(monkeypatch):
         assert build.cpu_isas(frozenset({"avx2"})) == ("generic",)  # AVX2 without FMA
         avx512 = build.ISA_CPU_FLAGS["avx512"]
         assert build.cpu_isas(avx512)[0] == "avx512"  # no AMX: never the amx build
-        assert build.cpu_isas(avx512 | {"amx_tile", "amx_bf16", "avx512_bf16"})[0] == "amx"
+        assert build.cpu_isas(avx512 | {"avx512_bf16"})[:2] == ("avx512bf16", "avx512")
+        assert build.cpu_isas(avx512 | {"amx_tile", "amx_bf16", "avx512_bf16"})[:2] == (
+            "amx",
+            "avx512bf16",
+        )
     assert build.select_isa("auto") == ISAS[0]
     assert build.select_isa("generic") == "generic"
     monkeypatch.setenv(build.ISA_ENV, "generic")

@@ -7,16 +7,16 @@ sequence's own KV (causal) or its group's shared prefix (all the group's queries
 Unlike the torch path it never copies KV out of the cache: a decode step reads each shared
 prefix once per group and each own KV once.
 
-The kernel is built per ISA (kernels/cpu/build.py: amx, avx512, avx2, generic; ``isa`` or
-``$BATCHJOB_CPU_ISA`` forces a narrower one). Per shape class (head dim, GQA ratio, decode /
-prefill / prefix) a first-use calibration (calibrate.py, cached on disk) times the kernel
-against ``TorchAttention`` and the faster one takes that class's batches, so the backend is
-never slower than its own fallback. Caches are float32 or bfloat16 (widened to float32 chunk
-by chunk in the kernel; queries and softmax in float32; the amx build multiplies a bfloat16
-cache's prefill tiles on AMX instead: bf16 products summed in float32, P rounded to bf16).
-Cases the kernel does not take (other cache dtypes, head dims not a multiple of the ISA's
-vector width or over 256, block sizes not multiples of 16, no C compiler) go to
-``TorchAttention``.
+The kernel is built per ISA (kernels/cpu/build.py: amx, avx512bf16, avx512, avx2, generic; ``isa``
+or ``$BATCHJOB_CPU_ISA`` forces a narrower one). Per shape class (head dim, GQA ratio, decode /
+prefill / prefix) a first-use calibration (calibrate.py, cached on disk) times the kernel against
+``TorchAttention`` and the faster one takes that class's batches, so the backend is never slower
+than its own fallback. Caches are float32 or bfloat16 (widened to float32 chunk by chunk in the
+kernel; queries and softmax in float32). The avx512bf16 and amx builds multiply a bfloat16 cache's
+key-major tiles (prefill, and prefixes shared by 8 or more rows) without widening, on vdpbf16ps or
+AMX tiles: bf16 products summed in float32, queries and P rounded to bf16. Cases the kernel does not
+take (other cache dtypes, head dims not a multiple of the ISA's vector width or over 256, block
+sizes not multiples of 16, no C compiler) go to ``TorchAttention``.
 """
 
 from __future__ import annotations
@@ -133,10 +133,10 @@ def _work(
 class CpuAttention:
     """Paged prefix-shared attention on the CPU via the C kernel (see module docstring).
 
-    ``isa``: the kernel build (``amx|avx512|avx2|generic|auto``; default ``$BATCHJOB_CPU_ISA``
-    or auto). ``calibrate``: pick kernel or torch path per shape class by a cached first-use
-    measurement (default: ``$BATCHJOB_CPU_CALIBRATE`` != 0); False: the kernel takes every
-    batch it supports."""
+    ``isa``: the kernel build (``amx|avx512bf16|avx512|avx2|generic|auto``; default
+    ``$BATCHJOB_CPU_ISA`` or auto). ``calibrate``: pick kernel or torch path per shape class by a
+    cached first-use measurement (default: ``$BATCHJOB_CPU_CALIBRATE`` != 0); False: the kernel
+    takes every batch it supports."""
 
     name = "cpu"
 
