@@ -476,6 +476,62 @@ INLINE const float *head_rows(float *dst, const void *cache, int64_t at, int nv,
     return BF ? packed_rows(dst, cache, at, nv, D, ks, BF) : (const float *)cache + at;
 }
 
+#ifdef HAVE_BF16DP
+/* Few rows (decode) over a bfloat16 cache, read in place: q . k on vdpbf16ps (32 dims of a
+   key a load, no widening) against qb, the rows' unscaled queries as bf16 ([rows][D / 2]
+   pairs), scores then scaled by scl; keys past nv as scores_dot. */
+INLINE void scores_dot_bf16(const uint32_t *qb, float *s, int rows, int64_t D,
+                            const uint16_t *K, int64_t ks, int nv, const float scl) {
+    for (int r = 0; r < rows; r++) {
+        const uint32_t *qr = qb + r * (D / 2);
+        for (int j0 = 0; j0 < nv; j0 += L) {
+            vf a[L];
+            for (int i = 0; i < L; i++) a[i] = splat(0);
+            for (int64_t d = 0; d < D; d += 32) {
+                const __m512bh qd = (__m512bh)_mm512_loadu_si512(qr + d / 2);
+                for (int i = 0; i < L; i++)
+                    a[i] = (vf)_mm512_dpbf16_ps(
+                        (__m512)a[i], qd,
+                        (__m512bh)_mm512_loadu_si512(K + (j0 + i) * ks + d));
+            }
+            st(s + r * SC + j0, reduce_keys(a) * scl);
+        }
+    }
+}
+
+INLINE vf ld_bf16(const uint16_t *p) { /* 16 bf16 widened: the top halves of floats */
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* accumulate_rows over a bfloat16 V read in place, widened as loaded (a single row: no
+   copy to re-read). */
+INLINE void accumulate_row_bf16(float *o, const float *pr, int64_t D, const uint16_t *V,
+                                int64_t ks, int nv) {
+    const int AV = div_le((int)(D / L), ACC / 2), KS = ACC / AV < 4 ? ACC / AV : 4;
+    for (int64_t d = 0; d < D; d += AV * L) {
+        vf a[4][ACC / 2];
+        for (int v = 0; v < AV; v++) {
+            a[0][v] = ld(o + d + v * L);
+            for (int s = 1; s < KS; s++) a[s][v] = splat(0);
+        }
+        int j = 0;
+        for (; j + KS <= nv; j += KS)
+            for (int s = 0; s < KS; s++) {
+                const float c = pr[j + s];
+                const uint16_t *vj = V + (j + s) * ks + d;
+                for (int v = 0; v < AV; v++) a[s][v] += c * ld_bf16(vj + v * L);
+            }
+        for (; j < nv; j++)
+            for (int v = 0; v < AV; v++) a[0][v] += pr[j] * ld_bf16(V + j * ks + d + v * L);
+        for (int v = 0; v < AV; v++) {
+            for (int s = 1; s < KS; s++) a[0][v] += a[s][v];
+            st(o + d + v * L, a[0][v]);
+        }
+    }
+}
+#endif
+
 /* Start the next chunk's row streams (into L2) while this one is computed: chunks come from
    scattered blocks, and a head's rows are Hkv * D apart, a jump the hardware does not follow;
    within a row it does. So one prefetch per row, its first line: prefetching every line of
@@ -526,6 +582,20 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
         for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = src[d] * a->qscale;
     }
     for (int r = 0; r < nh * hs; r++) w->m[r] = -INFINITY, w->l[r] = 0.0f;
+#ifdef HAVE_BF16DP
+    /* bf16 decode rows: q . k on vdpbf16ps (scores_dot_bf16) against unscaled bf16 queries */
+    const int dot_bf16 = BF && few && D % 32 == 0;
+    uint32_t *qb = (uint32_t *)w->qtk;
+    if (dot_bf16)
+        for (int r = 0; r < rows; r++) {
+            const int64_t hh = r / rh, rl = r % rh;
+            const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
+            for (int64_t d = 0; d < D; d += 32)
+                _mm512_storeu_si512(qb + r * (D / 2) + d / 2,
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + d + 16),
+                                                                 _mm512_loadu_ps(src + d)));
+        }
+#endif
     if (!few)
         for (int64_t hh = 0; hh < nh; hh++) {
             float *qt = w->qtk + hh * D * RP;
@@ -571,6 +641,18 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                     PREFETCH(a->v, kb);
                 if (few)
                     for (int64_t hh = 0; hh < nh; hh++) {
+#ifdef HAVE_BF16DP
+                        if (dot_bf16 && (!pass_v || rh == 1)) { /* the cache in place */
+                            const uint16_t *x = (const uint16_t *)cache + at + hh * D;
+                            float *s = w->s + hh * rh * SC + c;
+                            if (pass_v)
+                                accumulate_row_bf16(w->o + hh * D, s, D, x, ks, nv);
+                            else
+                                scores_dot_bf16(qb + hh * rh * (D / 2), s, rh, D, x, ks, nv,
+                                                a->qscale);
+                            continue;
+                        }
+#endif
                         int64_t st;
                         const float *x = head_rows(w->kv, cache, at + hh * D, nv, D, ks, BF, &st);
                         float *s = w->s + hh * rh * SC + c;
@@ -739,6 +821,11 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
     if (causal + nq < kend) kend = causal + nq;
     const int32_t *blocks = a->blocks + u[U_BLK];
     const uint16_t *kc = a->k, *vc = a->v;
+    __m512i PAIR_LO, PAIR_HI; /* 16-bit lanes: (x0[i], x1[i]) for i < 16, then 16 <= i < 32 */
+    for (int i = 0; i < 32; i++) {
+        ((uint16_t *)&PAIR_LO)[i] = (uint16_t)(i / 2 + (i % 2) * 32);
+        ((uint16_t *)&PAIR_HI)[i] = (uint16_t)(16 + i / 2 + (i % 2) * 32);
+    }
 #define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
 #define PREFETCH(base, key)                                                                   \
     do {                                                                                      \
@@ -763,11 +850,12 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
             for (int jp = 0; jp < np; jp++) { /* V in key pairs; a key past n zero */
                 const uint16_t *v0 = vc + KV_AT(kb + 2 * jp) + hh * D;
                 const uint16_t *v1 = 2 * jp + 1 < n ? vc + KV_AT(kb + 2 * jp + 1) + hh * D : NULL;
-                for (int64_t d = 0; d < D; d += 16) {
-                    const __m256i lo = _mm256_loadu_si256((const __m256i *)(v0 + d));
-                    const __m256i hi = v1 ? _mm256_loadu_si256((const __m256i *)(v1 + d))
-                                          : _mm256_setzero_si256();
-                    _mm512_storeu_si512(w->vv + jp * D + d, pair16(lo, hi));
+                for (int64_t d = 0; d < D; d += 32) { /* 32 dims of two keys: two permutes */
+                    const __m512i x0 = _mm512_loadu_si512(v0 + d);
+                    const __m512i x1 = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+                    _mm512_storeu_si512(w->vv + jp * D + d, _mm512_permutex2var_epi16(x0, PAIR_LO, x1));
+                    _mm512_storeu_si512(w->vv + jp * D + d + 16,
+                                        _mm512_permutex2var_epi16(x0, PAIR_HI, x1));
                 }
             }
             pack_p_pairs(w->pp, w->s + hh * SC * RP, RP, M, n);
