@@ -499,35 +499,48 @@ INLINE void scores_dot_bf16(const uint32_t *qb, float *s, int rows, int64_t D,
     }
 }
 
-INLINE vf ld_bf16(const uint16_t *p) { /* 16 bf16 widened: the top halves of floats */
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+/* 16-bit lane indices for vpermt2w: lanes (x0[i], x1[i]), i < 16 (PAIR_IDX[0]) or 16 <= i < 32
+   (PAIR_IDX[1]): two rows' 32 bf16 as two vectors of 16 pairs. */
+static const uint16_t PAIR_IDX[2][32] __attribute__((aligned(64))) = {
+    {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+    {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+
+INLINE uint32_t bf16_round(float x) { /* round to nearest even (finite x) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
-/* accumulate_rows over a bfloat16 V read in place, widened as loaded (a single row: no
-   copy to re-read). */
-INLINE void accumulate_row_bf16(float *o, const float *pr, int64_t D, const uint16_t *V,
-                                int64_t ks, int nv) {
-    const int AV = div_le((int)(D / L), ACC / 2), KS = ACC / AV < 4 ? ACC / AV : 4;
-    for (int64_t d = 0; d < D; d += AV * L) {
-        vf a[4][ACC / 2];
-        for (int v = 0; v < AV; v++) {
-            a[0][v] = ld(o + d + v * L);
-            for (int s = 1; s < KS; s++) a[s][v] = splat(0);
-        }
-        int j = 0;
-        for (; j + KS <= nv; j += KS)
-            for (int s = 0; s < KS; s++) {
-                const float c = pr[j + s];
-                const uint16_t *vj = V + (j + s) * ks + d;
-                for (int v = 0; v < AV; v++) a[s][v] += c * ld_bf16(vj + v * L);
+/* A single row's o += sum_j p_j v_j over a bfloat16 V read in place, on vdpbf16ps over pairs
+   of keys: two V rows interleaved by two vpermt2w per 32 dims, against (p_j, p_j+1) rounded
+   to bf16 and broadcast; 128 dims of o a pass, the key pairs split over two accumulator sets.
+   A missing odd key: its V half zero (never read: a cache slot past nv may hold NaN). */
+INLINE void accumulate_row_dp(float *o, const float *pr, int64_t D, const uint16_t *V,
+                              int64_t ks, int nv) {
+    const __m512i lo = _mm512_load_si512(PAIR_IDX[0]), hi = _mm512_load_si512(PAIR_IDX[1]);
+    for (int64_t d0 = 0; d0 < D; d0 += 128) {
+        const int nd = (int)((D - d0 < 128 ? D - d0 : 128) / 16); /* vectors, even */
+        __m512 a[2][8];
+        for (int v = 0; v < nd; v++)
+            a[0][v] = _mm512_loadu_ps(o + d0 + v * 16), a[1][v] = _mm512_setzero_ps();
+        for (int j = 0; j < nv; j += 2) {
+            const int s = (j / 2) & 1, two = j + 1 < nv;
+            const uint32_t pp = bf16_round(pr[j]) | (two ? bf16_round(pr[j + 1]) << 16 : 0);
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp);
+            const uint16_t *v0 = V + j * ks + d0, *v1 = v0 + ks;
+            for (int v = 0; v < nd; v += 2) {
+                const __m512i x0 = _mm512_loadu_si512(v0 + v * 16);
+                const __m512i x1 = two ? _mm512_loadu_si512(v1 + v * 16) : _mm512_setzero_si512();
+                const __m512bh y0 = (__m512bh)_mm512_permutex2var_epi16(x0, lo, x1);
+                const __m512bh y1 = (__m512bh)_mm512_permutex2var_epi16(x0, hi, x1);
+                a[s][v] = _mm512_dpbf16_ps(a[s][v], pb, y0);
+                a[s][v + 1] = _mm512_dpbf16_ps(a[s][v + 1], pb, y1);
             }
-        for (; j < nv; j++)
-            for (int v = 0; v < AV; v++) a[0][v] += pr[j] * ld_bf16(V + j * ks + d + v * L);
-        for (int v = 0; v < AV; v++) {
-            for (int s = 1; s < KS; s++) a[0][v] += a[s][v];
-            st(o + d + v * L, a[0][v]);
         }
+        for (int v = 0; v < nd; v++)
+            _mm512_storeu_ps(o + d0 + v * 16, _mm512_add_ps(a[0][v], a[1][v]));
     }
 }
 #endif
@@ -539,6 +552,15 @@ INLINE void accumulate_row_bf16(float *o, const float *pr, int64_t D, const uint
    prefill-heavy engine run, and slower on every bench_cpu_attention shape). */
 INLINE void prefetch_rows(const char *p, int rows, int64_t stride) {
     for (int r = 0; r < rows; r++) __builtin_prefetch(p + r * stride, 0, 2);
+}
+
+/* Every line of `rows` rows of `bytes` each, `stride` apart: one head's rows of a chunk, where
+   a unit reads all heads' (kvh < 0) head by head, a pattern the hardware does not follow
+   (decode rows: one thread read a bf16 cache at ~11 GB/s with PREFETCH alone, ~16 with this). */
+INLINE void prefetch_head(const void *p, int rows, int64_t bytes, int64_t stride) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t l = 0; l < bytes; l += 64)
+            __builtin_prefetch((const char *)p + r * stride + l, 0, 2);
 }
 
 /* A unit's normalised rows (nh heads of rh rows from KV head h0; a head's m, l are hs apart)
@@ -615,6 +637,16 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
             prefetch_rows((const char *)(base) + KV_AT(key) * eb,                             \
                           kend - (key) < CH ? (int)(kend - (key)) : CH, ks * eb);             \
     } while (0)
+/* bf16 decode rows: head hh's lines of the walk's next chunk (prefetch_head). */
+#define PREFETCH_HEAD(hh)                                                                     \
+    do {                                                                                      \
+        const int64_t nk = c + CH < n ? kb + c + CH : pass_v ? kb + SC : kb;                  \
+        if (nk < kend) {                                                                      \
+            const void *nb = c + CH < n ? cache : pass_v ? a->k : a->v;                       \
+            prefetch_head((const char *)nb + (KV_AT(nk) + (hh) * D) * eb,                    \
+                          kend - nk < CH ? (int)(kend - nk) : CH, D * eb, ks * eb);           \
+        }                                                                                     \
+    } while (0)
 /* head hh's key-major tile */
 #define TILE(hh) ((tile_t){w->s + (hh) * SC * RP, w->m + (hh) * RP, w->l + (hh) * RP,         \
                            w->o + (hh) * rh * D})
@@ -641,12 +673,14 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                     PREFETCH(a->v, kb);
                 if (few)
                     for (int64_t hh = 0; hh < nh; hh++) {
+                        if (BF) /* float32: no gain measured (its rows, 2x longer, stream) */
+                            PREFETCH_HEAD(hh);
 #ifdef HAVE_BF16DP
                         if (dot_bf16 && (!pass_v || rh == 1)) { /* the cache in place */
                             const uint16_t *x = (const uint16_t *)cache + at + hh * D;
                             float *s = w->s + hh * rh * SC + c;
                             if (pass_v)
-                                accumulate_row_bf16(w->o + hh * D, s, D, x, ks, nv);
+                                accumulate_row_dp(w->o + hh * D, s, D, x, ks, nv);
                             else
                                 scores_dot_bf16(qb + hh * rh * (D / 2), s, rh, D, x, ks, nv,
                                                 a->qscale);
@@ -681,6 +715,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     }
 #undef KV_AT
 #undef PREFETCH
+#undef PREFETCH_HEAD
 #undef TILE
     finish_unit(a, u, w, rows, rh, hs, h0, D);
 }
@@ -695,12 +730,6 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
    multiply instructions of the float32 tiles and no widening of the cache. Products of bf16
    values summed in float32: queries rounded to bf16 (those of a bf16 model are exact), P
    rounded to bf16 as flash attention does on GPUs (and the AMX path). Needs D % 32 == 0. */
-INLINE uint32_t bf16_bits(float x) { /* round to nearest even (finite x) */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
-
 /* Two bf16 vectors' lanes as pairs: dword i = (lo[i], hi[i]). */
 INLINE __m512i pair16(__m256i lo, __m256i hi) {
     return _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
@@ -729,11 +758,13 @@ INLINE void scores_dp_m(const uint32_t *qv, float *sk, const int M, const int KB
                     uint32_t kk; /* keys past nv: rows of the same block, masked later */
                     memcpy(&kk, k + i * ks + 2 * p, 4);
                     const __m512bh kp = (__m512bh)_mm512_set1_epi32((int)kk);
-                    for (int v = 0; v < M; v++) a[i * M + v] = _mm512_dpbf16_ps(a[i * M + v], kp, q[v]);
+                    for (int v = 0; v < M; v++)
+                        a[i * M + v] = _mm512_dpbf16_ps(a[i * M + v], kp, q[v]);
                 }
             }
             for (int i = 0; i < KB && j0 + i < nv; i++)
-                for (int v = 0; v < M; v++) _mm512_storeu_ps(sk + (j0 + i) * RP + v * 16, a[i * M + v]);
+                for (int v = 0; v < M; v++)
+                    _mm512_storeu_ps(sk + (j0 + i) * RP + v * 16, a[i * M + v]);
         }
     }
 }
@@ -793,8 +824,9 @@ INLINE void pack_p_pairs(uint32_t *pp, const float *s, int RP, int M, int n) {
             const __m512 lo = _mm512_loadu_ps(s + 2 * jp * RP + v * 16);
             const __m512 hi = 2 * jp + 1 < n ? _mm512_loadu_ps(s + (2 * jp + 1) * RP + v * 16)
                                              : _mm512_setzero_ps();
+            const __m256i l16 = (__m256i)_mm512_cvtneps_pbh(lo);
             _mm512_storeu_si512(pp + jp * RP + v * 16,
-                                pair16((__m256i)_mm512_cvtneps_pbh(lo), (__m256i)_mm512_cvtneps_pbh(hi)));
+                                pair16(l16, (__m256i)_mm512_cvtneps_pbh(hi)));
         }
 }
 
@@ -813,7 +845,7 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
             const float *src = a->q + ((q0 + r / R) * H + (h0 + hh) * R + r % R) * D;
             for (int64_t p = 0; p < D / 2; p++)
                 qv[(hh * (D / 2) + p) * RP + r] =
-                    r < rh ? bf16_bits(src[2 * p]) | bf16_bits(src[2 * p + 1]) << 16 : 0;
+                    r < rh ? bf16_round(src[2 * p]) | bf16_round(src[2 * p + 1]) << 16 : 0;
             w->m[hh * RP + r] = -INFINITY, w->l[hh * RP + r] = 0.0f;
         }
     memset(w->o, 0, sizeof(float) * nh * rh * D);
@@ -821,11 +853,7 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
     if (causal + nq < kend) kend = causal + nq;
     const int32_t *blocks = a->blocks + u[U_BLK];
     const uint16_t *kc = a->k, *vc = a->v;
-    __m512i PAIR_LO, PAIR_HI; /* 16-bit lanes: (x0[i], x1[i]) for i < 16, then 16 <= i < 32 */
-    for (int i = 0; i < 32; i++) {
-        ((uint16_t *)&PAIR_LO)[i] = (uint16_t)(i / 2 + (i % 2) * 32);
-        ((uint16_t *)&PAIR_HI)[i] = (uint16_t)(16 + i / 2 + (i % 2) * 32);
-    }
+    const __m512i plo = _mm512_load_si512(PAIR_IDX[0]), phi = _mm512_load_si512(PAIR_IDX[1]);
 #define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
 #define PREFETCH(base, key)                                                                   \
     do {                                                                                      \
@@ -839,23 +867,30 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
             const int nv = n - c < CH ? n - c : CH;
             PREFETCH(c + CH < n ? kc : vc, c + CH < n ? kb + c + CH : kb);
             const int64_t at = KV_AT(kb + c);
-            for (int64_t hh = 0; hh < nh; hh++)
+            for (int64_t hh = 0; hh < nh; hh++) {
+                if (nh > 1 && c + CH < n) /* all heads: head hh's lines of the next chunk */
+                    prefetch_head(kc + KV_AT(kb + c + CH) + hh * D,
+                                  n - c - CH < CH ? n - c - CH : CH, D * 2, ks * 2);
                 scores_dp(qv + hh * (D / 2) * RP, w->s + hh * SC * RP + c * RP, M, D,
                           kc + at + hh * D, ks, nv);
+            }
         }
         for (int64_t hh = 0; hh < nh; hh++) {
             float *o = w->o + hh * rh * D;
             softmax_km((tile_t){w->s + hh * SC * RP, w->m + hh * RP, w->l + hh * RP, o}, rh, M,
                        R, D, causal, kb, n, a->qscale);
             for (int jp = 0; jp < np; jp++) { /* V in key pairs; a key past n zero */
+                if (2 * jp + 17 < n) /* 8 pairs ahead: rows Hkv * D apart, blocks scattered */
+                    for (int i = 16; i < 18; i++)
+                        prefetch_head(vc + KV_AT(kb + 2 * jp + i) + hh * D, 1, D * 2, 0);
                 const uint16_t *v0 = vc + KV_AT(kb + 2 * jp) + hh * D;
                 const uint16_t *v1 = 2 * jp + 1 < n ? vc + KV_AT(kb + 2 * jp + 1) + hh * D : NULL;
                 for (int64_t d = 0; d < D; d += 32) { /* 32 dims of two keys: two permutes */
                     const __m512i x0 = _mm512_loadu_si512(v0 + d);
                     const __m512i x1 = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
-                    _mm512_storeu_si512(w->vv + jp * D + d, _mm512_permutex2var_epi16(x0, PAIR_LO, x1));
+                    _mm512_storeu_si512(w->vv + jp * D + d, _mm512_permutex2var_epi16(x0, plo, x1));
                     _mm512_storeu_si512(w->vv + jp * D + d + 16,
-                                        _mm512_permutex2var_epi16(x0, PAIR_HI, x1));
+                                        _mm512_permutex2var_epi16(x0, phi, x1));
                 }
             }
             pack_p_pairs(w->pp, w->s + hh * SC * RP, RP, M, n);
@@ -960,7 +995,8 @@ INLINE void amx_pack_p(scratch_t *w, int RP, int M, int n) {
             __m512i x[16];
             for (int p = 0; p < 16; p++) {
                 const int j = kk * 32 + 2 * p;
-                const __m512 lo = j < n ? _mm512_loadu_ps(w->s + j * RP + m * 16) : _mm512_setzero_ps();
+                const __m512 lo =
+                    j < n ? _mm512_loadu_ps(w->s + j * RP + m * 16) : _mm512_setzero_ps();
                 const __m512 hi = j + 1 < n ? _mm512_loadu_ps(w->s + (j + 1) * RP + m * 16)
                                             : _mm512_setzero_ps();
                 x[p] = pair16((__m256i)_mm512_cvtneps_pbh(lo), (__m256i)_mm512_cvtneps_pbh(hi));
@@ -1016,7 +1052,7 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
         const float *src = a->q + ((q0 + r / R) * H + h0 * R + r % R) * D;
         for (int64_t p = 0; p < D / 2; p++)
             w->qv[r / 16][p][r % 16] =
-                r < rows ? bf16_bits(src[2 * p]) | bf16_bits(src[2 * p + 1]) << 16 : 0;
+                r < rows ? bf16_round(src[2 * p]) | bf16_round(src[2 * p + 1]) << 16 : 0;
         w->m[r] = -INFINITY, w->l[r] = 0.0f;
     }
     memset(w->o, 0, sizeof(float) * RP * D);
