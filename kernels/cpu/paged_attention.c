@@ -543,6 +543,55 @@ INLINE void accumulate_row_dp(float *o, const float *pr, int64_t D, const uint16
             _mm512_storeu_ps(o + d0 + v * 16, _mm512_add_ps(a[0][v], a[1][v]));
     }
 }
+
+/* accumulate_row_dp for 2..FEW_ROWS-1 rows (grouped-query decode), RB rows x VB vectors of
+   D a step: each pair of V rows is interleaved once per step and used by every row of it. */
+INLINE void rows_dp_rb(float *obase, const uint32_t *pp, const int RB, int64_t D,
+                       const uint16_t *V, int64_t ks, int nv) {
+    const __m512i lo = _mm512_load_si512(PAIR_IDX[0]), hi = _mm512_load_si512(PAIR_IDX[1]);
+    const int VB = D % 64 == 0 ? 4 : 2; /* vectors of o a step: pairs of them per 32 dims */
+    for (int64_t d = 0; d < D; d += VB * 16) {
+        __m512 acc[4][4];
+        for (int r = 0; r < RB; r++)
+            for (int v = 0; v < VB; v++) acc[r][v] = _mm512_loadu_ps(obase + r * D + d + v * 16);
+        for (int j = 0; j < nv; j += 2) {
+            const uint16_t *v0 = V + j * ks + d, *v1 = v0 + ks;
+            __m512bh y[4];
+            for (int v = 0; v < VB; v += 2) {
+                const __m512i x0 = _mm512_loadu_si512(v0 + v * 16);
+                const __m512i x1 = j + 1 < nv ? _mm512_loadu_si512(v1 + v * 16)
+                                              : _mm512_setzero_si512();
+                y[v] = (__m512bh)_mm512_permutex2var_epi16(x0, lo, x1);
+                y[v + 1] = (__m512bh)_mm512_permutex2var_epi16(x0, hi, x1);
+            }
+            for (int r = 0; r < RB; r++) {
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[r * (CH / 2) + j / 2]);
+                for (int v = 0; v < VB; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pb, y[v]);
+            }
+        }
+        for (int r = 0; r < RB; r++)
+            for (int v = 0; v < VB; v++) _mm512_storeu_ps(obase + r * D + d + v * 16, acc[r][v]);
+    }
+}
+
+INLINE void accumulate_rows_dp(float *obase, const float *p, int rows, int64_t D,
+                               const uint16_t *V, int64_t ks, int nv) {
+    uint32_t pp[FEW_ROWS * CH / 2]; /* each row's p as bf16 pairs of keys; a missing odd 0 */
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < nv; j += 2)
+            pp[r * (CH / 2) + j / 2] = bf16_round(p[r * SC + j]) |
+                                       (j + 1 < nv ? bf16_round(p[r * SC + j + 1]) << 16 : 0);
+    for (int r = 0; r < rows; r += 4) {
+        float *o = obase + r * D;
+        const uint32_t *pr = pp + r * (CH / 2);
+        switch (rows - r < 4 ? rows - r : 4) {
+        case 1: rows_dp_rb(o, pr, 1, D, V, ks, nv); break;
+        case 2: rows_dp_rb(o, pr, 2, D, V, ks, nv); break;
+        case 3: rows_dp_rb(o, pr, 3, D, V, ks, nv); break;
+        default: rows_dp_rb(o, pr, 4, D, V, ks, nv);
+        }
+    }
+}
 #endif
 
 /* Start the next chunk's row streams (into L2) while this one is computed: chunks come from
@@ -676,11 +725,13 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                         if (BF) /* float32: no gain measured (its rows, 2x longer, stream) */
                             PREFETCH_HEAD(hh);
 #ifdef HAVE_BF16DP
-                        if (dot_bf16 && (!pass_v || rh == 1)) { /* the cache in place */
+                        if (dot_bf16) { /* the cache in place */
                             const uint16_t *x = (const uint16_t *)cache + at + hh * D;
                             float *s = w->s + hh * rh * SC + c;
-                            if (pass_v)
+                            if (pass_v && rh == 1)
                                 accumulate_row_dp(w->o + hh * D, s, D, x, ks, nv);
+                            else if (pass_v)
+                                accumulate_rows_dp(w->o + hh * rh * D, s, rh, D, x, ks, nv);
                             else
                                 scores_dot_bf16(qb + hh * rh * (D / 2), s, rh, D, x, ks, nv,
                                                 a->qscale);

@@ -165,6 +165,26 @@ def test_isa_path_bfloat16_cache(isa, head_dim, case):
     torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)  # within a bf16 rounding
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", (32, 96, 128))
+@pytest.mark.parametrize("ratio", (2, 3, 6))
+def test_isa_path_bfloat16_grouped_query_decode(isa, head_dim, ratio):
+    """bf16 decode rows of 2, 3 and 6 query heads per KV head (row-major: on vdpbf16ps builds
+    P.V pairs keys for up to 4 rows at a time, then the rest), odd key counts, head dims of
+    2 and 4 vectors of 16 per step."""
+    seqs = tuple(ref.SeqSpec(1, 5 + 11 * i, group=i % 2 if i < 4 else -1) for i in range(9))
+    spec = ref.BatchSpec(
+        tuple(sorted(seqs, key=lambda s: s.group)), (37, 70), num_q_heads=2 * ratio,
+        num_kv_heads=2, head_dim=head_dim, dtype=torch.bfloat16,
+    )  # fmt: skip
+    b = ref.build_batch(spec, seed=ratio)
+    backend = CpuAttention(isa, calibrate=False)
+    assert backend.isa == isa
+    out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+
+
 BF16_TILE_ISAS = [i for i in ("amx", "avx512bf16") if i in ISAS]
 
 
