@@ -1146,45 +1146,34 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
 }
 #endif
 
-/* One clone per common head dim, so D is a compile-time constant in the inner loops. */
-#define BY_D(BF)                                                                              \
+/* One clone per common head dim, so D is a compile-time constant in the inner loops:
+   FN(a, u, w, D, extra arguments). */
+#define BY_D(FN, ...)                                                                         \
     switch (a->D) {                                                                           \
-    case 32: run_unit_d(a, u, w, 32, BF); break;                                              \
-    case 64: run_unit_d(a, u, w, 64, BF); break;                                              \
-    case 96: run_unit_d(a, u, w, 96, BF); break;                                              \
-    case 128: run_unit_d(a, u, w, 128, BF); break;                                            \
-    case 256: run_unit_d(a, u, w, 256, BF); break;                                            \
-    default: run_unit_d(a, u, w, a->D, BF);                                                   \
+    case 32: FN(a, u, w, 32, ##__VA_ARGS__); break;                                           \
+    case 64: FN(a, u, w, 64, ##__VA_ARGS__); break;                                           \
+    case 96: FN(a, u, w, 96, ##__VA_ARGS__); break;                                           \
+    case 128: FN(a, u, w, 128, ##__VA_ARGS__); break;                                         \
+    case 256: FN(a, u, w, 256, ##__VA_ARGS__); break;                                         \
+    default: FN(a, u, w, a->D, ##__VA_ARGS__);                                                \
     }
-static void run_unit_f32(const args_t *a, const int64_t *u, scratch_t *w) { BY_D(0) }
+static void run_unit_f32(const args_t *a, const int64_t *u, scratch_t *w) { BY_D(run_unit_d, 0) }
 static void run_unit_bf16(const args_t *a, const int64_t *u, scratch_t *w) {
+    const int tile = a->D % 32 == 0 && u[U_NQ] * (a->H / a->Hkv) >= FEW_ROWS; /* key-major */
 #ifdef HAVE_AMX
-    if (amx_ok && a->D % 32 == 0 && u[U_KVH] >= 0 && u[U_NQ] * (a->H / a->Hkv) >= FEW_ROWS) {
-        switch (a->D) {
-        case 32: run_unit_amx(a, u, w, 32); break;
-        case 64: run_unit_amx(a, u, w, 64); break;
-        case 96: run_unit_amx(a, u, w, 96); break;
-        case 128: run_unit_amx(a, u, w, 128); break;
-        case 256: run_unit_amx(a, u, w, 256); break;
-        default: run_unit_amx(a, u, w, a->D);
-        }
+    if (amx_ok && tile && u[U_KVH] >= 0) {
+        BY_D(run_unit_amx)
         return;
     }
 #endif
 #ifdef HAVE_BF16DP
-    if (a->D % 32 == 0 && u[U_NQ] * (a->H / a->Hkv) >= FEW_ROWS) {
-        switch (a->D) {
-        case 32: run_unit_dp(a, u, w, 32); break;
-        case 64: run_unit_dp(a, u, w, 64); break;
-        case 96: run_unit_dp(a, u, w, 96); break;
-        case 128: run_unit_dp(a, u, w, 128); break;
-        case 256: run_unit_dp(a, u, w, 256); break;
-        default: run_unit_dp(a, u, w, a->D);
-        }
+    if (tile) {
+        BY_D(run_unit_dp)
         return;
     }
 #endif
-    BY_D(1)
+    (void)tile;
+    BY_D(run_unit_d, 1)
 }
 
 /* Whether this build's bf16 prefill tiles run on AMX here: the OS must grant the process the
