@@ -513,13 +513,25 @@ INLINE uint32_t bf16_round(float x) { /* round to nearest even (finite x) */
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
+INLINE uint32_t bf16_pair(float lo, float hi) { /* one dword: (bf16(lo), bf16(hi)) */
+    return bf16_round(lo) | bf16_round(hi) << 16;
+}
+
+/* 32 dims of two V rows (v1 NULL: zeros, a missing odd key) as key pairs: y[0] dims 0-15,
+   y[1] dims 16-31, by two vpermt2w. */
+INLINE void key_pairs(const uint16_t *v0, const uint16_t *v1, __m512i y[2]) {
+    const __m512i x0 = _mm512_loadu_si512(v0);
+    const __m512i x1 = v1 ? _mm512_loadu_si512(v1) : _mm512_setzero_si512();
+    y[0] = _mm512_permutex2var_epi16(x0, _mm512_load_si512(PAIR_IDX[0]), x1);
+    y[1] = _mm512_permutex2var_epi16(x0, _mm512_load_si512(PAIR_IDX[1]), x1);
+}
+
 /* A single row's o += sum_j p_j v_j over a bfloat16 V read in place, on vdpbf16ps over pairs
    of keys: two V rows interleaved by two vpermt2w per 32 dims, against (p_j, p_j+1) rounded
    to bf16 and broadcast; 128 dims of o a pass, the key pairs split over two accumulator sets.
    A missing odd key: its V half zero (never read: a cache slot past nv may hold NaN). */
 INLINE void accumulate_row_dp(float *o, const float *pr, int64_t D, const uint16_t *V,
                               int64_t ks, int nv) {
-    const __m512i lo = _mm512_load_si512(PAIR_IDX[0]), hi = _mm512_load_si512(PAIR_IDX[1]);
     for (int64_t d0 = 0; d0 < D; d0 += 128) {
         const int nd = (int)((D - d0 < 128 ? D - d0 : 128) / 16); /* vectors, even */
         __m512 a[2][8];
@@ -527,16 +539,14 @@ INLINE void accumulate_row_dp(float *o, const float *pr, int64_t D, const uint16
             a[0][v] = _mm512_loadu_ps(o + d0 + v * 16), a[1][v] = _mm512_setzero_ps();
         for (int j = 0; j < nv; j += 2) {
             const int s = (j / 2) & 1, two = j + 1 < nv;
-            const uint32_t pp = bf16_round(pr[j]) | (two ? bf16_round(pr[j + 1]) << 16 : 0);
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp);
-            const uint16_t *v0 = V + j * ks + d0, *v1 = v0 + ks;
+            const __m512bh pb =
+                (__m512bh)_mm512_set1_epi32((int)bf16_pair(pr[j], two ? pr[j + 1] : 0.0f));
+            const uint16_t *v0 = V + j * ks + d0, *v1 = two ? v0 + ks : NULL;
             for (int v = 0; v < nd; v += 2) {
-                const __m512i x0 = _mm512_loadu_si512(v0 + v * 16);
-                const __m512i x1 = two ? _mm512_loadu_si512(v1 + v * 16) : _mm512_setzero_si512();
-                const __m512bh y0 = (__m512bh)_mm512_permutex2var_epi16(x0, lo, x1);
-                const __m512bh y1 = (__m512bh)_mm512_permutex2var_epi16(x0, hi, x1);
-                a[s][v] = _mm512_dpbf16_ps(a[s][v], pb, y0);
-                a[s][v + 1] = _mm512_dpbf16_ps(a[s][v + 1], pb, y1);
+                __m512i y[2];
+                key_pairs(v0 + v * 16, v1 ? v1 + v * 16 : NULL, y);
+                a[s][v] = _mm512_dpbf16_ps(a[s][v], pb, (__m512bh)y[0]);
+                a[s][v + 1] = _mm512_dpbf16_ps(a[s][v + 1], pb, (__m512bh)y[1]);
             }
         }
         for (int v = 0; v < nd; v++)
@@ -548,25 +558,19 @@ INLINE void accumulate_row_dp(float *o, const float *pr, int64_t D, const uint16
    D a step: each pair of V rows is interleaved once per step and used by every row of it. */
 INLINE void rows_dp_rb(float *obase, const uint32_t *pp, const int RB, int64_t D,
                        const uint16_t *V, int64_t ks, int nv) {
-    const __m512i lo = _mm512_load_si512(PAIR_IDX[0]), hi = _mm512_load_si512(PAIR_IDX[1]);
     const int VB = D % 64 == 0 ? 4 : 2; /* vectors of o a step: pairs of them per 32 dims */
     for (int64_t d = 0; d < D; d += VB * 16) {
         __m512 acc[4][4];
         for (int r = 0; r < RB; r++)
             for (int v = 0; v < VB; v++) acc[r][v] = _mm512_loadu_ps(obase + r * D + d + v * 16);
         for (int j = 0; j < nv; j += 2) {
-            const uint16_t *v0 = V + j * ks + d, *v1 = v0 + ks;
-            __m512bh y[4];
-            for (int v = 0; v < VB; v += 2) {
-                const __m512i x0 = _mm512_loadu_si512(v0 + v * 16);
-                const __m512i x1 = j + 1 < nv ? _mm512_loadu_si512(v1 + v * 16)
-                                              : _mm512_setzero_si512();
-                y[v] = (__m512bh)_mm512_permutex2var_epi16(x0, lo, x1);
-                y[v + 1] = (__m512bh)_mm512_permutex2var_epi16(x0, hi, x1);
-            }
+            const uint16_t *v0 = V + j * ks + d, *v1 = j + 1 < nv ? v0 + ks : NULL;
+            __m512i y[4];
+            for (int v = 0; v < VB; v += 2) key_pairs(v0 + v * 16, v1 ? v1 + v * 16 : NULL, y + v);
             for (int r = 0; r < RB; r++) {
                 const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp[r * (CH / 2) + j / 2]);
-                for (int v = 0; v < VB; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pb, y[v]);
+                for (int v = 0; v < VB; v++)
+                    acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pb, (__m512bh)y[v]);
             }
         }
         for (int r = 0; r < RB; r++)
@@ -579,8 +583,8 @@ INLINE void accumulate_rows_dp(float *obase, const float *p, int rows, int64_t D
     uint32_t pp[FEW_ROWS * CH / 2]; /* each row's p as bf16 pairs of keys; a missing odd 0 */
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < nv; j += 2)
-            pp[r * (CH / 2) + j / 2] = bf16_round(p[r * SC + j]) |
-                                       (j + 1 < nv ? bf16_round(p[r * SC + j + 1]) << 16 : 0);
+            pp[r * (CH / 2) + j / 2] =
+                bf16_pair(p[r * SC + j], j + 1 < nv ? p[r * SC + j + 1] : 0.0f);
     for (int r = 0; r < rows; r += 4) {
         float *o = obase + r * D;
         const uint32_t *pr = pp + r * (CH / 2);
@@ -647,26 +651,26 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     const int few = rh < FEW_ROWS; /* row-major dot products; else key-major tiles */
     const int NV = few ? 0 : tile_nv(rh);
     const int RP = NV * L, hs = few ? rh : RP; /* a head's tile rows; its m, l stride */
-    for (int r = 0; r < rows; r++) {
-        const int64_t hh = r / rh, rl = r % rh;
-        const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
-        for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = src[d] * a->qscale;
-    }
-    for (int r = 0; r < nh * hs; r++) w->m[r] = -INFINITY, w->l[r] = 0.0f;
 #ifdef HAVE_BF16DP
     /* bf16 decode rows: q . k on vdpbf16ps (scores_dot_bf16) against unscaled bf16 queries */
     const int dot_bf16 = BF && few && D % 32 == 0;
     uint32_t *qb = (uint32_t *)w->qtk;
-    if (dot_bf16)
-        for (int r = 0; r < rows; r++) {
-            const int64_t hh = r / rh, rl = r % rh;
-            const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
+#endif
+    for (int r = 0; r < rows; r++) {
+        const int64_t hh = r / rh, rl = r % rh;
+        const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
+#ifdef HAVE_BF16DP
+        if (dot_bf16) { /* instead of the scaled float32 queries, which they never read */
             for (int64_t d = 0; d < D; d += 32)
                 _mm512_storeu_si512(qb + r * (D / 2) + d / 2,
                                     (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + d + 16),
                                                                  _mm512_loadu_ps(src + d)));
+            continue;
         }
 #endif
+        for (int64_t d = 0; d < D; d++) w->qs[r * D + d] = src[d] * a->qscale;
+    }
+    for (int r = 0; r < nh * hs; r++) w->m[r] = -INFINITY, w->l[r] = 0.0f;
     if (!few)
         for (int64_t hh = 0; hh < nh; hh++) {
             float *qt = w->qtk + hh * D * RP;
@@ -896,7 +900,7 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
             const float *src = a->q + ((q0 + r / R) * H + (h0 + hh) * R + r % R) * D;
             for (int64_t p = 0; p < D / 2; p++)
                 qv[(hh * (D / 2) + p) * RP + r] =
-                    r < rh ? bf16_round(src[2 * p]) | bf16_round(src[2 * p + 1]) << 16 : 0;
+                    r < rh ? bf16_pair(src[2 * p], src[2 * p + 1]) : 0;
             w->m[hh * RP + r] = -INFINITY, w->l[hh * RP + r] = 0.0f;
         }
     memset(w->o, 0, sizeof(float) * nh * rh * D);
@@ -904,7 +908,6 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
     if (causal + nq < kend) kend = causal + nq;
     const int32_t *blocks = a->blocks + u[U_BLK];
     const uint16_t *kc = a->k, *vc = a->v;
-    const __m512i plo = _mm512_load_si512(PAIR_IDX[0]), phi = _mm512_load_si512(PAIR_IDX[1]);
 #define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
 #define PREFETCH(base, key)                                                                   \
     do {                                                                                      \
@@ -931,17 +934,15 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
             softmax_km((tile_t){w->s + hh * SC * RP, w->m + hh * RP, w->l + hh * RP, o}, rh, M,
                        R, D, causal, kb, n, a->qscale);
             for (int jp = 0; jp < np; jp++) { /* V in key pairs; a key past n zero */
-                if (2 * jp + 17 < n) /* 8 pairs ahead: rows Hkv * D apart, blocks scattered */
-                    for (int i = 16; i < 18; i++)
-                        prefetch_head(vc + KV_AT(kb + 2 * jp + i) + hh * D, 1, D * 2, 0);
-                const uint16_t *v0 = vc + KV_AT(kb + 2 * jp) + hh * D;
-                const uint16_t *v1 = 2 * jp + 1 < n ? vc + KV_AT(kb + 2 * jp + 1) + hh * D : NULL;
-                for (int64_t d = 0; d < D; d += 32) { /* 32 dims of two keys: two permutes */
-                    const __m512i x0 = _mm512_loadu_si512(v0 + d);
-                    const __m512i x1 = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
-                    _mm512_storeu_si512(w->vv + jp * D + d, _mm512_permutex2var_epi16(x0, plo, x1));
-                    _mm512_storeu_si512(w->vv + jp * D + d + 16,
-                                        _mm512_permutex2var_epi16(x0, phi, x1));
+                if (2 * jp + 17 < n) /* 8 pairs ahead (one pair: one chunk): rows Hkv * D apart */
+                    prefetch_head(vc + KV_AT(kb + 2 * jp + 16) + hh * D, 2, D * 2, ks * 2);
+                const uint16_t *v0 = vc + KV_AT(kb + 2 * jp) + hh * D; /* v1: the same chunk */
+                const uint16_t *v1 = 2 * jp + 1 < n ? v0 + ks : NULL;
+                for (int64_t d = 0; d < D; d += 32) {
+                    __m512i y[2];
+                    key_pairs(v0 + d, v1 ? v1 + d : NULL, y);
+                    _mm512_storeu_si512(w->vv + jp * D + d, y[0]);
+                    _mm512_storeu_si512(w->vv + jp * D + d + 16, y[1]);
                 }
             }
             pack_p_pairs(w->pp, w->s + hh * SC * RP, RP, M, n);
@@ -1103,7 +1104,7 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
         const float *src = a->q + ((q0 + r / R) * H + h0 * R + r % R) * D;
         for (int64_t p = 0; p < D / 2; p++)
             w->qv[r / 16][p][r % 16] =
-                r < rows ? bf16_round(src[2 * p]) | bf16_round(src[2 * p + 1]) << 16 : 0;
+                r < rows ? bf16_pair(src[2 * p], src[2 * p + 1]) : 0;
         w->m[r] = -INFINITY, w->l[r] = 0.0f;
     }
     memset(w->o, 0, sizeof(float) * RP * D);
