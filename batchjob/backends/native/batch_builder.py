@@ -109,8 +109,16 @@ def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> 
         score_seqs = np.repeat(seq_id[at], k)
         score_nodes = np.concatenate(nodes).astype(np.int64)
 
+    max_kv, max_prefix = int(kv_len.max(initial=0)), int(prefix_len.max(initial=0))
+    if positions.size and positions.max() >= max_prefix + max_kv:  # the model's RoPE bound
+        raise AssertionError("a position beyond its prefix + own KV: scheduler state is broken")
+    pinned = device.type == "cuda"
+
     def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+        x = torch.from_numpy(np.ascontiguousarray(a)).to(dtype=dtype)
+        if pinned:  # an asynchronous copy: the host builds on while the GPU runs the last step
+            return x.pin_memory().to(device=device, non_blocking=True)
+        return x.to(device=device)
 
     meta = AttentionMetadata(
         cu_q=t(cu_q, torch.int32),
@@ -125,8 +133,8 @@ def build_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> 
         group_q_start=t(group_q_start, torch.int32),
         group_q_end=t(group_q_end, torch.int32),
         max_q_len=int(lens.max(initial=0)),
-        max_kv_len=int(kv_len.max(initial=0)),
-        max_prefix_len=int(prefix_len.max(initial=0)),
+        max_kv_len=max_kv,
+        max_prefix_len=max_prefix,
     )
     return ModelBatch(
         input_ids=t(input_ids, torch.int64),

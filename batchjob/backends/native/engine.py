@@ -58,10 +58,15 @@ class EngineRun:
 
 
 def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
-    """KV cache size in bytes: explicit, or a fraction of what the GPU has free."""
+    """KV cache size in bytes: explicit, or a fraction of what the GPU has free.
+
+    Blocks torch's allocator holds but no tensor uses (a freed engine's cache) count as free:
+    without ``empty_cache`` a second engine in one process saw 0 bytes (H100, 2026-11-27).
+    """
     if cfg.kv_cache_bytes is not None:
         return cfg.kv_cache_bytes
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return max(int(free - (1 - cfg.gpu_memory_fraction) * total), 0)
     return 2 * GiB
