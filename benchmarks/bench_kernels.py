@@ -285,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for sc in scenarios(args.quick):
         print(f"... {sc.name}", file=sys.stderr, flush=True)
-        rows += bench_one(sc, args)
+        new = bench_one(sc, args)
+        for line in render(new, "").splitlines():  # its rows now: a time limit keeps them
+            if line.startswith("| ") and not line.startswith("| scenario"):
+                print(line, file=sys.stderr, flush=True)
+        rows += new
     gpu = torch.cuda.get_device_name()
     header = (
         f"# Kernel benchmark\n\n{gpu}; torch {torch.__version__}; triton {triton.__version__}; "

@@ -11,6 +11,7 @@ set before triton is first imported.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cache, partial
 from types import ModuleType
@@ -33,6 +34,19 @@ from .checks import (
     jit_module,
     next_power_of_2,
 )
+
+
+def autotuning() -> bool:
+    """BATCHJOB_TRITON_AUTOTUNE=0 launches each kernel's first autotune config instead: no
+    benchmarking of 5-8 configs, each compiled, per new shape (the CUDA tests and
+    compute-sanitizer runs; aot_check compiles that config for sm_90 in CI)."""
+    return os.environ.get("BATCHJOB_TRITON_AUTOTUNE", "1") != "0"
+
+
+def first_config(tuned) -> dict[str, int]:
+    """An autotuned kernel's first config as launch keywords (tiles, warps, stages)."""
+    cfg = tuned.configs[0]
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
 def tune_key(max_q_len: int, has_groups: bool) -> int:
@@ -227,7 +241,9 @@ def _launch_fused(c: _Checked, config: dict[str, int] | None) -> None:
         meta.block_table.stride(0), meta.prefix_block_table.stride(0),
         tune_key(meta.max_q_len, g > 0),
     )  # fmt: skip
-    if config is None and interpreting():
+    if config is None and not autotuning():
+        config = first_config(mod.fused_kernel_tuned)
+    elif config is None and interpreting():
         config = mod.INTERPRET_FUSED
     if config is None:
         mod.fused_kernel_tuned[grid](*args, **_consts(dims, q.dtype))
@@ -304,13 +320,14 @@ def paged_attention(
 
 
 def _launch_part(mod: ModuleType, name: str, args: tuple, consts: dict, tiles, dims: Dims) -> None:
-    """Launch prefix_kernel / own_kernel: a fixed config when interpreting, else autotuned."""
-    if interpreting():
-        cfg = mod.INTERPRET_PART
-        getattr(mod, name)[(tiles(cfg["BLOCK_M"]), dims.num_kv_heads)](*args, **consts, **cfg)
-    else:
-        kernel = getattr(mod, name + "_tuned")
-        kernel[lambda c: (tiles(c["BLOCK_M"]), dims.num_kv_heads)](*args, **consts)
+    """Launch prefix_kernel / own_kernel: autotuned, or a fixed config (the first one with
+    BATCHJOB_TRITON_AUTOTUNE=0, else small tiles when interpreting)."""
+    tuned = getattr(mod, name + "_tuned")
+    if autotuning() and not interpreting():
+        tuned[lambda c: (tiles(c["BLOCK_M"]), dims.num_kv_heads)](*args, **consts)
+        return
+    cfg = first_config(tuned) if not autotuning() else mod.INTERPRET_PART
+    getattr(mod, name)[(tiles(cfg["BLOCK_M"]), dims.num_kv_heads)](*args, **consts, **cfg)
 
 
 def write_kv(

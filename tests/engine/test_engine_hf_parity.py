@@ -142,3 +142,59 @@ def test_cuda_greedy_equals_cpu_path(tmp_path, attention):
     gpu_model, gpu_info = load_model(folder, dtype="float32", device="cuda", attention=attention)
     got, _, _ = run_engine(gpu_model, gpu_info, prompts, sched, eng, use_plan=True)
     assert got == expected
+
+
+CUDA_ONLY = (
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+)
+# Low precision: greedy tokens may differ from float32's where two logits are closer than the
+# rounding, so each step is checked against HF float32 on the engine's own sequence: the
+# engine's token is HF's argmax up to this log-prob margin, and the engine's log-prob of it is
+# within the same margin of HF's (bf16 keeps 8 mantissa bits, fp16 11).
+LOGPROB_TOL = {"bfloat16": 0.08, "float16": 0.015}
+
+
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        ("cpu", "bfloat16"),
+        ("cpu", "float16"),
+        pytest.param("cuda", "bfloat16", marks=CUDA_ONLY),
+        pytest.param("cuda", "float16", marks=CUDA_ONLY),
+    ],
+)
+def test_low_precision_greedy_within_tolerance_of_hf(tmp_path, device, dtype):
+    """bf16/fp16 engine (the default attention of the device: C kernel on CPU, Triton on
+    CUDA) vs HF float32, step by step, on shared-prefix prompts through the plan."""
+    folder = make_tiny_model(tmp_path / "m", family="llama")
+    model, info = load_model(folder, dtype=dtype, device=device, attention="auto")
+    prompts = shared_prompts(info.vocab_size, seed=3)
+    engine = Engine(
+        model,
+        info,
+        SchedulerConfig(chunk_size=13),
+        EngineConfig(block_size=16, kv_cache_bytes=1 << 24),
+    )
+    outs = {}
+    engine.run(
+        prompts,
+        build_plan(prompts),
+        SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0),
+        lambda o: outs.__setitem__(o.position, o),
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tol = LOGPROB_TOL[dtype]
+    worst_margin = worst_diff = 0.0
+    for i in range(len(prompts)):
+        prompt, got = prompts.row(i), outs[i]
+        toks = torch.tensor(got.token_ids, dtype=torch.long)
+        seq = torch.cat([torch.tensor(prompt, dtype=torch.long), toks])[None]
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(seq).logits[0, len(prompt) - 1 : -1].double(), dim=-1)
+        chosen = lp[torch.arange(len(toks)), toks]
+        worst_margin = max(worst_margin, float((lp.max(dim=-1).values - chosen).max()))
+        diff = (torch.from_numpy(got.logprobs.logprob) - chosen).abs().max()
+        worst_diff = max(worst_diff, float(diff))
+    assert worst_margin <= tol, f"a token {worst_margin:.4f} below HF's best (tol {tol})"
+    assert worst_diff <= tol, f"log-probs {worst_diff:.4f} from HF's (tol {tol})"

@@ -160,6 +160,46 @@ def test_fused_other_tiles(config: dict[str, int]) -> None:
     check(b, fused_prefix_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, config=config))
 
 
+class _LaunchSpy:
+    """Stands in for a @triton.jit kernel: records each launch's keywords, then launches."""
+
+    def __init__(self, kernel, calls: list[dict]) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(kw)
+            return self.kernel[grid](*args, **kw)
+
+        return launch
+
+
+@pytest.mark.parametrize("variant", ["fused", "cascade"])
+def test_first_config_without_autotune(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BATCHJOB_TRITON_AUTOTUNE=0 launches each kernel's first autotune config (here under the
+    interpreter too: its large tiles on CPU), and the result still matches the reference."""
+    from batchjob.kernels.triton.checks import jit_module
+    from batchjob.kernels.triton.wrappers import first_config
+
+    mod = jit_module("attention_kernels")
+    calls: list[dict] = []
+    for name in ("fused_kernel", "prefix_kernel", "own_kernel"):
+        monkeypatch.setattr(mod, name, _LaunchSpy(getattr(mod, name), calls))
+    monkeypatch.setenv("BATCHJOB_TRITON_AUTOTUNE", "0")
+    spec = random_spec(
+        7, num_q_heads=8, num_kv_heads=2, min_groups=1, max_groups=2, max_chunk=24
+    )  # fmt: skip
+    b = build_batch(spec, 7, DEVICE)
+    check(b, run_variant(variant, b))
+    tuned = (
+        ["fused_kernel_tuned"]
+        if variant == "fused"
+        else ["prefix_kernel_tuned", "own_kernel_tuned"]
+    )
+    want = [first_config(getattr(mod, t)) for t in tuned]  # tiles, warps, stages
+    assert [{k: c[k] for k in w} for c, w in zip(calls, want, strict=True)] == want
+
+
 def test_strided_q_and_out() -> None:
     """q sliced from a packed qkv projection (row stride > Hq * D), out a view as well."""
     b = build_batch(random_spec(21, min_groups=1, max_groups=1, max_chunk=8), 21, DEVICE)
