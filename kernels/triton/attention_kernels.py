@@ -9,6 +9,8 @@ early and the short own programs fill in behind them.
 
 from __future__ import annotations
 
+import inspect
+
 import triton
 import triton.language as tl
 
@@ -170,18 +172,22 @@ def _part_configs(pairs: list[tuple[int, int, int, int]]) -> list[triton.Config]
     ]
 
 
-fused_kernel_tuned = triton.autotune(configs=_fused_configs(), key=_KEY)(fused_kernel)
-prefix_kernel_tuned = triton.autotune(
-    configs=_part_configs(
+def _autotune(configs: list[triton.Config]):
+    """triton.autotune on _KEY, its choices kept in Triton's cache folder where the installed
+    Triton can (``cache_results``): a later process on the same GPU architecture skips
+    benchmarking the configs (H100, 2026-11-27: every new shape benchmarked 8 + 5 + 5)."""
+    keep = "cache_results" in inspect.signature(triton.autotune).parameters
+    return triton.autotune(configs=configs, key=_KEY, **({"cache_results": True} if keep else {}))
+
+
+fused_kernel_tuned = _autotune(_fused_configs())(fused_kernel)
+prefix_kernel_tuned = _autotune(
+    _part_configs(
         [(128, 64, 8, 3), (128, 32, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)]
-    ),
-    key=_KEY,
+    )
 )(prefix_kernel)
-own_kernel_tuned = triton.autotune(
-    configs=_part_configs(
-        [(16, 64, 4, 3), (16, 128, 4, 2), (16, 32, 2, 3), (32, 64, 4, 3), (64, 64, 4, 2)]
-    ),
-    key=_KEY,
+own_kernel_tuned = _autotune(
+    _part_configs([(16, 64, 4, 3), (16, 128, 4, 2), (16, 32, 2, 3), (32, 64, 4, 3), (64, 64, 4, 2)])
 )(own_kernel)
 
 # Small tiles under the interpreter: fast, and they exercise multi-tile and masking paths.
