@@ -160,8 +160,8 @@ class LlamaForCausalLM(nn.Module):
         self._check_window(meta)
         h = self.embed_tokens(input_ids)  # [T, hidden]: a fresh tensor, updated in place
         # every position < its group's prefix + its own KV (build_batch checks it)
-        limit = meta.max_prefix_len + meta.max_kv_len
-        cos, sin = self.rope.lookup(positions, self.inv_freq, limit)  # [T, 1, D/2]
+        bound = meta.max_prefix_len + meta.max_kv_len
+        cos, sin = self.rope.lookup(positions, self.inv_freq, bound)  # [T, 1, D/2]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend)
         h = self.norm(h[logits_index])  # [K, hidden]

@@ -68,19 +68,18 @@ class RopeTable:
         self.cos = self.sin = torch.empty(0, 0, dtype=dtype, device="cpu")  # [P, D/2]
 
     def lookup(
-        self, positions: torch.Tensor, inv_freq: torch.Tensor, limit: int | None = None
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, bound: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int64 [T] -> cos, sin: [T, 1, D/2] (the half both rotations share).
 
-        ``limit``: a bound on the positions (all < limit) known on the host; without it the
+        ``bound``: every position is below it, known on the host; without it the
         largest position is read from the tensor, which on a GPU waits for the stream.
         """
-        if limit is None:
-            limit = int(positions.max()) + 1 if positions.numel() else 0
-        need = limit
+        if bound is None:
+            bound = int(positions.max()) + 1 if positions.numel() else 0
         stale = self.cos.device != inv_freq.device or self.cos.shape[1] != inv_freq.shape[0]
-        if need > self.cos.shape[0] or stale:
-            size = max(need, 2 * self.cos.shape[0], 256)
+        if bound > self.cos.shape[0] or stale:
+            size = max(bound, 2 * self.cos.shape[0], 256)
             pos = torch.arange(size, dtype=torch.int64, device=inv_freq.device).float()
             freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] float32
             self.cos, self.sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
