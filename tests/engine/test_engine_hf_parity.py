@@ -107,6 +107,32 @@ def test_greedy_matches_hf(family_model, policy, chunk, kv_blocks):
             assert outs == refs and run.scheduler.preemptions == 0
 
 
+@pytest.mark.parametrize("attention", ["torch", "cpu"])
+def test_unwritten_kv_slots_never_reach_outputs(family_model, attention, monkeypatch):
+    """The KV cache is allocated uninitialised on the CPU (no memset of the whole budget):
+    filled with NaN before the run, every path still gives HF's tokens (slots past a
+    sequence's length, and blocks never written, are masked, never multiplied in)."""
+    from batchjob.backends.native.attention.registry import get_attention_backend
+
+    model, info, prompts, refs = family_model
+    monkeypatch.setattr(model, "attn_backend", get_attention_backend(attention, "cpu"))
+    engine = Engine(
+        model,
+        info,
+        SchedulerConfig(chunk_size=13),
+        EngineConfig(block_size=8, kv_cache_bytes=1 << 22),
+    )
+    engine.kv_cache.fill_(float("nan"))
+    outs = {}
+    engine.run(
+        prompts,
+        build_plan(prompts),
+        SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True),
+        lambda o: outs.__setitem__(o.position, o.token_ids.tolist()),
+    )
+    assert [outs[i] for i in range(len(prompts))] == refs
+
+
 def test_same_seed_same_output_whatever_schedule(family_model):
     model, info, prompts, _ = family_model
     params = SamplingConfig(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=MAX_TOKENS)
