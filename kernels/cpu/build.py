@@ -39,9 +39,11 @@ import torch  # noqa: F401  (loads torch's libgomp before ours)
 
 log = logging.getLogger(__name__)
 
-# one library: the attention kernel, RoPE in place (the layer glue that gained from C) and
-# the linear layers over packed weights
-SOURCES = tuple(Path(__file__).parent / f for f in ("paged_attention.c", "rope.c", "linear.c"))
+# one library: the attention kernel, the layer glue that gained from C (RoPE in place, the KV
+# write) and the linear layers over packed weights
+SOURCES = tuple(
+    Path(__file__).parent / f for f in ("paged_attention.c", "rope.c", "kv_write.c", "linear.c")
+)
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 FLAGS += ["-std=gnu11"]
 ISA_ENV = "BATCHJOB_CPU_ISA"
@@ -78,6 +80,7 @@ class CpuKernel:
     max_rows: int
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
     rope: ctypes._CFuncPtr  # type: ignore[name-defined]  # batchjob_rope (rope.c)
+    write_kv: ctypes._CFuncPtr  # type: ignore[name-defined]  # batchjob_write_kv (kv_write.c)
     linear: ctypes._CFuncPtr  # type: ignore[name-defined]  # batchjob_linear (linear.c)
     linear_pack: ctypes._CFuncPtr  # type: ignore[name-defined]
     linear_panel_cols: int
@@ -193,6 +196,9 @@ def _load(isa: str) -> CpuKernel | None:
     rope = lib.batchjob_rope
     rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, ctypes.c_int, ctypes.c_int]
     rope.restype = ctypes.c_int
+    write_kv = lib.batchjob_write_kv
+    write_kv.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    write_kv.restype = ctypes.c_int
     linear, linear_pack = lib.batchjob_linear, lib.batchjob_linear_pack
     linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
     linear.restype = ctypes.c_int
@@ -200,7 +206,7 @@ def _load(isa: str) -> CpuKernel | None:
     linear_pack.restype = None
     lanes, rows = lib.batchjob_kernel_lanes(), lib.batchjob_kernel_max_rows()
     cols = lib.batchjob_linear_panel_cols()
-    return CpuKernel(isa, path, lanes, rows, fn, rope, linear, linear_pack, cols)
+    return CpuKernel(isa, path, lanes, rows, fn, rope, write_kv, linear, linear_pack, cols)
 
 
 def load_kernel(isa: str | None = None) -> CpuKernel | None:

@@ -72,3 +72,52 @@ def test_unsupported_inputs_fall_back_to_torch():
     out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     want = TorchAttention().attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     torch.testing.assert_close(out, want)
+
+
+class _Spy:
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 700])  # a decode batch; a prefill chunk over 1 MiB
+def test_write_kv_in_c_equals_torch_path(dtype, tokens):
+    """K and V as the model passes them (views of one qkv output, rows of Hkv * D), slots in
+    shuffled order: the C write fills exactly the torch path's cache."""
+    import dataclasses
+
+    hkv, d, nb, bs = 4, 128, 64, 16
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (8 + 2 * hkv) * d, generator=g).to(dtype)
+    k = qkv[:, 8 * d : (8 + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (8 + hkv) * d :].view(tokens, hkv, d)
+    slots = torch.randperm(nb * bs, generator=g)[:tokens]
+    backend = CpuAttention()
+    spy = _Spy(backend.kernel.write_kv)
+    backend.kernel = dataclasses.replace(backend.kernel, write_kv=spy)
+    got = [torch.full((nb, bs, hkv, d), float("nan"), dtype=dtype) for _ in range(2)]
+    want = [x.clone() for x in got]
+    backend.write_kv(*got, k, v, slots)
+    TorchAttention().write_kv(*want, k, v, slots)
+    assert spy.calls == 1
+    for a, b in zip(got, want, strict=True):  # NaN where nothing was written, in both
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    written = ~torch.isnan(got[0]).flatten(0, 1).flatten(1).any(-1)
+    assert int(written.sum()) == tokens
+
+
+def test_write_kv_falls_back_where_c_cannot():
+    """A float32 k into a bf16 cache (a conversion) and a slot out of range take the torch
+    path: the conversion is written, the bad slot raises its index error."""
+    k = torch.randn(2, 2, 32)
+    caches = [torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
+    backend = CpuAttention()
+    backend.write_kv(*caches, k, k, torch.tensor([5, 9]))
+    assert torch.equal(caches[0].view(64, 2, 32)[[5, 9]], k.to(torch.bfloat16))
+    same = [torch.zeros(4, 16, 2, 32) for _ in range(2)]
+    with pytest.raises(IndexError):
+        backend.write_kv(*same, k, k, torch.tensor([5, 64]))

@@ -156,7 +156,26 @@ class CpuAttention:
         return self.kernel.isa if self.kernel else None
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
-        self.fallback.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        """Each token's K and V rows (all its KV heads: a contiguous run in a qkv view) into
+        its slot, in C (kv_write.c); the torch path where dtypes or layouts differ."""
+        kn = self.kernel
+        nb, bs, hkv, d = k_cache.shape
+        same = k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        rows = all(x.stride(2) == 1 and x.stride(1) == d for x in (k, v))
+        if (
+            kn is None
+            or not same
+            or not rows
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_contiguous()
+            or kn.write_kv(
+                k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+                v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], nb * bs, hkv * d,
+                k.element_size(), torch.get_num_threads(),
+            ) != 0  # a slot out of range: the torch path raises the index error
+        ):  # fmt: skip
+            self.fallback.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         _, bs, hkv, d = k_cache.shape
