@@ -109,9 +109,9 @@ def test_greedy_matches_hf(family_model, policy, chunk, kv_blocks):
 
 @pytest.mark.parametrize("attention", ["torch", "cpu"])
 def test_unwritten_kv_slots_never_reach_outputs(family_model, attention, monkeypatch):
-    """The KV cache is allocated uninitialised on the CPU (no memset of the whole budget):
-    filled with NaN before the run, every path still gives HF's tokens (slots past a
-    sequence's length, and blocks never written, are masked, never multiplied in)."""
+    """What a KV slot holds before it is written (a freed block's stale rows, a block's
+    unwritten tail) never reaches an output: with the cache filled with NaN before the run,
+    every path still gives HF's tokens (such slots are masked, never multiplied in)."""
     from batchjob.backends.native.attention.registry import get_attention_backend
 
     model, info, prompts, refs = family_model
