@@ -160,15 +160,21 @@ class CpuAttention:
         its slot, in C (kv_write.c); the torch path where dtypes or layouts differ."""
         kn = self.kernel
         nb, bs, hkv, d = k_cache.shape
-        same = k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-        rows = all(x.stride(2) == 1 and x.stride(1) == d for x in (k, v))
+        fits = (  # one dtype; each token's heads one contiguous run of k/v; contiguous caches
+            k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and v_cache.shape == k_cache.shape
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and k.shape[0] == v.shape[0] == slot_mapping.shape[0]
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()
+            and all(
+                x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d for x in (k, v)
+            )
+        )
         if (
             kn is None
-            or not same
-            or not rows
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or slot_mapping.dtype != torch.int64
-            or not slot_mapping.is_contiguous()
+            or not fits
             or kn.write_kv(
                 k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
                 v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], nb * bs, hkv * d,
