@@ -18,6 +18,7 @@ import torch
 from batchjob.backends.base import FinishedRequest, IterationRecord, TokenLogprobs
 from batchjob.backends.native.batch_builder import ModelBatch, build_batch
 from batchjob.backends.native.kv_cache import KVLayout
+from batchjob.backends.native.malloc_tuning import keep_freed_memory
 from batchjob.backends.native.sampling import (
     FINISH_REASONS,
     RowParams,
@@ -86,6 +87,8 @@ class Engine:
         self.info = info
         self.scheduler_cfg = scheduler
         self.engine_cfg = engine
+        if info.torch_device.type == "cpu":
+            keep_freed_memory()  # no page-fault churn on each step's activations
         # ValueError when the budget holds fewer than two blocks
         self.kv = KVLayout.from_budget(
             kv_budget_bytes(engine, info.torch_device), engine.block_size, info.kv_bytes_per_token
