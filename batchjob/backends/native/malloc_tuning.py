@@ -4,9 +4,9 @@ Every engine step allocates and frees activations of up to tens of MB. By defaul
 gives blocks over its mmap threshold back to the OS when they are freed and trims the top of
 its heap, so the next step faults the same memory in again, 4 KiB at a time: 884k minor page
 faults in a 10 s run of 2000/200 share 16 at head dim 128, bf16, on a 2-vCPU Zen 4 VM, most
-of them this churn (the KV cache is 262k pages). Faults cost more in a VM, and more still
-after another process has freed a lot of memory (the host takes freed pages back): batchjob
-ran 25% slower right after a vLLM run than alone. Settings, per process, before the run:
+of them this churn (the KV cache is 262k pages). Faults cost more in a VM, and seemed to cost
+more still after another process had freed a lot of memory (batchjob ran ~25% slower right
+after a vLLM run than alone; the mechanism was not established). Settings, per process:
 
 - allocations up to 32 MiB (glibc's maximum) come from the heap, not from their own mmap;
 - the heap top is trimmed only when 2 GiB are free there (it never is in a batch job);
