@@ -49,6 +49,15 @@ def first_config(tuned) -> dict[str, int]:
     return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
+def fixed_config(tuned, interpret_config: dict[str, int]) -> dict[str, int] | None:
+    """The config a kernel launches with instead of autotuning: its first one with
+    BATCHJOB_TRITON_AUTOTUNE=0, the interpreter's small tiles when interpreting; None:
+    autotune."""
+    if not autotuning():
+        return first_config(tuned)
+    return interpret_config if interpreting() else None
+
+
 def tune_key(max_q_len: int, has_groups: bool) -> int:
     """Autotune bucket: decode-only / short chunks / long chunks, with or without groups."""
     bucket = 0 if max_q_len <= 1 else 1 if max_q_len <= 16 else 2 if max_q_len <= 128 else 3
@@ -241,10 +250,8 @@ def _launch_fused(c: _Checked, config: dict[str, int] | None) -> None:
         meta.block_table.stride(0), meta.prefix_block_table.stride(0),
         tune_key(meta.max_q_len, g > 0),
     )  # fmt: skip
-    if config is None and not autotuning():
-        config = first_config(mod.fused_kernel_tuned)
-    elif config is None and interpreting():
-        config = mod.INTERPRET_FUSED
+    if config is None:
+        config = fixed_config(mod.fused_kernel_tuned, mod.INTERPRET_FUSED)
     if config is None:
         mod.fused_kernel_tuned[grid](*args, **_consts(dims, q.dtype))
     else:
@@ -320,14 +327,13 @@ def paged_attention(
 
 
 def _launch_part(mod: ModuleType, name: str, args: tuple, consts: dict, tiles, dims: Dims) -> None:
-    """Launch prefix_kernel / own_kernel: autotuned, or a fixed config (the first one with
-    BATCHJOB_TRITON_AUTOTUNE=0, else small tiles when interpreting)."""
+    """Launch prefix_kernel / own_kernel: autotuned, or with ``fixed_config``."""
     tuned = getattr(mod, name + "_tuned")
-    if autotuning() and not interpreting():
+    cfg = fixed_config(tuned, mod.INTERPRET_PART)
+    if cfg is None:
         tuned[lambda c: (tiles(c["BLOCK_M"]), dims.num_kv_heads)](*args, **consts)
-        return
-    cfg = first_config(tuned) if not autotuning() else mod.INTERPRET_PART
-    getattr(mod, name)[(tiles(cfg["BLOCK_M"]), dims.num_kv_heads)](*args, **consts, **cfg)
+    else:
+        getattr(mod, name)[(tiles(cfg["BLOCK_M"]), dims.num_kv_heads)](*args, **consts, **cfg)
 
 
 def write_kv(
