@@ -11,12 +11,12 @@ and one causal 2000-token prefill; plus one GQA shape (32 query heads over 8 KV 
 
 Each ISA build this CPU runs (kernels/cpu/build.py) is measured in its own process in which
 torch is held to the same ISA (``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``,
-``ONEDNN_MAX_CPU_ISA``), so a narrower path is compared with the torch path a CPU of that
-ISA would run; the table also gives torch at this CPU's full ISA. Median wall ms per call
-(torch's and the kernel's calls alternated), GFLOP/s of the kernel (4 flops per query-key
-pair per head dim: QK^T and P.V), the ratios (torch ms / kernel ms: above 1 the kernel is
+``MKL_CBWR``, ``ONEDNN_MAX_CPU_ISA``), so a narrower path is compared with the torch path a
+CPU of that ISA would run; the table also gives torch at this CPU's full ISA. Median wall ms
+per call (torch's and the kernel's calls alternated), GFLOP/s of the kernel (4 flops per
+query-key pair per head dim: QK^T and P.V), the ratios (torch ms / kernel ms: above 1 the kernel is
 faster) and what the first-use calibration picks for that shape class (``kernel`` or
-``torch``), then an fp32 GEMM's GFLOP/s.
+``torch``), then torch's fp32 GEMM GFLOP/s, at full ISA and held to each build's.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import click
@@ -38,7 +39,10 @@ from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels import reference as ref
 from batchjob.kernels.cpu import build
 
-# torch held to an ISA: its own vector kernels, MKL and oneDNN
+# torch held to an ISA: its own vector kernels, MKL and oneDNN. MKL ignores
+# MKL_ENABLE_INSTRUCTIONS on non-Intel CPUs (on an AMD EPYC its sgemm stays on AVX2 + FMA:
+# mkl_blas_def_sgemm_kernel_0_zen, vfmadd231ps on ymm); MKL_CBWR=COMPATIBLE holds it to SSE2
+# there too (~60 GFLOP/s at 2048^3 on 2 Zen 4 cores, like OpenBLAS's Nehalem kernels).
 TORCH_ISA_ENV = {
     "avx512": {},
     "avx2": {
@@ -49,6 +53,7 @@ TORCH_ISA_ENV = {
     "generic": {
         "ATEN_CPU_CAPABILITY": "default",
         "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "MKL_CBWR": "COMPATIBLE",
         "ONEDNN_MAX_CPU_ISA": "SSE41",
     },
 }
@@ -92,6 +97,16 @@ def paired_ms(fns, args, repeats: int) -> list[float]:
     return [statistics.median(ts) * 1e3 for ts in alternated_times(fns, args, repeats)]
 
 
+def gemm_gflops(repeats: int) -> float:
+    """torch's float32 GEMM at 2048^3, GFLOP/s (at the ISA this process holds torch to)."""
+    x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    x @ y
+    t = time.perf_counter()
+    for _ in range(repeats):
+        x @ y
+    return 2 * 2048**3 * repeats / (time.perf_counter() - t) / 1e9
+
+
 def measure_isa(isa: str, head_dims: list[int], repeats: int, dtype: torch.dtype) -> list[dict]:
     """Rows for one ISA build (run in a process whose torch is held to that ISA)."""
     rows = []
@@ -121,18 +136,25 @@ def main(head_dims: str, isas: str, threads: int, repeats: int, dtype: str, chil
     torch.set_num_threads(threads)
     dims = [int(x) for x in head_dims.split(",")]
     if child:  # one ISA, torch already held to it by the parent's environment
-        print(json.dumps(measure_isa(child, dims, repeats, getattr(torch, dtype))))
+        rows = measure_isa(child, dims, repeats, getattr(torch, dtype))
+        print(json.dumps({"rows": rows, "gemm": gemm_gflops(repeats)}))
         return
     todo = build.cpu_isas() if isas == "all" else tuple(isas.split(","))
     print(f"CPU: {build.cpu_model()}; ISA builds: {', '.join(todo)}; threads {threads}; {dtype}")
     print(f"load average before: {loadavg()}")
     rows: list[dict] = []
+    held: dict[str, float] = {}  # GEMM GFLOP/s with torch held to each ISA
+    # the children calibrate afresh beside libraries built in a scratch cache: decisions made
+    # with torch held to an ISA are what a CPU of that ISA picks, and stay out of the real cache
+    scratch = tempfile.TemporaryDirectory(prefix="bench_cpu_attention-")
     for isa in todo:
-        env = {**os.environ, **TORCH_ISA_ENV.get(isa, {})}
+        env = {**os.environ, **TORCH_ISA_ENV.get(isa, {}), "BATCHJOB_KERNEL_CACHE": scratch.name}
         cmd = [sys.executable, __file__, "--head-dims", head_dims, "--threads", str(threads)]
         cmd += ["--repeats", str(repeats), "--dtype", dtype, "--child", isa]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        rows += json.loads(res.stdout.strip().splitlines()[-1])
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        rows += out["rows"]
+        held[isa] = out["gemm"]
     native = {(r["d"], r["shape"]): r["torch"] for r in rows if r["isa"] == todo[0]}
     print(
         "\n| head dim | shape | ISA | torch ms (same ISA) | torch ms (full CPU) | kernel ms "
@@ -147,13 +169,9 @@ def main(head_dims: str, isas: str, threads: int, repeats: int, dtype: str, chil
             f"{r['kernel']:.2f} | {r['gflops']:.0f} | {r['torch'] / r['kernel']:.2f}x | "
             f"{full / r['kernel']:.2f}x | {r['pick']} |"
         )
-    x, y = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    x @ y
-    t = time.perf_counter()
-    for _ in range(repeats):
-        x @ y
-    gemm = 2 * 2048**3 * repeats / (time.perf_counter() - t) / 1e9
-    print(f"\nfp32 GEMM 2048^3 (the ceiling for comparison): {gemm:.0f} GFLOP/s")
+    print(f"\nfp32 GEMM 2048^3 at full ISA (the ceiling for comparison): {gemm_gflops(repeats):.0f}"
+          " GFLOP/s; with torch held to each build's ISA: "
+          + ", ".join(f"{isa} {held[isa]:.0f}" for isa in todo))  # fmt: skip
     print(f"load average after: {loadavg()}")
 
 
