@@ -146,15 +146,15 @@ def main(head_dims: str, isas: str, threads: int, repeats: int, dtype: str, chil
     held: dict[str, float] = {}  # GEMM GFLOP/s with torch held to each ISA
     # the children calibrate afresh beside libraries built in a scratch cache: decisions made
     # with torch held to an ISA are what a CPU of that ISA picks, and stay out of the real cache
-    scratch = tempfile.TemporaryDirectory(prefix="bench_cpu_attention-")
-    for isa in todo:
-        env = {**os.environ, **TORCH_ISA_ENV.get(isa, {}), "BATCHJOB_KERNEL_CACHE": scratch.name}
-        cmd = [sys.executable, __file__, "--head-dims", head_dims, "--threads", str(threads)]
-        cmd += ["--repeats", str(repeats), "--dtype", dtype, "--child", isa]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        out = json.loads(res.stdout.strip().splitlines()[-1])
-        rows += out["rows"]
-        held[isa] = out["gemm"]
+    with tempfile.TemporaryDirectory(prefix="bench_cpu_attention-") as scratch:
+        for isa in todo:
+            env = {**os.environ, **TORCH_ISA_ENV.get(isa, {}), "BATCHJOB_KERNEL_CACHE": scratch}
+            cmd = [sys.executable, __file__, "--head-dims", head_dims, "--threads", str(threads)]
+            cmd += ["--repeats", str(repeats), "--dtype", dtype, "--child", isa]
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            out = json.loads(res.stdout.strip().splitlines()[-1])
+            rows += out["rows"]
+            held[isa] = out["gemm"]
     native = {(r["d"], r["shape"]): r["torch"] for r in rows if r["isa"] == todo[0]}
     print(
         "\n| head dim | shape | ISA | torch ms (same ISA) | torch ms (full CPU) | kernel ms "

@@ -728,7 +728,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                     for (int64_t hh = 0; hh < nh; hh++) {
                         /* float32 all-head units at D <= 64 too: a head's 2-4 lines a row,
                            1 KiB apart, defeat the hardware prefetcher (d32 decode over shared
-                           prefixes 0.53-0.9x the time; d128's 8-line rows stream, no gain) */
+                           prefixes 0.50-0.90x the time; d128's 8-line rows stream, no gain) */
                         if (BF || (nh > 1 && D <= 64))
                             PREFETCH_HEAD(hh);
 #ifdef HAVE_BF16DP
