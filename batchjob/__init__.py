@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from batchjob.config import JobConfig
-    from batchjob.pipeline import JobResult
+    from batchjob.runner.pipeline import JobResult
 
 from batchjob.version import __version__ as __version__
 
 
 def run(job: JobConfig | str | Path, progress: bool = False) -> JobResult:
-    """Run a job (a ``JobConfig`` or a path to its TOML file); see ``batchjob.pipeline``."""
+    """Run a job (a ``JobConfig`` or a path to its TOML file); see ``batchjob.runner.pipeline``."""
     from batchjob.config import JobConfig, load_job
-    from batchjob.pipeline import run as run_job
+    from batchjob.runner.pipeline import run as run_job
 
     return run_job(job if isinstance(job, JobConfig) else load_job(job), progress=progress)

@@ -27,7 +27,7 @@ import click
 
 from batchjob.config import JobConfig, load_job, parse_assignments
 from batchjob.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, BatchJobError, ConfigError
-from batchjob.tokenizer import parallelism_disabled
+from batchjob.tokenize.tokenizer import parallelism_disabled
 from batchjob.version import __version__
 
 log = logging.getLogger("batchjob")
@@ -124,11 +124,12 @@ def build_job(
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     """Read, tokenize and plan a job; print a summary and write the plan (no model run)."""
+    from batchjob.outputs.layout import OutputLayout
+    from batchjob.outputs.plan_summary import summarize
     from batchjob.plan.build import build_plan
     from batchjob.plan.plan_io import write_plan
-    from batchjob.summary import summarize
     from batchjob.timing import StageTiming
-    from batchjob.tokenize import load_prompts
+    from batchjob.tokenize.batched import load_prompts
 
     data, info = load_prompts(job)
     log.info("stage tokenize done: %d rows, %d tokens", data.num_rows, len(data.prompts.tokens))
@@ -137,7 +138,7 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     plan_s = time.perf_counter() - t0
     log.info("stage plan done in %.2f s", plan_s)
     logical = len(data.prompts.tokens)
-    target = plan_out or job.output.plan_file
+    target = plan_out or OutputLayout.of(job.output).plan_file
     path = target.expanduser().resolve() if isinstance(target, Path) else target  # or a URI
     try:
         if isinstance(path, Path):
@@ -175,8 +176,8 @@ def run_cmd(job: JobConfig, no_progress: bool, as_json: bool) -> None:
     """
     import dataclasses
 
-    from batchjob.heartbeat import interval_from_env
-    from batchjob.pipeline import run
+    from batchjob.runner.heartbeat import interval_from_env
+    from batchjob.runner.pipeline import run
 
     tty = sys.stderr.isatty()
     result = run(

@@ -69,13 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     args = p.parse_args(argv)
 
-    from batchjob.atomic import write_parquet_atomic
     from batchjob.backends.base import RunSink
     from batchjob.backends.vllm.backend import VllmBackend
+    from batchjob.outputs.report import iterations_table
     from batchjob.plan.build import build_plan
-    from batchjob.prompts import TokenizedPrompts
-    from batchjob.report import iterations_table
-    from batchjob.tokenize import load_prompts
+    from batchjob.storage.atomic import write_parquet_atomic
+    from batchjob.tokenize.batched import load_prompts
+    from batchjob.tokenize.prompts import TokenizedPrompts
 
     runs = json.loads(Path(args.plan).read_text())
     import psutil

@@ -22,8 +22,8 @@ import torch
 from bench_cpu_attention import shapes
 
 from batchjob.backends.native.attention.cpu import CpuAttention
-from batchjob.cpu_info import cpu_summary
 from batchjob.kernels import reference as ref
+from batchjob.model.host_cpu import cpu_summary
 
 
 @click.command()

@@ -1,5 +1,5 @@
 """Read + tokenize of a cluster job: one process (``load_prompts``) vs Ray tasks over row
-groups (``batchjob.cluster.read.load_prompts_on_cluster``), on a local Ray cluster.
+groups (``batchjob.runner.cluster.read.load_prompts_on_cluster``), on a local Ray cluster.
 
 Writes ROWS rows of 12 words (``--form text``) or 12 token ids (``--form ids``) into one
 Parquet file of row groups of ``--row-group`` rows, builds the tests' tiny model (its
@@ -21,11 +21,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from batchjob.cluster.read import load_prompts_on_cluster
 from batchjob.config import load_job
-from batchjob.tiny_model import make_tiny_model
-from batchjob.tokenize import load_prompts
-from batchjob.workloads import WORDS
+from batchjob.runner.cluster.read import load_prompts_on_cluster
+from batchjob.testing.tiny_model import make_tiny_model
+from batchjob.testing.workloads import WORDS
+from batchjob.tokenize.batched import load_prompts
 
 
 def write_job(tmp: Path, data: Path) -> Path:

@@ -22,8 +22,8 @@ import torch
 
 from batchjob.backends.native.attention.calibrate import alternated_times
 from batchjob.backends.native.models.cpu_linear import PackedLinear, flush_bytes
-from batchjob.cpu_info import cpu_summary
 from batchjob.kernels.cpu import build
+from batchjob.model.host_cpu import cpu_summary
 
 SHAPES = ((256, 3072), (1024, 256), (256, 1024), (512, 256), (896, 9728), (4864, 896),
           (2048, 2048))  # fmt: skip

@@ -19,8 +19,8 @@ from bench_engine import ROOT, VOCAB, measure, prompts_from_table, workload_prom
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
 from batchjob.config import EngineConfig, SchedulerConfig
-from batchjob.cpu_info import cpu_summary
-from batchjob.workloads import make_workload
+from batchjob.model.host_cpu import cpu_summary
+from batchjob.testing.workloads import make_workload
 
 
 @click.command()

@@ -32,7 +32,7 @@ from bench_peers import (  # noqa: E402
     write_workload,
 )
 
-from batchjob.cpu_info import cpu_summary  # noqa: E402
+from batchjob.model.host_cpu import cpu_summary  # noqa: E402
 
 PY = sys.executable
 

@@ -3,7 +3,7 @@
     python benchmarks/bench_engine.py                      # all workloads, 3 repeats
     python benchmarks/bench_engine.py --workloads case1 --repeats 1
 
-Workloads are the paper's shapes from batchjob/workloads.py, scaled for a 2-core CPU, rows
+Workloads are the paper's shapes from batchjob/testing/workloads.py, scaled for a 2-core CPU, rows
 shuffled. The model (random weights) and the KV budget are sized so that the dataset's KV
 is several times the budget, as a 7B model's is on a GPU. Reports medians over repeats:
 throughput (requests/s, prompt and total tokens/s), achieved saving ratio, mean/min tokens
@@ -24,14 +24,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from batchjob.atomic import write_parquet_atomic  # noqa: E402
 from batchjob.backends.native.engine import Engine  # noqa: E402
 from batchjob.backends.native.models.loader import load_model  # noqa: E402
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig  # noqa: E402
 from batchjob.plan.build import build_plan  # noqa: E402
-from batchjob.prompts import TokenizedPrompts  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
-from batchjob.workloads import make_workload  # noqa: E402
+from batchjob.storage.atomic import write_parquet_atomic  # noqa: E402
+from batchjob.testing.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.testing.workloads import make_workload  # noqa: E402
+from batchjob.tokenize.prompts import TokenizedPrompts  # noqa: E402
 
 # name -> (scale, len_scale): ~100-200 requests of a few hundred tokens each on 2 cores
 WORKLOADS = {

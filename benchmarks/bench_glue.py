@@ -32,7 +32,7 @@ from batchjob.backends.native.models.rope import (
     inv_frequencies,
     rope_cos_sin,
 )
-from batchjob.cpu_info import cpu_summary
+from batchjob.model.host_cpu import cpu_summary
 
 NO_META = SimpleNamespace(slot_mapping=None)  # the stand-in attention reads no metadata
 

@@ -37,7 +37,7 @@ from batchjob.backends.native.engine import Engine  # noqa: E402
 from batchjob.backends.native.models.loader import load_model  # noqa: E402
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig  # noqa: E402
 from batchjob.plan.build import build_plan  # noqa: E402
-from batchjob.workloads import make_workload  # noqa: E402
+from batchjob.testing.workloads import make_workload  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],

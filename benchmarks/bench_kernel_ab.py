@@ -28,9 +28,9 @@ import torch
 from bench_cpu_attention import shapes
 
 from batchjob.backends.native.attention.cpu import _work
-from batchjob.cpu_info import cpu_summary
 from batchjob.kernels import reference as ref
 from batchjob.kernels.cpu import build
+from batchjob.model.host_cpu import cpu_summary
 
 
 def load(source: Path, isa: str, folder: Path) -> tuple[ctypes._CFuncPtr, dict]:  # type: ignore[name-defined]

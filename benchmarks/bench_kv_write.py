@@ -17,7 +17,7 @@ import torch
 
 from batchjob.backends.native.attention.cpu import CpuAttention
 from batchjob.backends.native.attention.torch_path import TorchAttention
-from batchjob.cpu_info import cpu_summary
+from batchjob.model.host_cpu import cpu_summary
 
 
 @click.command()

@@ -54,10 +54,10 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from batchjob.atomic import save_figure_atomic, write_parquet_atomic  # noqa: E402
-from batchjob.cpu_info import host_cpu  # noqa: E402
-from batchjob.tiny_model import default_corpus, make_tiny_model  # noqa: E402
-from batchjob.workloads import make_workload  # noqa: E402
+from batchjob.model.host_cpu import host_cpu  # noqa: E402
+from batchjob.storage.atomic import save_figure_atomic, write_parquet_atomic  # noqa: E402
+from batchjob.testing.tiny_model import default_corpus, make_tiny_model  # noqa: E402
+from batchjob.testing.workloads import make_workload  # noqa: E402
 
 PY = sys.executable
 # the vLLM peer: .venv-vllm if set up (benchmarks/setup_vllm_venv.sh), else this venv

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from batchjob.plan import build_plan
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 VOCAB = 128_000
 

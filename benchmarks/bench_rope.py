@@ -16,7 +16,7 @@ import click
 import torch
 
 from batchjob.backends.native.models import rope
-from batchjob.cpu_info import cpu_summary
+from batchjob.model.host_cpu import cpu_summary
 
 
 @click.command()

@@ -92,7 +92,7 @@ def write_dataset(path: Path, rows: int, vocab: int, seed: int = 0) -> Path:
 def tiny_model() -> tuple[Path, int]:
     """2 layers, hidden 64, ~1000-token vocab (built once); returns (folder, vocab size)."""
     if not (MODEL / "config.json").exists():
-        from batchjob.tiny_model import make_tiny_model
+        from batchjob.testing.tiny_model import make_tiny_model
 
         make_tiny_model(MODEL, vocab_size=1024, hidden=64, layers=2, heads=4, kv_heads=2)
     return MODEL, int(json.loads((MODEL / "config.json").read_text())["vocab_size"])

@@ -24,7 +24,7 @@ import numpy as np
 
 from batchjob.plan.build import build_plan
 from batchjob.plan.shard import balance, group_costs, split
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 VOCAB = 32_000
 CHUNK = 1 << 20  # rows whose tokens are built at once

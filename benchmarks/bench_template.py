@@ -22,9 +22,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchjob.config import load_job
-from batchjob.io import open_dataset
-from batchjob.prompt_template import PromptTemplate
-from batchjob.workloads import WORDS
+from batchjob.inputs.parquet import open_dataset
+from batchjob.inputs.template import PromptTemplate
+from batchjob.testing.workloads import WORDS
 
 TEMPLATE = "Article: {title}\n\n{context}\n\nQuestion: {question}\nAnswer:"
 

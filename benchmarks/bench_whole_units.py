@@ -21,8 +21,8 @@ from bench_cpu_attention import shapes
 from bench_kernel_ab import small_group_shapes
 
 from batchjob.backends.native.attention import cpu
-from batchjob.cpu_info import cpu_summary
 from batchjob.kernels import reference as ref
+from batchjob.model.host_cpu import cpu_summary
 
 
 @click.command()

@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 from bench_peers import build_model, job_toml, write_workload  # noqa: E402
 
 import batchjob.backends.native.engine as engine_mod  # noqa: E402
-from batchjob import pipeline  # noqa: E402
 from batchjob.backends.native.models.llama import LlamaForCausalLM  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
+from batchjob.runner import pipeline  # noqa: E402
 
 CLOCK: list[Callable[[], float]] = [time.thread_time]  # --clock
 PHASES = ("scheduler", "batch metadata", "attention", "linear", "glue", "sampling", "output")

@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from bench_peers import build_model, job_toml, model_dir, write_workload  # noqa: E402
 
-from batchjob import pipeline  # noqa: E402
 from batchjob.backends.native.attention import cpu as attention_cpu  # noqa: E402
 from batchjob.backends.native.attention import torch_path as attention  # noqa: E402
 from batchjob.backends.native.attention.calibrate import KINDS, batch_kind  # noqa: E402
 from batchjob.backends.native.models import cpu_linear  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
+from batchjob.runner import pipeline  # noqa: E402
 
 GROUPS = {  # torch ops, by what they do in the model
     "linear layers": ("aten::mm", "aten::addmm", "aten::linear", "linear: C kernel"),

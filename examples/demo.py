@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from batchjob.atomic import write_parquet_atomic  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
-from batchjob.tiny_model import make_tiny_model  # noqa: E402
-from batchjob.workloads import WORDS, make_workload  # noqa: E402
+from batchjob.outputs.layout import OutputLayout  # noqa: E402
+from batchjob.storage.atomic import write_parquet_atomic  # noqa: E402
+from batchjob.testing.tiny_model import make_tiny_model  # noqa: E402
+from batchjob.testing.workloads import WORDS, make_workload  # noqa: E402
 
 MODEL = ROOT / "models" / "tiny-llama"
 DATA = ROOT / "data" / "demo" / "prompts.parquet"
@@ -65,7 +66,7 @@ def main() -> int:
             f"  row {row['row_id']}: {row['status']} {row['finish_reason']!s:6} "
             f"{row['num_prompt_tokens']} prompt tokens -> {row['output_text'][:60]!r}"
         )
-    report = json.loads(load_job(JOB).output.report_file.read_text())
+    report = json.loads(OutputLayout.of(load_job(JOB).output).report_file.read_text())
     print(
         f"saving ratio: planned {report['saving_ratio_planned']:.1%}, achieved "
         f"{report['saving_ratio_achieved']:.1%}; {report['generated_tokens_per_s']:.0f} "

@@ -4,7 +4,7 @@
     python examples/generate_workloads.py micro-2000-200-s16 --out data/micro/ --num-files 4
     python examples/generate_workloads.py --list
 
-See batchjob/workloads.py for what each workload contains.
+See batchjob/testing/workloads.py for what each workload contains.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from batchjob.atomic import write_parquet_atomic
-from batchjob.workloads import DEFAULT_VOCAB_LO, WORKLOADS, make_workload
+from batchjob.storage.atomic import write_parquet_atomic
+from batchjob.testing.workloads import DEFAULT_VOCAB_LO, WORKLOADS, make_workload
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from batchjob.atomic import write_parquet_atomic, write_text_atomic  # noqa: E402
-from batchjob.workloads import WORDS  # noqa: E402
+from batchjob.storage.atomic import write_parquet_atomic, write_text_atomic  # noqa: E402
+from batchjob.testing.workloads import WORDS  # noqa: E402
 
 ARTICLES = ROOT / "data" / "snippets" / "articles.parquet"
 REQUESTS = ROOT / "data" / "openai" / "requests.jsonl"

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from batchjob.workloads import WORDS  # noqa: E402
+from batchjob.testing.workloads import WORDS  # noqa: E402
 
 DATA = ROOT / "data" / "labeling" / "questions.parquet"
 JOB = ROOT / "jobs" / "labeling_json.toml"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from batchjob.tiny_model import FAMILIES, make_tiny_model
+from batchjob.testing.tiny_model import FAMILIES, make_tiny_model
 
 
 @click.command()

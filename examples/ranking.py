@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from batchjob.atomic import write_parquet_atomic
-from batchjob.workloads import ranking_table
+from batchjob.storage.atomic import write_parquet_atomic
+from batchjob.testing.workloads import ranking_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

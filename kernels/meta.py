@@ -30,7 +30,7 @@ import torch
 
 
 def cdiv(a: int, b: int) -> int:
-    """Ceiling of ``a / b`` (kernels/' own: batchjob.intmath is out of reach from here)."""
+    """Ceiling of ``a / b`` (kernels/' own: batchjob.plan.intmath is out of reach from here)."""
     return -(-a // b)
 
 

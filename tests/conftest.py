@@ -16,8 +16,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from batchjob.tiny_model import write_random_weights
-from batchjob.workloads import WORDS
+from batchjob.testing.tiny_model import write_random_weights
+from batchjob.testing.workloads import WORDS
 
 # Two xdist workers on two cores: one torch thread each, or tiny matmuls oversubscribe.
 torch.set_num_threads(1)

@@ -2,10 +2,11 @@
 the planner and the native scheduler import no torch.
 
 Built from the source with ``ast`` (nothing is imported): every ``import`` counts, those inside
-functions too (a lazy import is still an edge); only imports under ``if TYPE_CHECKING:`` do
-not. ``kernels/`` is installed as ``batchjob.kernels`` (pyproject package-dir), so kernels/X is
-the module batchjob.kernels.X. An edge goes to the module imported (``from p import m`` to the
-submodule p.m when there is one, else to p), not to its parent packages.
+functions too (a lazy import is still an edge) and those under ``if TYPE_CHECKING:`` (a type
+annotation that points up the data flow is a cycle of design, if not of runtime). ``kernels/``
+is installed as ``batchjob.kernels`` (pyproject package-dir), so kernels/X is the module
+batchjob.kernels.X. An edge goes to the module imported (``from p import m`` to the submodule
+p.m when there is one, else to p), not to its parent packages.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Edge:
     line: int
     text: str  # the import as written, e.g. "from ..meta import X"
     lazy: bool = False  # inside a function: runs when called, not at import
+    typing_only: bool = False  # under ``if TYPE_CHECKING:``: a cycle edge, never run
 
 
 def module_files() -> dict[str, Path]:
@@ -50,26 +52,28 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-Imports = list[tuple[ast.Import | ast.ImportFrom, bool]]
+Imports = list[tuple[ast.Import | ast.ImportFrom, bool, bool]]
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
 
 
 def _imports(tree: ast.AST) -> Imports:
-    """Every import node at any depth, with whether it is inside a function; the bodies of
-    ``if TYPE_CHECKING:`` are left out."""
+    """Every import node at any depth, with whether it is inside a function and whether it is
+    under ``if TYPE_CHECKING:`` (which never runs)."""
     found: Imports = []
 
-    def visit(node: ast.AST, lazy: bool) -> None:
+    def visit(node: ast.AST, lazy: bool, typing_only: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, True, True)
             for child in node.orelse:
-                visit(child, lazy)
+                visit(child, lazy, typing_only)
             return
         if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append((node, lazy))
+            found.append((node, lazy, typing_only))
         for child in ast.iter_child_nodes(node):
-            visit(child, lazy or isinstance(node, FUNCTIONS))
+            visit(child, lazy or isinstance(node, FUNCTIONS), typing_only)
 
-    visit(tree, False)
+    visit(tree, False, False)
     return found
 
 
@@ -95,12 +99,12 @@ def graph() -> tuple[dict[str, list[Edge]], frozenset[str]]:
         is_pkg = path.name == "__init__.py"
         out = edges.setdefault(mod, [])
         source = path.read_text()
-        for node, lazy in _imports(ast.parse(source, filename=str(path))):
+        for node, lazy, typing_only in _imports(ast.parse(source, filename=str(path))):
             text = ast.get_source_segment(source, node) or ast.dump(node)
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     dst = target(_canonical(alias.name))
-                    out.append(Edge(mod, dst, node.lineno, text, lazy))
+                    out.append(Edge(mod, dst, node.lineno, text, lazy, typing_only))
                 continue
             if node.level:
                 base = mod.split(".") if is_pkg else mod.split(".")[:-1]
@@ -111,7 +115,7 @@ def graph() -> tuple[dict[str, list[Edge]], frozenset[str]]:
             for alias in node.names:
                 sub = f"{pkg}.{alias.name}"
                 dst = sub if sub in mods else target(pkg)
-                out.append(Edge(mod, dst, node.lineno, text, lazy))
+                out.append(Edge(mod, dst, node.lineno, text, lazy, typing_only))
     return edges, mods
 
 
@@ -193,7 +197,7 @@ def reachable(start: set[str]) -> dict[str, list[Edge]]:
         parents = [".".join(v.split(".")[:i]) for i in range(1, v.count(".") + 1)]
         steps = [Edge(v, p, 0, "(parent package)") for p in parents if p in mods]
         for e in steps + edges[v]:
-            if e.lazy and v not in start:
+            if e.typing_only or (e.lazy and v not in start):
                 continue
             if e.dst not in paths:
                 paths[e.dst] = [*paths[v], e]
@@ -257,3 +261,26 @@ def test_torch_free(package):
     if "torch" in paths:
         chain = "\n".join(f"  {e.src}:{e.line}  {e.text}" for e in paths["torch"])
         pytest.fail(f"{package} reaches torch:\n{chain}")
+
+
+def test_a_type_checking_import_closes_a_cycle():
+    """An import under ``if TYPE_CHECKING:`` is an edge of the graph: a type that points back
+    up the data flow is reported like any other cycle."""
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from b import X\nimport c\n"
+    )
+    found = [(n.names[0].name, lazy, typing) for n, lazy, typing in _imports(tree)]
+    assert ("X", True, True) in found and ("c", False, False) in found
+
+
+def test_package_top_is_small():
+    """The top of batchjob/ holds entry points and shared vocabulary; the rest lives in the
+    sub-package of its stage (config, inputs, tokenize, plan, backends, outputs, run, ...)."""
+    top = sorted(p.name for p in (ROOT / "batchjob").glob("*.py"))
+    assert len(top) <= 8, top
+    for pkg in (ROOT / "batchjob").iterdir():
+        if pkg.is_dir() and pkg.name != "__pycache__":
+            init = pkg / "__init__.py"
+            assert init.exists(), f"{pkg.name}/ is not a package"
+            doc = ast.get_docstring(ast.parse(init.read_text()))
+            assert doc and len(doc) > 40, f"batchjob/{pkg.name}/__init__.py states no contract"

@@ -9,7 +9,7 @@ from batchjob.backends.names import BACKENDS
 if TYPE_CHECKING:
     from batchjob.backends.base import Backend, Detokenize
     from batchjob.config import JobConfig
-    from batchjob.model_info import ModelInfo
+    from batchjob.model.info import ModelInfo
 
 
 def open_backend(job: JobConfig, detokenize: Detokenize, model: ModelInfo | None = None) -> Backend:

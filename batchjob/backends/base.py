@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 @dataclass(frozen=True)

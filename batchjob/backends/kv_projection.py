@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchjob.intmath import cdiv
+from batchjob.plan.intmath import cdiv
 
 
 def projected_peak_blocks(

@@ -25,7 +25,7 @@ from batchjob.plan.prefix_tree import PrefixTree, build_prefix_tree
 from batchjob.plan.reuse import Grouping, first_level_groups, optimal_groups, paper_groups
 from batchjob.plan.seqsort import SortedSequences, sort_sequences
 from batchjob.plan.stats import plan_stats
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 Algorithm = Literal["optimal", "paper"]
 

@@ -2,7 +2,7 @@
 
 Columns: group (int64, index in execution order), row_id (int64), position (int64: prompt
 position in the TokenizedPrompts the plan was built from), prefix_len (int64, the group's),
-decode_estimate (int32). Written atomically (batchjob.atomic).
+decode_estimate (int32). Written atomically (batchjob.storage.atomic).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.atomic import Target, write_parquet_atomic
 from batchjob.errors import InputDataError
 from batchjob.plan.plan import Plan, PlanStats
+from batchjob.storage.atomic import Target, write_parquet_atomic
 
 _META_KEY = b"batchjob.plan_stats"
 _VERSION_KEY = b"batchjob.plan_version"

@@ -25,7 +25,7 @@ import numpy as np
 
 from batchjob.plan.plan import Plan
 from batchjob.plan.stats import plan_stats
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 DECODE_WEIGHT = 2.0  # cost of one decode token in prefill tokens
 EXACT_GROUPS = 65536  # groups placed one by one (a heap); the rest in one vectorised pass

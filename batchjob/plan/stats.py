@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from batchjob.plan.plan import Plan, PlanStats
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 def _ratio(processed: int, logical: int) -> float:

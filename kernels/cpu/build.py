@@ -151,7 +151,7 @@ def build(isa: str = "generic", compiler: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     # The linker creates the file in a private temp folder beside the target (so its mode
     # follows the umask); fsync, rename, fsync the folder; the temp folder goes on any error.
-    # (Same guarantees as batchjob.atomic, which kernels/ may not import.)
+    # (Same guarantees as batchjob.storage.atomic, which kernels/ may not import.)
     tmp_dir = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         tmp = os.path.join(tmp_dir, out.name)

@@ -15,10 +15,10 @@ import pytest
 from batchjob.backends.base import RunSink
 from batchjob.config import load_job
 from batchjob.errors import ConfigError
-from batchjob.pipeline import cap_to_context
 from batchjob.plan.build import build_plan
-from batchjob.tokenize import load_prompts
-from batchjob.tokenizer import detokenize, load_tokenizer
+from batchjob.runner.pipeline import cap_to_context
+from batchjob.tokenize.batched import load_prompts
+from batchjob.tokenize.tokenizer import detokenize, load_tokenizer
 from tests.backends.vllm_kit import build_dataset, job_for, native_results, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]

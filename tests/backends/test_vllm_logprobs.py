@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.pipeline import run as run_job
+from batchjob.runner.pipeline import run as run_job
 from tests.backends.vllm_kit import job_for, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from batchjob.pipeline import run as run_job
-from batchjob.tokenizer import load_tokenizer
-from batchjob.workloads import WORDS
+from batchjob.runner.pipeline import run as run_job
+from batchjob.testing.workloads import WORDS
+from batchjob.tokenize.tokenizer import load_tokenizer
 from tests.backends.vllm_kit import job_for, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.config import JobConfig, load_job
-from batchjob.pipeline import run as run_job
-from batchjob.tiny_model import make_tiny_model
-from batchjob.workloads import WORDS, make_workload
+from batchjob.runner.pipeline import run as run_job
+from batchjob.testing.tiny_model import make_tiny_model
+from batchjob.testing.workloads import WORDS, make_workload
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (make install)")

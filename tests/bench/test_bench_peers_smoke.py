@@ -32,7 +32,7 @@ def test_bench_peers_smoke(tmp_path: Path) -> None:
     rows = pq.read_table(tmp_path / "peers.parquet").to_pylist()
     by_system = {r["system"]: r for r in rows}
     assert set(by_system) == {"batchjob", "baseline"}  # no vLLM without --with-vllm
-    from batchjob.cpu_info import host_cpu
+    from batchjob.model.host_cpu import host_cpu
 
     for r in rows:
         assert r["head_dim"] == 32  # the tiny model's; --head-dims picks others

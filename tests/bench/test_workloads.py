@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from batchjob.tokenizer import load_tokenizer
-from batchjob.workloads import MICRO, WORDS, WORKLOADS, make_workload
+from batchjob.testing.workloads import MICRO, WORDS, WORKLOADS, make_workload
+from batchjob.tokenize.tokenizer import load_tokenizer
 from examples.generate_workloads import main as generate
 
 

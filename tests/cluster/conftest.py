@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.workloads import make_workload
+from batchjob.testing.workloads import make_workload
 from tests.e2e.jobkit import build_model
 
 ray = pytest.importorskip("ray")  # a guard only: `make install` installs Ray

@@ -22,7 +22,8 @@ import pytest
 
 from batchjob.config import load_job
 from batchjob.errors import EXIT_CONFIG, EXIT_RUNTIME
-from batchjob.pipeline import JobResult, run
+from batchjob.outputs.layout import OutputLayout
+from batchjob.runner.pipeline import JobResult, run
 from tests.e2e.jobkit import cli, read_results, write_job
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -70,7 +71,8 @@ def test_workers_give_the_single_process_results(
     assert "batchjob: cluster: " in capsys.readouterr().err  # the operator's log while it runs
     assert result.summary is not None and result.summary.device == f"ray:{workers}xcpu"
     check_exactly_once(read_results(result.results_path), reference)
-    assert not (load_job(job, sets).output.meta_dir / "workers").exists()  # removed at the end
+    meta = OutputLayout.of(load_job(job, sets).output).meta
+    assert not (meta / "workers").exists()  # removed at the end
 
 
 class Killer:
@@ -108,8 +110,8 @@ def test_killed_worker_rows_rerun_exactly_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     job, sets = cluster_job(tmp_path, cluster_model, cluster_data, "out", 2)
-    meta = load_job(job, sets).output.meta_dir
-    caplog.set_level(logging.INFO, logger="batchjob.cluster.driver")
+    meta = OutputLayout.of(load_job(job, sets).output).meta
+    caplog.set_level(logging.INFO, logger="batchjob.runner.cluster.driver")
     with Killer(meta, ["w0"]) as killer:
         result = run_job(job, sets)
     assert killer.killed == ["w0"]
@@ -124,7 +126,7 @@ def test_all_workers_dead_exit_1_then_resume(
     job, sets = cluster_job(
         tmp_path, cluster_model, cluster_data, "out", 2, **{"cluster.max_restarts": "0"}
     )
-    meta = load_job(job, sets).output.meta_dir
+    meta = OutputLayout.of(load_job(job, sets).output).meta
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     with Killer(meta, ["w0", "w1"]) as killer:
         failed = cli("run", job, *args)

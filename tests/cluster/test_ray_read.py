@@ -1,5 +1,5 @@
 """Reading and tokenizing a cluster job's input as Ray tasks over its row groups
-(``batchjob.cluster.read``) gives exactly what one process reads: the same prompts, per-row
+(``batchjob.runner.cluster.read``) gives exactly what one process reads: the same prompts, per-row
 settings, rejected rows (status and message) and pass-through columns, and a job's results
 equal the single-process run's row for row. Real local Ray cluster (tests/cluster/conftest).
 """
@@ -15,12 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.cluster.read import Fragment, fragments, group, load_prompts_on_cluster
 from batchjob.config import InputConfig, load_job
-from batchjob.inputs import open_input
-from batchjob.pipeline import run
-from batchjob.tokenize import load_prompts
-from batchjob.workloads import make_workload
+from batchjob.inputs.source import open_input
+from batchjob.runner.cluster.read import Fragment, fragments, group, load_prompts_on_cluster
+from batchjob.runner.pipeline import run
+from batchjob.testing.workloads import make_workload
+from batchjob.tokenize.batched import load_prompts
 from tests.e2e.jobkit import read_results, write_job
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -78,7 +78,7 @@ def test_tasks_read_what_one_process_reads(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     single, _ = load_prompts(job_file(tmp_path, cluster_model, split_data, "a", None))
-    caplog.set_level(logging.INFO, logger="batchjob.cluster.read")
+    caplog.set_level(logging.INFO, logger="batchjob.runner.cluster.read")
     job = job_file(tmp_path, cluster_model, split_data, "b", 2)
     tasks, _ = load_prompts_on_cluster(job)
     said = [r.getMessage() for r in caplog.records if "Ray tasks" in r.getMessage()]
@@ -106,7 +106,7 @@ def test_cluster_job_on_split_input_equals_single_process(
     tmp_path: Path, cluster_model: Path, split_data: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ref = run(job_file(tmp_path, cluster_model, split_data, "one", None), progress=False)
-    caplog.set_level(logging.INFO, logger="batchjob.cluster.read")
+    caplog.set_level(logging.INFO, logger="batchjob.runner.cluster.read")
     out = run(job_file(tmp_path, cluster_model, split_data, "two", 2), progress=False)
     assert any("in 2 Ray tasks" in r.getMessage() for r in caplog.records)
     expected, got = read_results(ref.results_path), read_results(out.results_path)

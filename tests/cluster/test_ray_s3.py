@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.storage import ObjectPath
+from batchjob.storage.stores import ObjectPath
 from tests.e2e.jobkit import cli, read_results, write_job
 
 pytest.importorskip("moto.server", reason="moto[server] (dev extra) not installed")
@@ -38,7 +38,7 @@ def test_two_workers_on_s3_equal_local(
         "cluster.workers": "2",
         "output.flush_rows": "16",
     }
-    caplog.set_level(logging.INFO, logger="batchjob.cluster.read")
+    caplog.set_level(logging.INFO, logger="batchjob.runner.cluster.read")
     res = cli(
         "run", "--no-progress", local, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     )

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 from click.testing import CliRunner, Result
 
 from batchjob.cli import main
-from batchjob.tiny_model import make_tiny_model
-from batchjob.workloads import WORDS, make_workload
+from batchjob.testing.tiny_model import make_tiny_model
+from batchjob.testing.workloads import WORDS, make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,8 +16,8 @@ from batchjob.cli import _Group, build_job, main
 from batchjob.errors import EXIT_CONFIG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_MODEL
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan_io import read_plan
-from batchjob.tokenize import load_prompts
-from batchjob.workloads import make_workload
+from batchjob.testing.workloads import make_workload
+from batchjob.tokenize.batched import load_prompts
 from tests.conftest import write_model_folder, write_parquet
 
 ROOT = Path(__file__).resolve().parents[2]

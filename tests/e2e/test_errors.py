@@ -16,8 +16,8 @@ import pytest
 
 from batchjob import errors
 from batchjob.config import load_job
-from batchjob.lock import output_lock
-from batchjob.output_layout import OutputLayout
+from batchjob.outputs.layout import OutputLayout
+from batchjob.storage.lock import output_lock
 from tests.e2e.jobkit import cli, read_results, write_job
 
 
@@ -205,7 +205,7 @@ def test_run_json_when_already_complete(tmp_path, run_model, run_data):
 
 
 def test_row_over_the_kv_budget_gets_a_status_and_the_rest_runs(tmp_path, run_model):
-    from batchjob.workloads import WORDS
+    from batchjob.testing.workloads import WORDS
 
     short = [" ".join(WORDS[i : i + 5]) for i in range(0, 30, 5)]
     long = [" ".join(WORDS[i : i + 300]) for i in (100, 500)]

@@ -1,7 +1,7 @@
 """Fault injection: SIGKILL a small job at named points (and at seeded random times), rerun,
 and check exactly-once results equal to an uninterrupted run, with no temp files left.
 
-Named points (``batchjob.faults``): before a part file is written (``part``), after the job's
+Named points (``storage.faults``): before a part file is written (``part``), after the job's
 manifest (``manifest``), after each final file is staged (``stage``), at the start of the
 commit (``commit``), between the final files moved into place (``commit_file``), after the
 commit's manifest (``committed``), before the report (``report``) and between renaming the

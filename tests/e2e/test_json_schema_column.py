@@ -113,7 +113,7 @@ def test_vllm_refusals_are_checked_per_row():
     """On the vLLM backend a schema vLLM's xgrammar backend would refuse at submission (the
     whole job would fail) is found while reading the rows, so only its row is rejected."""
     pytest.importorskip("vllm")
-    from batchjob.json_schema import compact_json_schema
+    from batchjob.config.json_schema import compact_json_schema
 
     schema = '{"type": "integer", "multipleOf": 3}'
     assert compact_json_schema(schema) == '{"multipleOf":3,"type":"integer"}'

@@ -18,10 +18,10 @@ from click.testing import CliRunner
 from batchjob.backends import open_backend
 from batchjob.cli import build_job, main
 from batchjob.errors import EXIT_MODEL
-from batchjob.model_info import DTYPE_BYTES, auto_cpu_dtype
-from batchjob.pipeline import run
-from batchjob.tiny_model import make_tiny_model
-from batchjob.workloads import WORDS
+from batchjob.model.info import DTYPE_BYTES, auto_cpu_dtype
+from batchjob.runner.pipeline import run
+from batchjob.testing.tiny_model import make_tiny_model
+from batchjob.testing.workloads import WORDS
 
 pytest.importorskip("transformers")
 

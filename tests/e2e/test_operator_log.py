@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import re
 
-from batchjob.heartbeat import Heartbeat, interval_from_env
+from batchjob.runner.heartbeat import Heartbeat, interval_from_env
 from tests.e2e.jobkit import cli_subprocess, write_job
 
 LINE = re.compile(

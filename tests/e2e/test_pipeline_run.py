@@ -17,9 +17,9 @@ from click.testing import CliRunner
 
 from batchjob.cli import main
 from batchjob.errors import EXIT_INTERRUPTED
-from batchjob.intmath import cdiv
-from batchjob.tiny_model import make_tiny_model
-from batchjob.workloads import WORDS, make_workload
+from batchjob.plan.intmath import cdiv
+from batchjob.testing.tiny_model import make_tiny_model
+from batchjob.testing.workloads import WORDS, make_workload
 from tests.signals import signal_after_parts
 
 ROOT = Path(__file__).resolve().parents[2]

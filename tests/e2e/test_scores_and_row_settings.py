@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.errors import EXIT_INPUT
-from batchjob.tokenizer import load_tokenizer
-from batchjob.workloads import ranking_table
+from batchjob.testing.workloads import ranking_table
+from batchjob.tokenize.tokenizer import load_tokenizer
 from tests.e2e.jobkit import ROOT, cli, cli_subprocess, read_results, write_job
 
 

@@ -14,9 +14,9 @@ from batchjob.backends.native.attention.cpu import CpuAttention
 from batchjob.backends.native.attention.registry import get_attention_backend
 from batchjob.backends.native.attention.torch_path import TorchAttention, _attention
 from batchjob.errors import ConfigError
-from batchjob.intmath import cdiv
 from batchjob.kernels import reference as ref
 from batchjob.kernels.reference import SeqSpec
+from batchjob.plan.intmath import cdiv
 
 
 def case(seqs, groups, bs, hkv, ratio, d=8, seed=0, dtype=torch.float32, **tiles) -> None:

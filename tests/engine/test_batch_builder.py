@@ -23,8 +23,8 @@ from batchjob.backends.native.scheduler.output import (
 from batchjob.backends.native.scheduler.registry import make_scheduler
 from batchjob.config import SchedulerConfig
 from batchjob.plan.build import build_plan
-from batchjob.prompts import TokenizedPrompts
-from batchjob.workloads import make_workload
+from batchjob.testing.workloads import make_workload
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 def _reference_pad(tables: list[np.ndarray]) -> np.ndarray:

@@ -14,7 +14,7 @@ from batchjob.backends.native.models.cpu_linear import BUCKETS, PackedLinear, us
 from batchjob.config import EngineConfig
 from batchjob.errors import ConfigError
 from batchjob.kernels.cpu import build
-from batchjob.tiny_model import make_tiny_model
+from batchjob.testing.tiny_model import make_tiny_model
 from tests.engine.test_model_loader import _logits  # one prompt's logits, no engine
 
 ISAS = build.cpu_isas()

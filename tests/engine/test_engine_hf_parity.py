@@ -15,8 +15,8 @@ from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
 from batchjob.plan.build import build_plan
-from batchjob.prompts import TokenizedPrompts
-from batchjob.tiny_model import make_tiny_model
+from batchjob.testing.tiny_model import make_tiny_model
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 transformers = pytest.importorskip("transformers")
 

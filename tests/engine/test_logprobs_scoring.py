@@ -18,12 +18,12 @@ import torch
 
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
+from batchjob.backends.scoring import RowScores, _trie, row_tries
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
+from batchjob.inputs.row_settings import RowSettings
 from batchjob.plan.build import build_plan
-from batchjob.prompts import TokenizedPrompts
-from batchjob.row_settings import RowSettings
-from batchjob.scoring import RowScores, _trie, row_tries
-from batchjob.tiny_model import make_tiny_model
+from batchjob.testing.tiny_model import make_tiny_model
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from batchjob.backends.native.models.rope import (
     inv_frequencies,
     rope_cos_sin,
 )
-from batchjob.hf_config import RopeConfig
+from batchjob.model.hf_config import RopeConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -90,7 +90,7 @@ def test_bf16_forward_is_as_close_to_hf_as_hf_bf16_is_to_float32(tmp_path) -> No
     """dtype auto may pick bf16: our bf16 forward errs from HF's bf16 no more than bf16 does."""
     transformers = pytest.importorskip("transformers")
     from batchjob.backends.native.models import load_model
-    from batchjob.tiny_model import make_tiny_model
+    from batchjob.testing.tiny_model import make_tiny_model
     from tests.engine.test_models_hf_parity import CORPUS, MiniEngine, Seq
 
     folder = make_tiny_model(tmp_path / "m", vocab_size=300, layers=2, corpus=CORPUS)

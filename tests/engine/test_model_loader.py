@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from batchjob.backends.native.models import SUPPORTED_ARCHITECTURES, load_model
 from batchjob.errors import EXIT_MODEL, ModelError
 from batchjob.kernels.reference import SeqSpec, build_metadata
-from batchjob.model_info import auto_cpu_dtype
-from batchjob.tiny_model import make_tiny_model
+from batchjob.model.info import auto_cpu_dtype
+from batchjob.testing.tiny_model import make_tiny_model
 
 pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ import torch
 
 from batchjob.backends.native.models import load_model
 from batchjob.kernels.reference import SeqSpec, build_metadata
-from batchjob.tiny_model import make_tiny_model
+from batchjob.testing.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -25,7 +25,7 @@ from batchjob.backends.native.sampling import (
     uniform_draws,
 )
 from batchjob.config import SamplingConfig
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 def _reference_sample(

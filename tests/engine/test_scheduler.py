@@ -13,7 +13,7 @@ from batchjob.backends.native.scheduler.output import SchedulerOutput
 from batchjob.backends.native.scheduler.registry import make_scheduler
 from batchjob.config import SchedulerConfig
 from batchjob.errors import ConfigError
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 from tests.engine.test_scheduler_properties import make_plan
 
 A = [1, 2, 3, 4, 5]  # prefix of one group
@@ -365,7 +365,7 @@ def test_scheduler_runs_to_the_end_without_torch() -> None:
         from batchjob.backends.native.scheduler.registry import make_scheduler
         from batchjob.config import SchedulerConfig
         from batchjob.plan.build import build_plan
-        from batchjob.prompts import TokenizedPrompts
+        from batchjob.tokenize.prompts import TokenizedPrompts
 
         rows = [[1, 2, 3, 4, 9], [1, 2, 3, 4, 8], [1, 2, 3, 7], [5, 6]]
         prompts = TokenizedPrompts.from_lists(rows, max_tokens=3)

@@ -11,7 +11,7 @@ from batchjob.backends.kv_projection import projected_peak_blocks
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.batchllm import BatchLLMScheduler, _Projection
 from batchjob.config import SchedulerConfig
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 from tests.engine.test_scheduler_properties import Workload, make_plan, simulate
 
 

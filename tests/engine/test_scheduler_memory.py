@@ -22,7 +22,7 @@ from batchjob.backends.native.scheduler.registry import make_scheduler
 from batchjob.backends.native.scheduler.sequence import Sequence
 from batchjob.config import SchedulerConfig
 from batchjob.plan.build import build_plan
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 N = 20_000
 

@@ -20,10 +20,10 @@ from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.output import SchedulerOutput, prefix_group, prefix_seq_id
 from batchjob.backends.native.scheduler.registry import make_scheduler
 from batchjob.config import SchedulerConfig
-from batchjob.intmath import cdiv
 from batchjob.plan.build import build_plan
+from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan, PlanStats
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 @dataclass

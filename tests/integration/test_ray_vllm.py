@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.pipeline import run
+from batchjob.runner.pipeline import run
 from tests.backends.vllm_kit import RESULT_COLUMNS, build_dataset, build_model, job_for, needs_vllm
 
 ray = pytest.importorskip("ray")

@@ -1,4 +1,4 @@
-"""batchjob.atomic: whole file or the old one, no temp left behind, mode follows the umask."""
+"""storage.atomic: whole file or the old one, no temp left behind, mode follows the umask."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob import atomic
-from batchjob.atomic import (
+from batchjob.storage import atomic
+from batchjob.storage.atomic import (
     atomic_open,
     save_figure_atomic,
     write_bytes_atomic,

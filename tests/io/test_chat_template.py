@@ -11,11 +11,10 @@ import pyarrow as pa
 import pytest
 import transformers
 
-from batchjob.chat_template import STATUS_CHAT_TEMPLATE
 from batchjob.config import load_job
 from batchjob.errors import EXIT_CONFIG, EXIT_MODEL, ConfigError, ModelError
-from batchjob.prompt_template import STATUS_NULL_FIELD
-from batchjob.tokenize import load_prompts
+from batchjob.status import STATUS_CHAT_TEMPLATE, STATUS_NULL_FIELD
+from batchjob.tokenize.batched import load_prompts
 from tests.conftest import train_tiny_tokenizer, write_model_folder, write_parquet
 
 LLAMA3 = (

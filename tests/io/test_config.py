@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from batchjob.config import JobConfig, load_job, parse_assignments, parse_bytes
 from batchjob.errors import ConfigError
+from batchjob.outputs.layout import OutputLayout
 
 FULL = """
 [input]
@@ -103,8 +104,9 @@ def test_full_file_values_and_relative_paths(tmp_path: Path) -> None:
     o = job.output
     assert o.path == Path("/abs/out/results.parquet") and o.report_path == d / "report.json"
     assert o.overwrite is True and o.rows_per_file == 10
-    assert o.report_file == d / "report.json"
-    assert o.plan_file == Path("/abs/out/results.meta/plan.parquet")
+    layout = OutputLayout.of(o)
+    assert layout.report_file == d / "report.json"
+    assert layout.plan_file == Path("/abs/out/results.meta/plan.parquet")
     assert job.source == (tmp_path / "jobs" / "job.toml").resolve()
     assert job.to_dict()["sampling"]["stop_token_ids"] == [2, 5]
 
@@ -121,8 +123,9 @@ def test_defaults(tmp_path: Path) -> None:
     assert job.engine.block_size == 16 and job.engine.attention == "auto"
     assert job.output.overwrite is False and job.output.rows_per_file == 100000
     out = (tmp_path / "jobs" / "out").resolve()
-    assert job.output.report_file == out.with_name("out.meta") / "report.json"
-    assert job.output.plan_file == out.with_name("out.meta") / "plan.parquet"
+    layout = OutputLayout.of(job.output)
+    assert layout.report_file == out.with_name("out.meta") / "report.json"
+    assert layout.plan_file == out.with_name("out.meta") / "plan.parquet"
     with pytest.raises(AttributeError):
         job.sampling.max_tokens = 3  # type: ignore[misc]
 
@@ -203,7 +206,9 @@ def test_overrides(tmp_path: Path) -> None:
     assert job.engine.kv_cache_bytes == 512 * 2**20
     assert job.input.id_column == "2024" and job.input.limit is None
     assert job.input.path == str(cwd / "rel/x.parquet")
-    assert job.model.dtype == "float16" and job.output.plan_file == Path("/tmp/p.parquet")
+    assert job.model.dtype == "float16" and OutputLayout.of(job.output).plan_file == Path(
+        "/tmp/p.parquet"
+    )
     # untouched keys keep the file's values
     assert job.scheduler.max_num_seqs == 32
 

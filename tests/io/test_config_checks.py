@@ -2,7 +2,7 @@
 
 The native engine, scheduler and sampler take the job's sections as they are, so their checks
 are the config's: a bad value fails before any data is read or any model is loaded. And each
-setting is declared (with its default) once, in batchjob/config.py.
+setting is declared (with its default) once, in batchjob/config/sections.py.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_names_come_from_one_registry_list() -> None:
     """Validation, its message and dispatch use the tuples of batchjob/backends/names.py."""
     from batchjob.backends.native.kv_cache import KVLayout
     from batchjob.backends.native.scheduler.registry import make_scheduler
-    from batchjob.prompts import TokenizedPrompts
+    from batchjob.tokenize.prompts import TokenizedPrompts
 
     prompts = TokenizedPrompts.from_lists([[1, 2, 3]], max_tokens=2)
     for policy in SCHEDULING_POLICIES:
@@ -137,20 +137,24 @@ def test_run_refuses_a_bad_value_before_reading_anything(tmp_path: Path, tiny_mo
 
 # same name, another meaning: not a copy of the job setting
 NOT_THE_SETTING = {
-    ("batchjob/workloads.py", "seed"): "the workload generator's RNG seed",
-    ("batchjob/tiny_model.py", "seed"): "the random weights' / tokenizer corpus seed",
-    ("batchjob/tiny_model.py", "dtype"): "the dtype the test checkpoint is written in",
+    ("batchjob/testing/workloads.py", "seed"): "the workload generator's RNG seed",
+    ("batchjob/testing/tiny_model.py", "seed"): "the random weights' / tokenizer corpus seed",
+    ("batchjob/testing/tiny_model.py", "dtype"): "the dtype the test checkpoint is written in",
 }
 # copies in library functions of other areas, still to be removed by their owners (a new
 # copy anywhere else fails this test; remove an entry when its copy is gone)
 PENDING = {
-    ("batchjob/model_info.py", "dtype"),
-    ("batchjob/model_info.py", "device"),
-    ("batchjob/model_info.py", "max_model_len"),
-    ("batchjob/tokenize.py", "prompt_column"),
-    ("batchjob/results.py", "rows_per_file"),
-    ("batchjob/results.py", "flush_rows"),
+    ("batchjob/model/info.py", "dtype"),
+    ("batchjob/model/info.py", "device"),
+    ("batchjob/model/info.py", "max_model_len"),
+    ("batchjob/tokenize/batched.py", "prompt_column"),
+    ("batchjob/outputs/results.py", "rows_per_file"),
+    ("batchjob/outputs/results.py", "flush_rows"),
 }
+
+
+# where the sections are declared: config/sections.py, and [storage] beside its user
+SECTION_FILES = ("batchjob/config/sections.py", "batchjob/storage/settings.py")
 
 
 def declarations() -> dict[str, list[tuple[str, int]]]:
@@ -158,7 +162,7 @@ def declarations() -> dict[str, list[tuple[str, int]]]:
     fields and parameters alike), except ``= <Section>.<setting>``: a use of the one default."""
     found: dict[str, list[tuple[str, int]]] = {}
     files = sorted((ROOT / "batchjob").rglob("*.py"))
-    for cls in config._SECTIONS.values():
+    for cls in config.SECTIONS.values():
         for name, ann in cls.__annotations__.items():
             if name == "path":  # three sections, three meanings: checked by hand
                 continue
@@ -174,19 +178,19 @@ def declarations() -> dict[str, list[tuple[str, int]]]:
 
 def test_each_setting_is_declared_once() -> None:
     decls = declarations()
-    # the settings the native engine, scheduler and sampler used to copy: config.py alone
+    # the settings the native engine, scheduler and sampler used to copy: config/sections.py alone
     for name in (
         *("max_tokens", "temperature", "top_k", "top_p", "stop_token_ids", "stop"),
         *("policy", "chunk_size", "kv_threshold", "max_num_seqs"),
         *("kv_cache_bytes", "gpu_memory_fraction", "block_size", "attention", "ignore_eos"),
     ):
-        assert [f for f, _ in decls[name]] == ["batchjob/config.py"], (name, decls[name])
+        assert [f for f, _ in decls[name]] == ["batchjob/config/sections.py"], (name, decls[name])
     problems = []
     for name, where in decls.items():
-        in_config = [w for w in where if w[0] == "batchjob/config.py"]
-        others = [w for w in where if w[0] != "batchjob/config.py"]
+        in_config = [w for w in where if w[0] in SECTION_FILES]
+        others = [w for w in where if w[0] not in SECTION_FILES]
         if len(in_config) != 1:
-            problems.append(f"{name}: declared {len(in_config)} times in config.py")
+            problems.append(f"{name}: declared {len(in_config)} times in the sections")
         for file, line in others:
             if (file, name) not in NOT_THE_SETTING and (file, name) not in PENDING:
                 problems.append(f"{name}: another default at {file}:{line}")

@@ -1,11 +1,11 @@
-"""batchjob.cpu_info and the CPU side of ``model.dtype = "auto"`` (torch-free)."""
+"""batchjob.model.host_cpu and the CPU side of ``model.dtype = "auto"`` (torch-free)."""
 
 from __future__ import annotations
 
 import pytest
 
-from batchjob.cpu_info import CpuInfo, host_cpu, parse_cpuinfo
-from batchjob.model_info import CPU_AUTO_BF16, auto_cpu_dtype, resolve_dtype
+from batchjob.model.host_cpu import CpuInfo, host_cpu, parse_cpuinfo
+from batchjob.model.info import CPU_AUTO_BF16, auto_cpu_dtype, resolve_dtype
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel

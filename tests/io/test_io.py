@@ -9,7 +9,7 @@ import pytest
 
 from batchjob.config import InputConfig
 from batchjob.errors import InputDataError
-from batchjob.io import (
+from batchjob.inputs.parquet import (
     ROW_ID,
     PassthroughCollector,
     RejectedRows,

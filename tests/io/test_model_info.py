@@ -1,4 +1,4 @@
-"""batchjob.model_info: the one reader of a model folder (no torch, no weights loaded)."""
+"""batchjob.model.info: the one reader of a model folder (no torch, no weights loaded)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from batchjob.errors import EXIT_MODEL, ModelError
-from batchjob.model_info import (
+from batchjob.model.info import (
     DTYPE_BYTES,
     auto_cpu_dtype,
     read_model_info,
@@ -140,8 +140,9 @@ def test_reading_imports_no_torch(folder: Path) -> None:
     """Plan-side modules and reading a folder on a GPU-less machine never import torch."""
     code = (
         "import sys\n"
-        "import batchjob.model_info, batchjob.tokenize, batchjob.summary, batchjob.cli\n"
-        "from batchjob.model_info import read_model_info\n"
+        "import batchjob.model.info, batchjob.tokenize.batched\n"
+        "import batchjob.outputs.plan_summary, batchjob.cli\n"
+        "from batchjob.model.info import read_model_info\n"
         f"info = read_model_info({str(folder)!r})\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "print(info.device, info.dtype, info.vocab_size)\n"

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from batchjob.config import load_job
 from batchjob.errors import EXIT_INPUT, EXIT_MODEL, InputDataError, ModelError
-from batchjob.openai_jsonl import STATUS_INVALID_REQUEST, read_requests
-from batchjob.tokenize import load_prompts
-from batchjob.tokenizer import load_tokenizer
+from batchjob.inputs.openai_batch import read_requests
+from batchjob.status import STATUS_INVALID_REQUEST
+from batchjob.tokenize.batched import load_prompts
+from batchjob.tokenize.tokenizer import load_tokenizer
 
 CHAT = "/v1/chat/completions"
 

@@ -11,9 +11,10 @@ import pytest
 
 from batchjob.config import load_job
 from batchjob.errors import EXIT_CONFIG, EXIT_INPUT, ConfigError, InputDataError
-from batchjob.io import open_dataset
-from batchjob.prompt_template import STATUS_NULL_FIELD, PromptTemplate, parse_template
-from batchjob.tokenize import load_prompts
+from batchjob.inputs.parquet import open_dataset
+from batchjob.inputs.template import PromptTemplate, parse_template
+from batchjob.status import STATUS_NULL_FIELD
+from batchjob.tokenize.batched import load_prompts
 from tests.conftest import write_parquet
 
 TEMPLATE = "Article: {title}\n\n{context}\n\nQuestion: {question}\nAnswer:"
@@ -123,7 +124,7 @@ def test_template_rows_tokenize_and_null_rows_get_a_status(
     assert "row 2 " in loaded.rejected.message[0] and "'title'" in loaded.rejected.message[0]
     assert "'question'" in loaded.rejected.message[1]
     # plain-text tokenization of the built prompt (BOS added as for any text column)
-    from batchjob.tokenizer import load_tokenizer
+    from batchjob.tokenize.tokenizer import load_tokenizer
 
     want, _ = load_tokenizer(tiny_model_dir).encode(
         [TEMPLATE.format(title="river", context="alpha beta", question="why")]

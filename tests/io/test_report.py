@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.backends.base import BackendRun, IterationRecord
-from batchjob.report import outcome_counts, summarize, write_report
-from batchjob.results import RESULT_SCHEMA
+from batchjob.outputs.report import outcome_counts, summarize, write_report
+from batchjob.outputs.results import RESULT_SCHEMA
 
 
 def results_table(statuses, reasons):

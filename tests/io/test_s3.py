@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.errors import EXIT_CONFIG, EXIT_LOCKED
-from batchjob.storage import ObjectPath, ObjectStore, list_files
+from batchjob.storage.stores import ObjectPath, ObjectStore, list_files
 from tests.e2e.jobkit import build_dataset, build_model, cli, cli_subprocess, read_results
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra) not installed")

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.config import InputConfig
-from batchjob.io import open_dataset
-from batchjob.prompts import PromptsBuilder, TokenizedPrompts
-from batchjob.tokenize import _token_capacity, tokenize_dataset
+from batchjob.inputs.parquet import open_dataset
+from batchjob.tokenize.batched import _token_capacity, tokenize_dataset
+from batchjob.tokenize.prompts import PromptsBuilder, TokenizedPrompts
 
 
 def _equal(a: TokenizedPrompts, b: TokenizedPrompts) -> None:
@@ -113,7 +113,7 @@ def test_reading_and_planning_keep_no_python_object_per_row(tmp_path: Path) -> N
 
     from batchjob.config import load_job
     from batchjob.plan.build import build_plan
-    from batchjob.tokenize import load_prompts
+    from batchjob.tokenize.batched import load_prompts
 
     n = 50_000
     pq.write_table(_shared_rows(20, 0), tmp_path / "warm.parquet")

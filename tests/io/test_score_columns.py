@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.backends.base import TokenLogprobs
-from batchjob.score_columns import OPTIONAL_COLUMNS, label_logprobs_array, logprobs_array
+from batchjob.outputs.score_columns import OPTIONAL_COLUMNS, label_logprobs_array, logprobs_array
 
 
 def test_logprobs_array_mixed_rows():

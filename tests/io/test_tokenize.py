@@ -12,16 +12,16 @@ from tokenizers import Tokenizer
 
 from batchjob.config import InputConfig, load_job
 from batchjob.errors import ModelError
-from batchjob.io import (
+from batchjob.inputs.parquet import open_dataset
+from batchjob.status import (
     STATUS_EMPTY_PROMPT,
     STATUS_INVALID_MAX_TOKENS,
     STATUS_INVALID_TOKENS,
     STATUS_PROMPT_TOO_LONG,
-    open_dataset,
 )
-from batchjob.tokenize import load_prompts, tokenize_dataset
-from batchjob.tokenizer import detokenize, load_tokenizer
-from batchjob.workloads import WORDS
+from batchjob.testing.workloads import WORDS
+from batchjob.tokenize.batched import load_prompts, tokenize_dataset
+from batchjob.tokenize.tokenizer import detokenize, load_tokenizer
 from tests.conftest import TINY_MAX_LEN, TINY_VOCAB, write_model_folder, write_parquet
 
 TEXTS = [

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from batchjob.plan import build_plan, largest_group_kv_bytes, summarize_plan
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 from tests.plan.test_prefix_tree import naive_compact_trie, prompt_lists
 from tests.plan.test_reuse import brute_force_reuse
 

@@ -13,7 +13,7 @@ from batchjob.errors import InputDataError
 from batchjob.plan import build_plan
 from batchjob.plan.plan import Plan
 from batchjob.plan.plan_io import read_plan, write_plan
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 def make_plan(seed: int = 0, n: int = 40) -> Plan:

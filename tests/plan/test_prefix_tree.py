@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from batchjob.plan.prefix_tree import PrefixTree, build_prefix_tree
 from batchjob.plan.seqsort import sort_sequences
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 @st.composite

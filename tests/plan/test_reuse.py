@@ -9,7 +9,7 @@ from batchjob.plan.build import planning_tree
 from batchjob.plan.prefix_tree import PrefixTree
 from batchjob.plan.reuse import Grouping, first_level_groups, optimal_groups, paper_groups
 from batchjob.plan.seqsort import sort_sequences
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 from tests.plan.test_prefix_tree import prompt_lists
 
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from batchjob.plan import build_plan
 from batchjob.plan.shard import balance, group_costs, shard_plan, split, take_groups
-from batchjob.prompts import TokenizedPrompts
-from batchjob.workloads import make_workload
+from batchjob.testing.workloads import make_workload
+from batchjob.tokenize.prompts import TokenizedPrompts
 from tests.plan.test_plan_build import check_plan
 
 

@@ -15,13 +15,13 @@ from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
 from batchjob.backends.native.structured import JsonConstraint
+from batchjob.backends.scoring import RowScores, row_tries
 from batchjob.config import JobConfig
 from batchjob.errors import ConfigError
-from batchjob.model_info import ModelInfo
+from batchjob.inputs.row_settings import row_json_schemas
+from batchjob.model.info import ModelInfo
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
-from batchjob.row_settings import row_json_schemas
-from batchjob.scoring import RowScores, row_tries
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 def check_device(device: str) -> None:
@@ -99,7 +99,7 @@ class NativeBackend:
         on_finish: OnFinish,
         on_iteration: OnIteration | None,
     ) -> BackendRun:
-        """Scoring mode (``batchjob.scoring``): one request per row on the input's own plan;
+        """Scoring mode (``backends.scoring``): one request per row on the input's own plan;
         multi-token labels are teacher-forced after the prompt on the row's own sequence
         (``Engine.score``), so the plan's sharing across rows holds for them too.
         ``prompts.max_tokens`` is each row's longest label (``load_prompts``)."""

@@ -35,13 +35,14 @@ from batchjob.backends.native.scheduler.base import (
 )
 from batchjob.backends.native.scheduler.output import SchedulerOutput, SchedulerStats
 from batchjob.backends.native.scheduler.registry import make_scheduler
-from batchjob.backends.native.structured import STATUS_JSON_INCOMPLETE, JsonConstraint
+from batchjob.backends.native.structured import JsonConstraint
+from batchjob.backends.scoring import RowScores
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
-from batchjob.model_info import ModelInfo
+from batchjob.inputs.row_settings import RowSettings
+from batchjob.model.info import ModelInfo
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
-from batchjob.row_settings import RowSettings
-from batchjob.scoring import RowScores
+from batchjob.status import STATUS_JSON_INCOMPLETE
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 GiB = 1 << 30
 
@@ -235,7 +236,7 @@ class Engine:
         scores: RowScores,
         on_iteration: Callable[[IterationRecord], None] | None = None,
     ) -> EngineRun:
-        """Scoring mode (``batchjob.scoring``): one request per prompt, run on ``plan``; with
+        """Scoring mode (``backends.scoring``): one request per prompt, run on ``plan``; with
         and after its prompt, each request is teacher-forced through ``label_steps[i]`` (the
         scheduler rewinds its KV between steps). The float32 log-softmax of every scored
         position's target tokens goes into ``scores.buf`` (one gather per iteration); a

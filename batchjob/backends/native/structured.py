@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-STATUS_JSON_INCOMPLETE = "json_incomplete"
-
 
 class JsonConstraint:
     """A compiled JSON schema and the live matchers of the requests it constrains."""

@@ -17,17 +17,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration, RunSink
+from batchjob.backends.scoring import LabelCombiner, expand
 from batchjob.backends.vllm.engine_args import EngineSettings, engine_settings, environment
 from batchjob.backends.vllm.requests import OutputTracker, ScoreTracker, Submission, plan_order
 from batchjob.backends.vllm.scheduler import scheduler_class_path
 from batchjob.config import JobConfig
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
-from batchjob.intmath import cdiv
-from batchjob.model_info import ModelInfo, model_info_for_job
+from batchjob.model.info import ModelInfo, model_info_for_job
 from batchjob.plan.build import build_plan
+from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
-from batchjob.scoring import LabelCombiner, expand
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 class VllmError(BatchJobError):
@@ -179,7 +179,7 @@ class VllmBackend:
         return self._execute(prompts, groups, tracker, sink.on_finish, sink.on_iteration)
 
     def _score(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
-        """Scoring mode (``batchjob.scoring``): one greedy step per label-trie node, each
+        """Scoring mode (``batchjob.backends.scoring``): one greedy step per label-trie node, each
         returning the log-probs of its child tokens (vLLM's ``logprob_token_ids``, raw
         log-softmax); the requests of a row share its prompt through vLLM's prefix cache.
         Single-token labels run the input's plan as is."""

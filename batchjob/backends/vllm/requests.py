@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchjob.backends.base import Detokenize, FinishedRequest, TokenLogprobs
-from batchjob.backends.native.structured import STATUS_JSON_INCOMPLETE
 from batchjob.backends.vllm.scheduler import EXTRA_KEY
 from batchjob.config import SamplingConfig
+from batchjob.inputs.row_settings import RowSettings, row_json_schemas
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
-from batchjob.row_settings import RowSettings, row_json_schemas
+from batchjob.status import STATUS_JSON_INCOMPLETE
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 _MASK63 = (1 << 63) - 1
 
@@ -102,7 +102,7 @@ def plan_order(
     Generator does not use offset"): there sampled rows draw from the engine's generator,
     seeded with sampling.seed once.
 
-    ``score_targets`` (scoring mode, ``batchjob.scoring``): one greedy step per request,
+    ``score_targets`` (scoring mode, ``batchjob.backends.scoring``): one greedy step per request,
     returning the raw log-probs of exactly these tokens (vLLM's ``logprob_token_ids``).
     """
     from vllm import SamplingParams

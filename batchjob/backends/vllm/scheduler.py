@@ -41,7 +41,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from batchjob.backends.base import IterationRecord
 from batchjob.backends.kv_projection import projected_peak_blocks
-from batchjob.intmath import cdiv
+from batchjob.plan.intmath import cdiv
 
 EXTRA_KEY = "batchjob"  # SamplingParams.extra_args key
 

@@ -37,10 +37,10 @@ from typing import Protocol, TypeVar
 import numpy as np
 import torch
 
-from batchjob.atomic import write_json_atomic
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.kernels import reference as ref
 from batchjob.kernels.cpu.build import cache_dir, cpu_model
+from batchjob.storage.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 

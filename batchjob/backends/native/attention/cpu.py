@@ -30,8 +30,8 @@ from batchjob.backends.native.attention import calibrate as calib
 from batchjob.backends.native.attention.base import BatchMemo
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.backends.native.attention.torch_path import TorchAttention
-from batchjob.intmath import cdiv
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
+from batchjob.plan.intmath import cdiv
 
 MAX_ROWS = 64  # the widest build's (avx512) rows per unit; each build reports its own
 WHOLE_ROWS = 8  # under this many rows a head, a unit's heads are row-major (the kernel's FEW_ROWS)

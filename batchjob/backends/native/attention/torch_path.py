@@ -21,7 +21,7 @@ import torch
 
 from batchjob.backends.native.attention.base import BatchMemo
 from batchjob.backends.native.attention.meta import AttentionMetadata
-from batchjob.intmath import cdiv
+from batchjob.plan.intmath import cdiv
 
 
 @dataclass(frozen=True)

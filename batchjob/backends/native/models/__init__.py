@@ -5,7 +5,7 @@ from __future__ import annotations
 from batchjob.backends.native.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from batchjob.backends.native.models.llama import LlamaForCausalLM
 from batchjob.backends.native.models.loader import MODEL_CLASSES, load_model
-from batchjob.model_info import ModelInfo
+from batchjob.model.info import ModelInfo
 
 __all__ = [
     "MODEL_CLASSES",

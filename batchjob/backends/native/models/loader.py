@@ -3,7 +3,7 @@
 The model is built on the ``meta`` device (no memory), then each parameter is filled from
 the safetensors files opened lazily with ``safe_open`` straight onto the target device: one
 checkpoint tensor is in flight at a time, the full state dict never exists twice.
-What to build (architecture, dtype, device) comes from ``batchjob.model_info.ModelInfo``, the
+What to build (architecture, dtype, device) comes from ``batchjob.model.info.ModelInfo``, the
 one reader of the folder; its tensor-name -> file map comes from the safetensors headers.
 """
 
@@ -20,8 +20,8 @@ from batchjob.backends.native.models.cpu_linear import use_cpu_linear
 from batchjob.backends.native.models.llama import LlamaForCausalLM
 from batchjob.config import EngineConfig
 from batchjob.errors import ModelError
-from batchjob.hf_config import SUPPORTED_ARCHITECTURES
-from batchjob.model_info import ModelInfo, read_model_info
+from batchjob.model.hf_config import SUPPORTED_ARCHITECTURES
+from batchjob.model.info import ModelInfo, read_model_info
 
 # every supported architecture is one class with config flags
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = dict.fromkeys(

@@ -16,7 +16,7 @@ Protocol (the runner's loop)::
 retires finished requests, returning their outputs (``{seq_id: tokens}``). A request also
 finishes when it has ``max_tokens`` outputs, whether or not the runner says so.
 
-Scoring (``label_steps``, one per request, ``batchjob.scoring._Trie.steps``): a request
+Scoring (``label_steps``, one per request, ``batchjob.backends.scoring._Trie.steps``): a request
 samples nothing. Its chunks carry ``score_nodes`` (the runner reads the logits of those
 trailing tokens and passes ``sampled={}``). The first step is scheduled with the prompt (one
 prefill; the root is read at the prompt's last token). When a chunk completes a step,
@@ -53,11 +53,11 @@ from batchjob.backends.native.scheduler.output import (
 )
 from batchjob.backends.native.scheduler.sequence import FINISHED, RUNNING, WAITING, Sequence
 from batchjob.config import SchedulerConfig
-from batchjob.intmath import cdiv
+from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
-# scoring: per request, its steps (base, path int32, nodes int64), ``batchjob.scoring``
+# scoring: per request, its steps (base, path int32, nodes int64), ``batchjob.backends.scoring``
 LabelSteps = SequenceOf[tuple[tuple[int, np.ndarray, np.ndarray], ...]]
 
 

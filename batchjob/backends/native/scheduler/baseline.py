@@ -29,8 +29,8 @@ from batchjob.backends.native.scheduler.base import LabelSteps, Scheduler, check
 from batchjob.backends.native.scheduler.output import ScheduledChunk
 from batchjob.backends.native.scheduler.sequence import RUNNING, WAITING, Sequence
 from batchjob.config import SchedulerConfig
-from batchjob.intmath import cdiv
-from batchjob.prompts import TokenizedPrompts
+from batchjob.plan.intmath import cdiv
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 class BaselineScheduler(Scheduler):

@@ -71,9 +71,9 @@ from batchjob.backends.native.scheduler.output import (
 )
 from batchjob.backends.native.scheduler.sequence import NEW, RUNNING, WAITING, Sequence
 from batchjob.config import SchedulerConfig
-from batchjob.intmath import cdiv
+from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 class _Group:

@@ -38,7 +38,7 @@ class ScheduledChunk(NamedTuple):
     is_decode: bool  # exactly the request's latest sampled token (not a prompt/recompute chunk)
     samples: bool  # the runner samples from the logits of this chunk's last token
     # scoring (never samples): the runner reads the logits of the chunk's last
-    # len(score_nodes) tokens; int64 trie node each scores (``batchjob.scoring``)
+    # len(score_nodes) tokens; int64 trie node each scores (``batchjob.backends.scoring``)
     score_nodes: np.ndarray | None = None
 
     @property

@@ -9,7 +9,7 @@ from batchjob.backends.native.scheduler.baseline import BaselineScheduler
 from batchjob.backends.native.scheduler.batchllm import BatchLLMScheduler
 from batchjob.config import SchedulerConfig
 from batchjob.plan.plan import Plan
-from batchjob.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts
 
 
 def make_scheduler(

@@ -18,7 +18,7 @@ class Sequence:
     Own tokens are ``prompt[own_start:]`` followed by the sampled outputs; own-KV position
     ``p`` is model position ``own_start + p`` (``own_start`` = the group prefix length).
 
-    Scoring (``steps`` set, see ``batchjob.scoring``): nothing is sampled; the own tokens are
+    Scoring (``steps`` set, see ``backends.scoring``): nothing is sampled; the own tokens are
     the distinct prompt followed by the current label ``path``, and the logits of own
     positions ``score_from ..`` are read, scoring trie nodes ``score_nodes``. Before the
     first step that is the prompt's last position (the root, node 0), read in the same chunk
@@ -85,7 +85,7 @@ class Sequence:
 
     def start_scoring(self, steps: tuple[tuple[int, np.ndarray, np.ndarray], ...]) -> None:
         """Make this request a scoring one: read the root at the prompt's last token, then
-        run ``steps`` ((base, path, nodes) each, ``batchjob.scoring._Trie.steps``). The first
+        run ``steps`` ((base, path, nodes) each, ``backends.scoring._Trie.steps``). The first
         step starts at the root (base 0): it runs with the prompt, as one prefill whose
         logits are read from the prompt's last token on (no extra chunk or iteration)."""
         self.steps = steps

@@ -1,0 +1,107 @@
+"""A whole job: the sections together, and the checks that span sections.
+
+Only what needs the whole job takes a ``JobConfig`` (the CLI, the pipeline, the manifest that
+fingerprints it); each stage below takes the sections it uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchjob.config.checks import _fail
+from batchjob.config.json_schema import XGRAMMAR_HINT
+from batchjob.config.sections import (
+    ClusterConfig,
+    EngineConfig,
+    InputConfig,
+    ModelConfig,
+    OutputConfig,
+    SamplingConfig,
+    SchedulerConfig,
+    StorageConfig,
+)
+from batchjob.errors import ConfigError
+from batchjob.storage.stores import ObjectPath, is_uri
+
+SECTIONS: dict[str, type] = {
+    "input": InputConfig,
+    "model": ModelConfig,
+    "sampling": SamplingConfig,
+    "scheduler": SchedulerConfig,
+    "engine": EngineConfig,
+    "output": OutputConfig,
+    "cluster": ClusterConfig,
+    "storage": StorageConfig,
+}
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    input: InputConfig
+    output: OutputConfig
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    source: Path | None = None  # the TOML file it came from
+
+    def __post_init__(self) -> None:
+        self._check_storage()
+        if self.model.chat_template == "none" and (
+            self.input.messages_column or self.input.system_prompt is not None
+        ):
+            key = "input.messages_column" if self.input.messages_column else "input.system_prompt"
+            _fail("model.chat_template", f"'none' cannot render chat turns ({key} is set)", "none")
+        col = self.input.json_schema_column
+        if col and (self.sampling.labels or self.input.labels_column):
+            _fail("input.json_schema_column", "cannot be combined with scoring (labels)", col)
+        if col and importlib.util.find_spec("xgrammar") is None:
+            _fail("input.json_schema_column", XGRAMMAR_HINT, col)
+        # checks across sections that need no device: the rest wait for the backend to open
+        dev, attn = self.model.device, self.engine.attention
+        if self.engine.backend != "native":
+            return
+        if attn == "cpu" and dev.startswith("cuda"):
+            _fail("engine.attention", f"'cpu' runs on the CPU only (model.device is {dev})", attn)
+        if attn == "triton" and dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            _fail("engine.attention", "'triton' needs CUDA (model.device is cpu)", attn)
+
+    def _check_storage(self) -> None:
+        """Every URI path has a filesystem under [storage]; local-only features refuse URIs."""
+        from batchjob.storage.stores import check_uri
+
+        out = self.output
+        uris: list[tuple[str, object]] = [("input.path", self.input.path)]
+        uris += [("output.path", out.path), ("output.report_path", out.report_path)]
+        uris += [("output.plan_path", out.plan_path)]
+        for key, value in uris:
+            if value is None or not is_uri(value):
+                continue
+            try:
+                check_uri(str(value), self.storage)
+            except ValueError as e:
+                opts = "storage.options" if self.storage.options else key
+                raise ConfigError(f"{opts}: {e} (for {key} = {value})") from None
+        if is_uri(self.input.path) and self.input.path.endswith(".jsonl"):
+            _fail("input.path", "OpenAI JSONL input must be a local file", self.input.path)
+        if isinstance(out.path, ObjectPath) and out.format == "openai-jsonl":
+            _fail("output.format", "openai-jsonl needs a local output.path", out.format)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain JSON-able dict (paths as strings, tuples as lists), for reports and logs."""
+
+        def plain(v: Any) -> Any:
+            if isinstance(v, Path | ObjectPath):
+                return str(v)
+            return list(v) if isinstance(v, tuple) else v
+
+        return {
+            name: {k: plain(v) for k, v in dataclasses.asdict(getattr(self, name)).items()}
+            for name in SECTIONS
+        }

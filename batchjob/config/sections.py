@@ -1,0 +1,301 @@
+"""The job file's sections, one frozen dataclass each: one declaration, one default and one
+check per setting. The sections go to the layers that use them (the native engine, its
+scheduler and sampler take ``SchedulerConfig``, ``EngineConfig`` and ``SamplingConfig``), so
+every value a lower layer would refuse is refused here, at load time, before any work.
+Torch-free: names come from ``batchjob.backends.names``."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchjob.backends.names import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    LINEAR_BACKENDS,
+    SCHEDULING_POLICIES,
+)
+from batchjob.config.checks import (
+    _bool,
+    _fail,
+    _float,
+    _int,
+    _list,
+    _path,
+    _str,
+    parse_bytes,
+)
+from batchjob.config.json_schema import XGRAMMAR_HINT, compact_json_schema
+from batchjob.errors import ConfigError
+from batchjob.storage.settings import StorageConfig as StorageConfig
+from batchjob.storage.stores import ObjectPath, is_uri
+
+
+def _prompt_source_checks(cfg: Any) -> None:
+    """input.template / messages_column / system_prompt: types, one source, a valid template."""
+    _str("input.messages_column", cfg.messages_column, optional=True)
+    if cfg.system_prompt is not None and not isinstance(cfg.system_prompt, str):
+        _fail("input.system_prompt", "must be a string", cfg.system_prompt)
+    if cfg.template is None:
+        return
+    _str("input.template", cfg.template)
+    if cfg.messages_column is not None:
+        _fail("input.template", "cannot be combined with input.messages_column", cfg.template)
+    from batchjob.inputs.template import parse_template  # torch-free, no import cycle
+
+    try:
+        parse_template(cfg.template)
+    except ValueError as e:
+        raise ConfigError(f"input.template: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# sections
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    path: str  # a Parquet file, a directory of them, or a glob (absolute after loading)
+    prompt_column: str = "prompt"  # text column, or list<int> token ids (auto-detected)
+    id_column: str | None = None  # a pass-through id column checked to exist
+    max_tokens_column: str = "max_tokens"  # per-row decode limit, used when present
+    batch_rows: int = 65536  # rows per streamed Arrow batch
+    limit: int | None = None  # read only the first N rows
+    template: str | None = None  # prompt built from columns: "Q: {question}" ({{ }}: braces)
+    messages_column: str | None = None  # list<struct<role, content>> chat messages
+    system_prompt: str | None = None  # system turn put before each row's messages/prompt
+    # per-row settings (batchjob.inputs.row_settings): a null value takes the [sampling] one
+    temperature_column: str | None = None
+    top_p_column: str | None = None
+    top_k_column: str | None = None
+    seed_column: str | None = None
+    stop_column: str | None = None  # list<string>
+    labels_column: str | None = None  # list<string>: scoring mode, this row's labels
+    json_schema_column: str | None = None  # string: this row's JSON schema (structured output)
+
+    def __post_init__(self) -> None:
+        _str("input.path", self.path if self.path is None else str(self.path))
+        object.__setattr__(self, "path", str(self.path))
+        _str("input.prompt_column", self.prompt_column)
+        _str("input.id_column", self.id_column, optional=True)
+        _str("input.max_tokens_column", self.max_tokens_column)
+        _int("input.batch_rows", self.batch_rows, lo=1)
+        _int("input.limit", self.limit, lo=1, optional=True)
+        _prompt_source_checks(self)
+        for name in ROW_SETTING_COLUMNS:
+            _str(f"input.{name}", getattr(self, name), optional=True)
+
+
+ROW_SETTING_COLUMNS = (
+    "temperature_column",
+    "top_p_column",
+    "top_k_column",
+    "seed_column",
+    "stop_column",
+    "labels_column",
+    "json_schema_column",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path | None = None  # local Hugging Face folder (config.json, safetensors, tokenizer)
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # default: config.json max_position_embeddings
+    chat_template: str | None = None  # auto | none | PATH; unset: only messages use the model's
+
+    def __post_init__(self) -> None:
+        _path(self, "path", "model.path", optional=True)
+        _str("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        _str("model.device", self.device)
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            _fail("model.device", "must be auto, cpu, cuda or cuda:N", self.device)
+        _int("model.max_model_len", self.max_model_len, lo=2, optional=True)
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", str(self.chat_template))
+        _str("model.chat_template", self.chat_template, optional=True)
+        if is_uri(self.chat_template):
+            _fail("model.chat_template", "must be auto, none or a local file", self.chat_template)
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn and when a request stops; the native sampler takes it as is
+    (per row, ``dataclasses.replace(cfg, max_tokens=row_limit)``)."""
+
+    max_tokens: int = 128  # generated tokens at most (finish "length"), where the row has none
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0 (or >= vocab size): off
+    top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1: off
+    seed: int = 0  # each draw is a hash of (seed, row_id, step): same seed, same outputs
+    stop_token_ids: tuple[int, ...] = ()  # finish "stop" when one is generated
+    stop: tuple[str, ...] = ()  # finish "stop" when the text contains one (text cut before it)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    logprobs: int | None = None  # per generated token: its log-prob and the top-N (0..20)
+    labels: tuple[str, ...] = ()  # scoring mode: log-prob of each label after the prompt
+    json_schema: str | None = None  # structured output: inline JSON or a schema file path
+
+    def __post_init__(self) -> None:
+        _int("sampling.max_tokens", self.max_tokens, lo=1)
+        _float(self, "temperature", "sampling.temperature", 0.0, 100.0)
+        _int("sampling.top_k", self.top_k, lo=0)
+        _float(self, "top_p", "sampling.top_p", 0.0, 1.0, lo_open=True)
+        _int("sampling.seed", self.seed, lo=0)
+        _list(self, "stop_token_ids", "sampling.stop_token_ids", int)
+        if any(t < 0 for t in self.stop_token_ids):
+            _fail("sampling.stop_token_ids", "must be >= 0", list(self.stop_token_ids))
+        _list(self, "stop", "sampling.stop", str)
+        if not all(self.stop):
+            _fail("sampling.stop", "stop strings must be non-empty", list(self.stop))
+        _bool("sampling.ignore_eos", self.ignore_eos)
+        _int("sampling.logprobs", self.logprobs, lo=0, optional=True)
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            _fail("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _list(self, "labels", "sampling.labels", str)
+        if not all(self.labels) or len(set(self.labels)) != len(self.labels):
+            _fail("sampling.labels", "labels must be non-empty and distinct", list(self.labels))
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _json_schema(self.json_schema))
+        if self.json_schema is not None and self.labels:
+            _fail("sampling.json_schema", "cannot be combined with sampling.labels", self.labels)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _json_schema(v: Any) -> str:
+    """Inline JSON (starts with "{") or a schema file -> the schema as compact JSON text,
+    checked to be a JSON Schema that xgrammar can compile (else ConfigError naming the key)."""
+    key = "sampling.json_schema"
+    _str(key, v)
+    text = v
+    if not v.lstrip().startswith("{"):
+        try:
+            text = Path(v).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(key, f"not inline JSON and not a readable file ({e.__class__.__name__})", v)
+    try:
+        return compact_json_schema(text)
+    except ImportError:
+        raise ConfigError(f"{key}: {XGRAMMAR_HINT}, got {v!r}") from None
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}, got {v!r}") from None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The native scheduler's settings; it takes this section as is, with the engine's
+    ``KVLayout`` (block count and size) beside it."""
+
+    policy: str = "batchllm"  # batchllm (groups, 3 queues, Algo 2) | baseline (vLLM v1 style)
+    chunk_size: int = 2048  # token budget S_chunk per iteration (decode + prefill tokens)
+    kv_threshold: float = 0.95  # M_threshold: KV fraction above which no new prefill starts
+    max_num_seqs: int = 256  # running-request cap (baseline policy only)
+    enlarge: bool = True  # Algo 1 first-level enlargement
+    reorder: bool = True  # Eq. 4 group order
+    decode_reserve: bool = True  # batchllm: admit new prefill against the projected decode peak
+
+    def __post_init__(self) -> None:
+        _str("scheduler.policy", self.policy, SCHEDULING_POLICIES)
+        _int("scheduler.chunk_size", self.chunk_size, lo=1)
+        _float(self, "kv_threshold", "scheduler.kv_threshold", 0.0, 1.0, lo_open=True)
+        _int("scheduler.max_num_seqs", self.max_num_seqs, lo=1)
+        _bool("scheduler.enlarge", self.enlarge)
+        _bool("scheduler.reorder", self.reorder)
+        _bool("scheduler.decode_reserve", self.decode_reserve)
+
+    def kv_cap_blocks(self, num_blocks: int) -> int:
+        """M_threshold in blocks: floor(kv_threshold * num_blocks)."""
+        return math.floor(self.kv_threshold * num_blocks + 1e-9)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Which engine runs the plan and its KV cache; the native engine takes it as is."""
+
+    backend: str = "native"  # native | vllm
+    kv_cache_bytes: int | None = None  # None: from gpu_memory_fraction on GPU, 2 GiB on CPU
+    gpu_memory_fraction: float = 0.9  # of the GPU's memory, when kv_cache_bytes is None
+    block_size: int = 16  # tokens per KV block (any size >= 1: the kernels index by // and %)
+    attention: str = "auto"  # auto | torch | cpu (C kernel) | triton (CUDA)
+    linear: str = "auto"  # auto: float32 CPU models' batches of <= 2048 rows on the C kernel
+    # where the calibration found it faster | torch
+    threads: int | None = None  # torch CPU threads
+    vllm: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine arguments (vllm only)
+
+    def __post_init__(self) -> None:
+        _str("engine.backend", self.backend, BACKENDS)
+        if not isinstance(self.vllm, dict):
+            _fail("engine.vllm", "must be a table of vLLM engine arguments", self.vllm)
+        if self.vllm and self.backend != "vllm":
+            _fail("engine.vllm", 'is for engine.backend = "vllm"', self.vllm)
+        if self.kv_cache_bytes is not None:
+            try:
+                object.__setattr__(self, "kv_cache_bytes", parse_bytes(self.kv_cache_bytes))
+            except ValueError as e:
+                raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
+            _int("engine.kv_cache_bytes", self.kv_cache_bytes, lo=1)
+        _float(self, "gpu_memory_fraction", "engine.gpu_memory_fraction", 0.0, 1.0, lo_open=True)
+        _int("engine.block_size", self.block_size, lo=1)
+        _str("engine.attention", self.attention, ATTENTION_BACKENDS)
+        _str("engine.linear", self.linear, LINEAR_BACKENDS)
+        _int("engine.threads", self.threads, lo=1, optional=True)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    path: Path | ObjectPath  # results: a .parquet file, or a directory (any other name)
+    report_path: Path | ObjectPath | None = None  # default: <meta>/report.json (outputs.layout)
+    plan_path: Path | ObjectPath | None = None  # default: <meta>/plan.parquet (outputs.layout)
+    overwrite: bool = False
+    rows_per_file: int = 100000
+    flush_rows: int = 4096  # finished rows per atomic part file (what a crash can lose)
+    format: str = "parquet"  # parquet | openai-jsonl (also writes OpenAI Batch output lines)
+
+    def __post_init__(self) -> None:
+        _path(self, "path", "output.path", optional=False, uri=True)
+        _path(self, "report_path", "output.report_path", optional=True, uri=True)
+        _path(self, "plan_path", "output.plan_path", optional=True, uri=True)
+        _bool("output.overwrite", self.overwrite)
+        _int("output.rows_per_file", self.rows_per_file, lo=1)
+        _int("output.flush_rows", self.flush_rows, lo=1)
+        _str("output.format", self.format, ("parquet", "openai-jsonl"))
+
+
+_RAY_ADDRESS = re.compile(r"none|local|auto|ray://\S+|[A-Za-z0-9_.\-]+:[0-9]+")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the plan runs: in this process ("none"), or split over the workers of a Ray
+    cluster (``batchjob.runner.cluster``; Ray is imported only then)."""
+
+    address: str = "none"  # none | local (start one here) | auto (this node's) | ray://host:port
+    workers: int = 1  # engine actors; the plan is split into this many shards, groups whole
+    num_cpus: float = 1.0  # Ray CPUs reserved by each worker
+    num_gpus: float = 0.0  # Ray GPUs reserved by each worker (1: one engine per GPU)
+    max_restarts: int = 1  # per worker: replacements after it dies (0: others take its rows)
+
+    def __post_init__(self) -> None:
+        _str("cluster.address", self.address)
+        if not _RAY_ADDRESS.fullmatch(self.address):
+            _fail(
+                "cluster.address",
+                "must be none, local, auto, ray://HOST:PORT or HOST:PORT",
+                self.address,
+            )
+        _int("cluster.workers", self.workers, lo=1)
+        _float(self, "num_cpus", "cluster.num_cpus", 0.0, 1e6, lo_open=True)
+        _float(self, "num_gpus", "cluster.num_gpus", 0.0, 1e6)
+        _int("cluster.max_restarts", self.max_restarts, lo=0)
+        if self.address != "none" and importlib.util.find_spec("ray") is None:
+            _fail("cluster.address", "needs Ray: pip install 'batchjob[ray]'", self.address)

@@ -1,0 +1,201 @@
+"""Parse a Hugging Face ``config.json`` (+ ``generation_config.json``) dict into a typed config.
+
+Torch-free and I/O-free: ``batchjob.model.info`` reads the files once and calls
+``parse_hf_config``. One parser for the whole Llama family; the differences between
+families are flags: q/k/v bias (Qwen2; Llama/Qwen3 ``attention_bias``), per-head q/k
+RMSNorm (Qwen3), sliding window (Mistral, Qwen with ``use_sliding_window``). Both the legacy
+``rope_theta`` + ``rope_scaling`` keys and the transformers-5 ``rope_parameters`` dict are
+understood. Anything the native engine cannot run raises ``ModelError`` here, so that
+``batchjob plan`` refuses the same model folders as ``batchjob run``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import ModelError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0  # linear, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 8192  # llama3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture as config.json describes it (not the job's ``[model]`` section)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q/k/v projections
+    o_bias: bool  # bias on the output projection
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    sliding_window: int | None  # attention window; None = full attention
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str | None  # the checkpoint's dtype name ("bfloat16"), if given
+
+    @property
+    def max_seq_len(self) -> int:
+        """max_position, capped by the sliding window (not implemented: a length cap)."""
+        w = self.sliding_window
+        return self.max_position if w is None else min(self.max_position, w)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _parse_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
+    params = cfg.get("rope_parameters")
+    legacy = cfg.get("rope_scaling")
+    scaling: dict[str, Any] = {}
+    if isinstance(params, dict):
+        scaling = dict(params)
+    if isinstance(legacy, dict):
+        scaling = {**legacy, **scaling}
+    theta = float(scaling.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(
+            f"{source}: rope scaling type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelError(f"{source}: partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return RopeConfig(theta=theta, rope_type="default")
+    try:
+        factor = float(scaling["factor"])
+        if rope_type == "linear":
+            return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+        return RopeConfig(
+            theta=theta,
+            rope_type="llama3",
+            factor=factor,
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelError(f"{source}: rope scaling {rope_type!r} lacks key {e.args[0]!r}") from e
+
+
+def _lenient_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
+    """The rope settings where batchjob only needs sizes (vLLM computes rope itself)."""
+    try:
+        return _parse_rope(cfg, source)
+    except ModelError:
+        return RopeConfig(theta=float(cfg.get("rope_theta", 10000.0)), rope_type="default")
+
+
+def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "MistralForCausalLM":
+        return int(window)
+    layer_types = cfg.get("layer_types") or []
+    if cfg.get("use_sliding_window") or "sliding_attention" in layer_types:
+        return int(window)
+    return None  # Qwen2/Qwen3 carry a window size but only use it when enabled
+
+
+def parse_hf_config(
+    cfg: dict[str, Any], generation: dict[str, Any] | None, source: Path, native: bool = True
+) -> ModelConfig:
+    """config.json (``cfg``) + generation_config.json (or None) -> ``ModelConfig``.
+
+    ``source`` (the config.json path) names the file in every ``ModelError``. ``native``:
+    refuse what the native engine cannot run (architecture, activation, rope type); without
+    it (the vLLM backend, which checks its own models) any architecture is read for its sizes.
+    """
+    cfg = {**(cfg.get("text_config") or {}), **cfg}  # multimodal configs nest the LM's numbers
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not native and archs:
+        arch = str(archs[0])
+    if arch is None:
+        raise ModelError(
+            f"{source}: unsupported architecture {archs or cfg.get('model_type')!r} "
+            f"(supported by the native engine: {', '.join(SUPPORTED_ARCHITECTURES)}; "
+            "engine.backend = 'vllm' runs the others)"
+        )
+    if native and cfg.get("hidden_act", "silu") != "silu":
+        raise ModelError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        vocab = int(cfg["vocab_size"])
+        inter = int(cfg["intermediate_size"])
+    except KeyError as e:
+        raise ModelError(f"{source}: missing key {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{source}: a size is not an integer: {e}") from e
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ModelError(
+            f"{source}: num_attention_heads {heads} not a multiple of kv heads {kv_heads}"
+        )
+
+    attention_bias = bool(cfg.get("attention_bias", False))
+    qwen2 = arch == "Qwen2ForCausalLM"
+    eos = _as_id_list(cfg.get("eos_token_id"))
+    bos = cfg.get("bos_token_id")
+    if generation is not None:
+        eos = eos + [t for t in _as_id_list(generation.get("eos_token_id")) if t not in eos]
+        bos = generation.get("bos_token_id", bos) if bos is None else bos
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(cfg, source) if native else _lenient_rope(cfg, source),
+        max_position=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qwen2 or (attention_bias and arch != "MistralForCausalLM"),
+        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=_sliding_window(arch, cfg),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )

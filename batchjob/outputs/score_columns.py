@@ -1,0 +1,95 @@
+"""The optional result columns of issue 13: ``output_logprobs`` (``sampling.logprobs``),
+``label_logprobs`` and ``label`` (scoring mode), built as Arrow arrays without a Python
+object per token. ``batchjob.outputs.results`` adds the ones a job asks for to its schema."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from batchjob.backends.base import TokenLogprobs
+from batchjob.config import JobConfig
+
+_TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
+_STEP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32()), ("top", pa.list_(_TOP))])
+OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
+    "output_logprobs": pa.list_(_STEP),
+    "label_logprobs": pa.list_(pa.float32()),
+    "label": pa.string(),
+}
+
+
+def job_columns(job: JobConfig) -> tuple[str, ...]:
+    """The optional columns this job writes."""
+    cols: list[str] = []
+    if job.sampling.logprobs is not None:
+        cols.append("output_logprobs")
+    if job.sampling.labels or job.input.labels_column:
+        cols += ["label_logprobs", "label"]
+    return tuple(cols)
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _mask(valid: np.ndarray) -> pa.Array | None:
+    return None if valid.all() else pa.array(~valid)
+
+
+def logprobs_array(
+    token_ids: Sequence[np.ndarray | None], logprobs: Sequence[TokenLogprobs | None]
+) -> pa.Array:
+    """One ``output_logprobs`` value per row (null where the row has none)."""
+    valid = np.array([lp is not None for lp in logprobs], dtype=bool)
+    rows = [(t, lp) for t, lp in zip(token_ids, logprobs, strict=True) if lp is not None]
+    lengths = np.array([len(lp.logprob) for lp in logprobs if lp is not None], dtype=np.int64)
+    all_lengths = np.zeros(len(logprobs), dtype=np.int64)
+    all_lengths[valid] = lengths
+    if rows:
+        ids = np.concatenate([np.asarray(t, dtype=np.int32)[: len(lp.logprob)] for t, lp in rows])
+        lp = np.concatenate([r[1].logprob for r in rows]).astype(np.float32)
+        n = rows[0][1].top_ids.shape[1]
+        top_ids = np.concatenate([r[1].top_ids.reshape(-1) for r in rows]).astype(np.int32)
+        top_lp = np.concatenate([r[1].top_logprobs.reshape(-1) for r in rows]).astype(np.float32)
+    else:
+        ids, lp, n = np.zeros(0, np.int32), np.zeros(0, np.float32), 0
+        top_ids, top_lp = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    top = pa.StructArray.from_arrays(
+        [pa.array(top_ids, pa.int32()), pa.array(top_lp, pa.float32())], fields=list(_TOP)
+    )
+    top_lists = pa.ListArray.from_arrays(pa.array(np.arange(len(ids) + 1) * n, pa.int32()), top)
+    steps = pa.StructArray.from_arrays(
+        [pa.array(ids, pa.int32()), pa.array(lp, pa.float32()), top_lists], fields=list(_STEP)
+    )
+    return pa.ListArray.from_arrays(
+        pa.array(_offsets(all_lengths), pa.int32()), steps, mask=_mask(valid)
+    ).cast(OPTIONAL_COLUMNS["output_logprobs"])
+
+
+def label_logprobs_array(values: Sequence[np.ndarray | None]) -> pa.Array:
+    valid = np.array([v is not None for v in values], dtype=bool)
+    lengths = np.array([0 if v is None else len(v) for v in values], dtype=np.int64)
+    flat = [np.asarray(v, dtype=np.float32) for v in values if v is not None]
+    vals = np.concatenate(flat) if flat else np.zeros(0, np.float32)
+    return pa.ListArray.from_arrays(
+        pa.array(_offsets(lengths), pa.int32()), pa.array(vals, pa.float32()), mask=_mask(valid)
+    )
+
+
+def optional_columns(rows: Sequence, schema: pa.Schema) -> dict[str, pa.Array]:
+    """The optional columns of ``schema`` for a buffer of ``ResultRow``s."""
+    out: dict[str, pa.Array] = {}
+    if "output_logprobs" in schema.names:
+        out["output_logprobs"] = logprobs_array(
+            [r.output_token_ids for r in rows], [r.output_logprobs for r in rows]
+        )
+    if "label_logprobs" in schema.names:
+        out["label_logprobs"] = label_logprobs_array([r.label_logprobs for r in rows])
+    if "label" in schema.names:
+        out["label"] = pa.array([r.label for r in rows], pa.string())
+    return out

@@ -1,0 +1,258 @@
+"""Run a planned job over the workers of a Ray cluster, surviving the loss of workers.
+
+Work items are shards of the global plan (``batchjob.plan.shard``: groups whole, LPT by
+cost), one per worker at the start. A worker that dies (its process killed, its node lost)
+fails its pending call with ``RayActorError``; the rows of its item that are not in a part
+file yet are planned again as a new item, which a replacement worker (up to
+``cluster.max_restarts`` per worker) or the next worker to go idle takes. Rows a dead
+worker wrote stay written and are not redone. When every worker is gone with work left, the
+job stops with ``WorkersLostError`` (exit 1: retry; a rerun resumes from the parts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchjob.config import ClusterConfig, JobConfig
+from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
+from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.results import ResultSink
+from batchjob.plan.build import build_plan
+from batchjob.plan.plan import Plan
+from batchjob.plan.shard import shard_plan, split
+from batchjob.runner.cluster.worker import ShardWorker, workers_dir
+from batchjob.runner.execute import Execution, merge, select_rows
+from batchjob.runner.heartbeat import Heartbeat
+from batchjob.tokenize.prompts import TokenizedPrompts
+
+log = logging.getLogger(__name__)
+
+ACTOR_PREFIX = "batchjob-"  # actor names: batchjob-<run token>-<writer id>
+# the driver's object-store settings and credentials go with its workers (a cluster's nodes
+# may have none of their own; instance roles and ~/.aws on the nodes still apply)
+FORWARDED_ENV = ("AWS_",)
+
+
+class WorkersLostError(BatchJobError, exit_code=EXIT_RUNTIME):
+    """Every worker of the cluster died with rows left; the written rows are kept."""
+
+
+@dataclass
+class _Work:
+    what: str  # for the log: "shard 1", "12 rows left by w0"
+    prompts: TokenizedPrompts
+    plan: Plan
+
+
+@dataclass
+class _Slot:
+    index: int
+    restarts: int = 0
+    actor: Any = None  # None: dead, no replacement left
+    busy: bool = False
+
+    @property
+    def writer(self) -> str:
+        return f"w{self.index}" + (f"r{self.restarts}" if self.restarts else "")
+
+
+def _first_line(err: Exception) -> str:
+    """The first line of a Ray error that says something (they start with boilerplate)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if "Error" in ln and "The actor died" not in ln]
+    return (useful[-1] if useful else lines[0] if lines else type(err).__name__)[:300]
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "cluster.address: running on a cluster needs Ray: pip install 'batchjob[ray]'"
+        ) from None
+    return ray
+
+
+def connect(ray, cfg: ClusterConfig) -> bool:
+    """Join (or start, for "local") the cluster; True when this call started Ray here."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(
+            address=cfg.address,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise WorkersLostError(
+            f"cluster.address: cannot reach the Ray cluster at {cfg.address!r}: {e}"
+        ) from None
+    return True
+
+
+def runtime_options() -> dict[str, Any]:
+    """Ray options that give a task or actor the driver's forwarded environment."""
+    if env := {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}:
+        return {"runtime_env": {"env_vars": env}}
+    return {}
+
+
+def run_on_cluster(
+    job: JobConfig,
+    layout: OutputLayout,
+    manifest: dict,
+    prompts: TokenizedPrompts,
+    plan: Plan,
+    text_prompts: bool,
+    progress: bool = False,
+    heartbeat_s: float | None = None,
+) -> Execution:
+    """Run ``plan`` over ``prompts`` on ``job.cluster.workers`` engine actors; every row ends
+    in a part file of ``layout`` (or the call raises). The driver commits the parts after."""
+    if not len(prompts):  # every row written by an earlier run: nothing to start Ray for
+        return merge([], plan, f"ray:{job.cluster.workers}xnone", 0.0)
+    ray = _import_ray()
+    started = connect(ray, job.cluster)
+    try:
+        driver = _Driver(ray, job, layout, manifest, text_prompts)
+        driver.heartbeat = Heartbeat(len(prompts), heartbeat_s) if heartbeat_s else None
+        return driver.run(prompts, plan)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+class _Driver:
+    def __init__(self, ray, job: JobConfig, layout: OutputLayout, manifest: dict, text: bool):
+        self.ray, self.job, self.layout, self.manifest, self.text = ray, job, layout, manifest, text
+        self.actor_cls = ray.remote(ShardWorker)
+        self.token = uuid.uuid4().hex[:8]
+        self.slots = [_Slot(i) for i in range(job.cluster.workers)]
+        self.last_error = ""
+        self.heartbeat: Heartbeat | None = None  # the operator's log: a line per interval
+
+    def _start(self, slot: _Slot) -> None:
+        cfg = self.job.cluster
+        slot.actor = self.actor_cls.options(
+            name=f"{ACTOR_PREFIX}{self.token}-{slot.writer}",
+            num_cpus=cfg.num_cpus,
+            num_gpus=cfg.num_gpus,
+            max_restarts=0,  # a replacement is a new actor with a new writer id
+            **runtime_options(),
+        ).remote(self.job, self.layout, self.manifest, self.text, slot.writer)
+        slot.busy = False
+
+    def _left_over(self, work: _Work) -> _Work | None:
+        """The rows of ``work`` that no part file holds, planned again (None: all written)."""
+        done = ResultSink(self.layout, self.manifest).done_row_ids()
+        rest = select_rows(work.prompts, ~np.isin(work.prompts.row_ids, done))
+        if not len(rest):
+            return None
+        sched = self.job.scheduler
+        return _Work(
+            f"{len(rest)} rows left by {work.what}",
+            rest,
+            build_plan(rest, enlarge=sched.enlarge, order=sched.reorder),
+        )
+
+    def run(self, prompts: TokenizedPrompts, plan: Plan) -> Execution:
+        ray, cfg = self.ray, self.job.cluster
+        t0 = time.perf_counter()
+        sharding = shard_plan(plan, prompts.lengths, cfg.workers)
+        queue: deque[_Work] = deque()
+        for s, (shard, shard_plan_) in enumerate(split(prompts, plan, sharding)):
+            if len(shard):
+                queue.append(_Work(f"shard {s}", shard, shard_plan_))
+        log.info(
+            "cluster: %d rows, %d groups over %d workers (cost spread %.2f%%)",
+            len(prompts),
+            plan.num_groups,
+            cfg.workers,
+            100 * sharding.spread,
+        )
+        for slot in self.slots:
+            self._start(slot)
+        running: dict[Any, tuple[_Slot, _Work]] = {}
+        results: list[Execution] = []
+        try:
+            while queue or running:
+                for slot in self.slots:
+                    if queue and slot.actor is not None and not slot.busy:
+                        work = queue.popleft()
+                        running[slot.actor.run.remote(work.prompts, work.plan)] = (slot, work)
+                        slot.busy = True
+                if not running:
+                    raise WorkersLostError(
+                        f"every cluster worker died ({cfg.workers} workers, "
+                        f"cluster.max_restarts = {cfg.max_restarts}) with "
+                        f"{sum(len(w.prompts) for w in queue)} rows left; the rows written "
+                        f"are kept: rerun the job to resume (last: {self.last_error})"
+                    )
+                every = self.heartbeat.every_s if self.heartbeat else None
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=every)
+                if not ready:
+                    self._beat(len(prompts), results, running)
+                    continue
+                [ref] = ready
+                slot, work = running.pop(ref)
+                slot.busy = False
+                try:
+                    results.append(ray.get(ref))
+                    log.info("cluster: %s done on %s", work.what, slot.writer)
+                except ray.exceptions.RayActorError as e:
+                    self._lost(slot, work, queue, e)
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    if isinstance(cause, BatchJobError):
+                        raise cause from None  # bad config/model: its own exit code
+                    raise
+        finally:
+            for slot in self.slots:
+                if slot.actor is not None:
+                    ray.kill(slot.actor, no_restart=True)
+        if isinstance(info := workers_dir(self.layout), Path):  # (on a store: left, tiny)
+            shutil.rmtree(info, ignore_errors=True)
+        return merge(results, plan, self._device(results), time.perf_counter() - t0)
+
+    def _lost(self, slot: _Slot, work: _Work, queue: deque[_Work], err: Exception) -> None:
+        # make sure it is gone (an unreachable actor is not always a dead one) before its
+        # unwritten rows go to another worker: two writers of a row would be a duplicate
+        self.ray.kill(slot.actor, no_restart=True)
+        rest = self._left_over(work)
+        self.last_error = f"{slot.writer}: {_first_line(err)}"
+        log.warning(
+            "cluster: worker %s died (%s); %s",
+            slot.writer,
+            _first_line(err),
+            f"{rest.what} run again" if rest else f"{work.what} was fully written",
+        )
+        if rest is not None:
+            queue.appendleft(rest)
+        slot.actor = None
+        if slot.restarts < self.job.cluster.max_restarts:
+            slot.restarts += 1
+            self._start(slot)
+
+    def _beat(self, total: int, results: list[Execution], running: dict) -> None:
+        if self.heartbeat:
+            done = sum(e.requests_run + e.over_budget for e in results)
+            lost = sum(s.restarts + (s.actor is None) for s in self.slots)
+            self.heartbeat.say(
+                f"cluster: {len(results)} shards done ({done} of {total} rows), "
+                f"{len(running)} workers busy, {lost} workers lost so far"
+            )
+
+    def _device(self, results: list[Execution]) -> str:
+        devices = sorted({e.device for e in results})
+        return f"ray:{self.job.cluster.workers}x{'+'.join(devices) or 'none'}"

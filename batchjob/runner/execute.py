@@ -1,0 +1,216 @@
+"""Run a plan on one backend into a result sink: the step a single-machine job and every
+cluster worker share (``pipeline`` calls it once; ``batchjob.runner.cluster`` once per shard).
+
+Opens the job's backend, reports the rows that cannot fit its KV budget even alone (the rest
+are re-planned without them), checks the plan fits, runs it, and adds every finished request
+to the sink as a result row; whatever finished is flushed to disk even on a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from batchjob.backends import open_backend
+from batchjob.backends.base import BackendRun, FinishedRequest, RunSink
+from batchjob.config import JobConfig
+from batchjob.errors import ConfigError, ModelError
+from batchjob.model.info import ModelInfo
+from batchjob.outputs.results import ResultRow, ResultSink
+from batchjob.plan.build import build_plan
+from batchjob.plan.plan import Plan
+from batchjob.plan.plan_io import write_plan
+from batchjob.runner.heartbeat import Heartbeat
+from batchjob.status import STATUS_KV_BUDGET, STATUS_OK
+from batchjob.storage.atomic import Target
+from batchjob.tokenize.prompts import TokenizedPrompts
+from batchjob.tokenize.tokenizer import PromptTokenizer, detokenize, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """What running a plan did (one backend, or the merge of a cluster's workers)."""
+
+    run: BackendRun
+    plan: Plan  # the plan that ran (without the rows over the KV budget)
+    requests_run: int
+    prompt_tokens: int
+    generated_tokens: int
+    over_budget: int  # rows reported as kv_budget_exceeded instead of run
+    device: str
+    load_s: float  # opening the backend and checking the plan
+
+
+def job_tokenizer(job: JobConfig, text_prompts: bool) -> PromptTokenizer | None:
+    """Text prompts need the model's tokenizer; token ids use it only to decode the outputs,
+    when the folder has one (else output_text stays null)."""
+    if job.model.path is None:
+        raise ModelError("model.path: required to run a job (a local Hugging Face model folder)")
+    if text_prompts or (Path(job.model.path) / "tokenizer.json").is_file():
+        return load_tokenizer(job.model.path)
+    if job.sampling.stop:
+        raise ConfigError(
+            f"sampling.stop: stop strings need a tokenizer.json in {job.model.path} "
+            "to decode the outputs"
+        )
+    return None
+
+
+def decode(tokenizer: PromptTokenizer | None, ids) -> str | None:
+    return detokenize(tokenizer, [ids])[0] if tokenizer is not None else None
+
+
+def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts:
+    """The prompts whose ``keep`` flag is set (bool [N]), tokens compacted."""
+    lengths = prompts.lengths[keep]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    token_mask = np.repeat(keep, prompts.lengths)
+    return TokenizedPrompts(
+        row_ids=prompts.row_ids[keep],
+        tokens=prompts.tokens[token_mask],
+        offsets=offsets,
+        max_tokens=prompts.max_tokens[keep],
+        settings=prompts.settings,  # keyed by row_id: valid for any selection
+    )
+
+
+def _rows_over_budget(backend, prompts: TokenizedPrompts, plan) -> np.ndarray:
+    """bool [N]: rows the backend says cannot fit its KV budget even alone (none if it
+    cannot tell: then ``check_fits`` alone decides)."""
+    probe = getattr(backend, "rows_over_budget", None)
+    if probe is None or not len(prompts):
+        return np.zeros(len(prompts), dtype=bool)
+    return np.asarray(probe(prompts, plan), dtype=bool)
+
+
+def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> ResultRow:
+    n, mt = int(prompts.lengths[i]), int(prompts.max_tokens[i])
+    msg = (
+        f"row {int(prompts.row_ids[i])}: prompt of {n} tokens + max_tokens {mt} does not fit "
+        f"the KV cache (engine.kv_cache_bytes = {budget}) even alone; give the engine more "
+        "KV memory or lower the row's max_tokens"
+    )
+    return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
+
+
+def execute(
+    job: JobConfig,
+    prompts: TokenizedPrompts,
+    plan: Plan,
+    sink: ResultSink,
+    tokenizer: PromptTokenizer | None,
+    model: ModelInfo | None = None,
+    *,
+    plan_file: Target | None = None,
+    progress: bool = False,
+    heartbeat_s: float | None = None,
+    headline: Callable[[int, int], str] | None = None,
+) -> Execution:
+    """Run ``plan`` over ``prompts`` on the job's backend, every outcome into ``sink``.
+
+    ``plan_file``: where the plan that runs is written (None: not written); ``headline(to_run,
+    over_budget)``: the heartbeat's first line."""
+    t0 = time.perf_counter()
+    # no tokenizer, no stop strings (refused at load): the backend never needs text then
+    backend = open_backend(job, lambda ids: decode(tokenizer, ids) or "", model)
+    over = _rows_over_budget(backend, prompts, plan)
+    n_over = int(over.sum()) if not over.all() else 0
+    if n_over:  # report those rows, run the rest (all: a config error)
+        for i in np.flatnonzero(over):
+            sink.add(_over_budget_row(prompts, int(i), job.engine.kv_cache_bytes))
+        prompts = select_rows(prompts, ~over)
+        plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
+    backend.check_fits(prompts, plan)
+    if plan_file is not None:
+        write_plan(plan, plan_file)
+    load_s = time.perf_counter() - t0
+    log.info("stage load done in %.2f s", load_s)
+
+    lengths = prompts.lengths
+    generated = 0
+    finished = 0
+    bar = tqdm(total=len(prompts), unit="row", disable=not progress, desc="batchjob")
+
+    def on_finish(o: FinishedRequest) -> None:
+        nonlocal generated, finished
+        generated += len(o.token_ids)
+        finished += 1
+        text = o.text if o.text is not None else decode(tokenizer, o.token_ids)
+        sink.add(
+            ResultRow(
+                o.row_id,
+                text,
+                o.token_ids,
+                int(lengths[o.position]),
+                len(o.token_ids),
+                o.finish_reason,
+                o.status or STATUS_OK,
+                o.message,
+                output_logprobs=o.logprobs,
+                label_logprobs=o.label_logprobs,
+                label=o.label,
+            )
+        )
+        bar.update(1)
+
+    t_run = time.perf_counter()
+    hb = Heartbeat(len(prompts), heartbeat_s) if heartbeat_s else None
+    if hb and headline:
+        hb.say(headline(len(prompts), n_over))
+
+    def on_iteration(_rec) -> None:
+        if progress and _rec.iteration % 8 == 0:
+            bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t_run, 1e-9):.0f}")
+        if hb:
+            hb.beat(finished, generated, _rec.kv_bytes_used, job.engine.kv_cache_bytes or 0)
+
+    try:
+        run_info = backend.run(prompts, plan, RunSink(on_finish, on_iteration))
+    finally:
+        bar.close()
+        backend.close()
+        sink.flush()  # whatever finished is on disk, even on Ctrl-C or a crash
+    return Execution(
+        run=run_info,
+        plan=plan,
+        requests_run=len(prompts),
+        prompt_tokens=int(lengths.sum()),
+        generated_tokens=generated,
+        over_budget=n_over,
+        device=backend.device,
+        load_s=load_s,
+    )
+
+
+def merge(runs: list[Execution], plan: Plan, device: str, wall_s: float) -> Execution:
+    """One Execution of several workers' (a cluster's): counts summed, iterations in worker
+    order, peak KV the largest worker's, ``wall_s`` the cluster's."""
+    its = [it for e in runs for it in e.run.iterations]
+    run = BackendRun(
+        iterations=its,
+        computed_prefill_tokens=sum(e.run.computed_prefill_tokens for e in runs),
+        recomputed_tokens=sum(e.run.recomputed_tokens for e in runs),
+        preemptions=sum(e.run.preemptions for e in runs),
+        peak_kv_bytes=max((e.run.peak_kv_bytes for e in runs), default=0),
+        kv_budget_bytes=max((e.run.kv_budget_bytes for e in runs), default=0),
+        wall_s=wall_s,
+    )
+    return Execution(
+        run=run,
+        plan=plan,
+        requests_run=sum(e.requests_run for e in runs),
+        prompt_tokens=sum(e.prompt_tokens for e in runs),
+        generated_tokens=sum(e.generated_tokens for e in runs),
+        over_budget=sum(e.over_budget for e in runs),
+        device=device,
+        load_s=max((e.load_s for e in runs), default=0.0),
+    )

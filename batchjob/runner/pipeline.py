@@ -1,0 +1,242 @@
+"""One job end to end: read -> tokenize -> plan -> execute -> write results and report.
+
+``run(job)`` is the Python API under ``batchjob run``. Before any work it checks the output
+path, takes the output's lock and compares the job's manifest with what the output holds
+(``manifest``): a rerun of the same interrupted job skips the rows already written; another
+job's results or parts are refused unless ``output.overwrite``, and even then replaced only at
+commit, once the new results are complete (``results``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from batchjob.config import JobConfig
+from batchjob.errors import AllRowsRejectedError, ConfigError
+from batchjob.inputs.source import open_input
+from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.manifest import difference, manifest, read_manifest
+from batchjob.outputs.report import RunSummary, summarize, write_report
+from batchjob.outputs.results import ResultRow, ResultSink
+from batchjob.outputs.score_columns import job_columns
+from batchjob.plan.build import build_plan
+from batchjob.plan.plan_io import write_plan
+from batchjob.runner.execute import execute, job_tokenizer, select_rows
+from batchjob.storage.faults import fault_point
+from batchjob.storage.lock import output_lock
+from batchjob.storage.stores import ObjectPath
+from batchjob.storage.stores import configure as configure_storage
+from batchjob.tokenize.batched import load_prompts
+from batchjob.tokenize.prompts import TokenizedPrompts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    results_path: Path | ObjectPath  # ObjectPath: on an object store (batchjob.storage.stores)
+    report_paths: dict[str, Path | ObjectPath]
+    summary: RunSummary | None  # None when the job was already complete
+
+
+def _foreign(layout: OutputLayout, what: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"output.path: {layout.output} {what} of another job: {why}. To replace them rerun "
+        "with --set output.overwrite=true (they stay until the new results are complete); "
+        "to keep them choose another output.path"
+    )
+
+
+def _resume_or_start(layout: OutputLayout, this: dict, overwrite: bool) -> bool:
+    """False when the output already holds this job's complete results; True to run (resuming
+    this job's parts if any). Another job's output: ConfigError, or with ``overwrite`` its
+    parts are dropped and its results kept until the commit replaces them."""
+    if layout.has_parts():
+        why = difference(this, read_manifest(layout.parts_manifest))
+        if why is None:
+            return True  # resume: an interrupted overwrite run keeps its progress too
+        if not overwrite:
+            raise _foreign(layout, "holds unfinished parts", why)
+    if layout.store.exists(layout.parts):  # another job's parts, or a manifest with no rows
+        layout.drop_parts()
+    if layout.complete() and not overwrite:
+        why = difference(this, read_manifest(layout.manifest_file))
+        if why is None:
+            return False
+        raise _foreign(layout, "holds results", why)
+    return True
+
+
+def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPrompts:
+    """Per-row max_tokens cut to what the context leaves after the prompt: generation stops
+    at the model's context with finish_reason "length", as in vLLM (prompts that leave no
+    room were rejected as prompt_too_long)."""
+    room = np.maximum(max_model_len - prompts.lengths, 1)
+    capped = np.minimum(prompts.max_tokens.astype(np.int64), room).astype(np.int32)
+    return dataclasses.replace(prompts, max_tokens=capped)
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _identity(this: dict, started: str) -> dict:
+    """The report's job identity: the manifest's description + version and times."""
+    return {
+        **this["job"],
+        "batchjob_version": this["fingerprint"]["batchjob.version"],
+        "input_files": len(this["fingerprint"]["input.files"]),
+        "num_rows": this["fingerprint"]["input.num_rows"],
+        "started_at": started,
+        "finished_at": _utc_now(),
+    }
+
+
+def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None) -> JobResult:
+    """Run ``job``; returns where results and report went and the summary.
+
+    ``heartbeat_s``: print a progress line on stderr this often (the operator's log)."""
+    t_job = time.perf_counter()
+    started = _utc_now()
+    configure_storage(job.storage)  # object-store settings, for a job not made by load_job
+    layout = OutputLayout.of(job.output)
+    dataset = open_input(job.input)  # metadata only: files and row count for the manifest
+    layout.check(job.input.path, dataset.files)
+    layout.prepare()
+    with output_lock(layout.lock_file, layout.output):
+        layout.clean_stale()
+        this = manifest(job, dataset.files, dataset.num_rows)
+        if not _resume_or_start(layout, this, job.output.overwrite):
+            return JobResult(layout.output, {}, None)  # complete already: idempotent
+        return _run_locked(
+            job, layout, this, progress, t_job, heartbeat_s, started, dataset.prompt_is_text
+        )
+
+
+def _rejected_summary(loaded) -> str:
+    counts = ", ".join(f"{k}: {v}" for k, v in sorted(loaded.rejected.counts().items()))
+    first = loaded.rejected.message[0] if len(loaded.rejected) else ""
+    return f"every one of the {loaded.num_rows} input rows was rejected ({counts}); first: {first}"
+
+
+def _run_locked(
+    job: JobConfig,
+    layout: OutputLayout,
+    this: dict,
+    progress: bool,
+    t_job: float,
+    heartbeat_s: float | None = None,
+    started: str = "",
+    text_prompts: bool = True,
+) -> JobResult:
+    stage: dict[str, float] = {}
+
+    tokenizer = job_tokenizer(job, text_prompts)  # once: encodes text, decodes outputs
+    if job.cluster.address == "none":
+        loaded, model = load_prompts(job, tokenizer)  # model: the folder, read once
+    else:  # read + tokenize as Ray tasks over the input's row groups (batchjob.runner.cluster.read)
+        from batchjob.runner.cluster import load_prompts_on_cluster
+
+        loaded, model = load_prompts_on_cluster(job, tokenizer)
+    stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
+    log.info("stage tokenize done (read + tokenize: %d rows)", loaded.num_rows)
+    if len(loaded.prompts) == 0:
+        raise AllRowsRejectedError(_rejected_summary(loaded))  # nothing written: fix the data
+    sink = ResultSink(
+        layout,
+        this,
+        flush_rows=job.output.flush_rows,
+        rows_per_file=job.output.rows_per_file,
+        extra_columns=job_columns(job),
+    )
+    done = sink.done_row_ids()
+    prompts = select_rows(loaded.prompts, ~np.isin(loaded.prompts.row_ids, done))
+    if model is not None:
+        prompts = cap_to_context(prompts, model.max_model_len)
+    rejected = loaded.rejected
+    for i in np.flatnonzero(~np.isin(rejected.row_ids, done)):
+        sink.add(
+            ResultRow(
+                int(rejected.row_ids[i]),
+                None,
+                None,
+                0,
+                0,
+                None,
+                rejected.status[i],
+                rejected.message[i],
+            )
+        )
+
+    t0 = time.perf_counter()
+    plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
+    stage["plan_s"] = time.perf_counter() - t0
+    log.info("stage plan done in %.2f s", stage["plan_s"])
+
+    if job.cluster.address == "none":
+        ex = execute(
+            job,
+            prompts,
+            plan,
+            sink,
+            tokenizer,
+            model,
+            plan_file=layout.plan_file,
+            progress=progress,
+            heartbeat_s=heartbeat_s,
+            headline=lambda to_run, n_over: (
+                f"{loaded.num_rows} rows: {to_run} to run, {len(done)} done earlier, "
+                f"{len(loaded.rejected) + n_over} rejected -> {layout.output}"
+            ),
+        )
+    else:  # the plan split over the workers of a Ray cluster (Ray imported only here)
+        from batchjob.runner.cluster import run_on_cluster
+
+        write_plan(plan, layout.plan_file)
+        ex = run_on_cluster(job, layout, this, prompts, plan, text_prompts, progress, heartbeat_s)
+    plan, run_info, n_over = ex.plan, ex.run, ex.over_budget
+    stage["load_s"] = ex.load_s
+    stage["run_s"] = run_info.wall_s
+    log.info("stage run done in %.2f s", stage["run_s"])
+
+    t0 = time.perf_counter()
+    results_path = sink.finalize(loaded.passthrough, expected_rows=loaded.num_rows)
+    stage["write_s"] = time.perf_counter() - t0
+    log.info("stage write done in %.2f s", stage["write_s"])
+    summary = summarize(
+        run_info,
+        prompt_tokens=ex.prompt_tokens,
+        generated_tokens=ex.generated_tokens,
+        requests_run=ex.requests_run,
+        rows={
+            "total": loaded.num_rows,
+            "ok": len(loaded.prompts) - n_over,
+            "rejected": len(loaded.rejected) + n_over,
+            "skipped": len(done),
+        },
+        plan_ratios=(plan.stats.saving_ratio_single_level, plan.stats.saving_ratio_multi_level),
+        total_s=time.perf_counter() - t_job,
+        stage_s=stage,
+        policy=job.scheduler.policy,
+        device=ex.device,
+        results=results_path,
+    )
+    summary = dataclasses.replace(summary, job=_identity(this, started))
+    fault_point("report")
+    paths = write_report(summary, run_info, layout.report_file)
+    if job.output.format == "openai-jsonl":  # from the committed results: a kill before
+        from batchjob.outputs.openai_batch import write_responses  # cleanup redoes it
+
+        assert isinstance(results_path, Path)  # refused at load for an object store
+        paths["openai_jsonl"] = write_responses(
+            job.input, job.model, layout.jsonl_file, results_path
+        )
+    sink.cleanup()  # after the report: a kill before here re-commits and re-reports on rerun
+    return JobResult(results_path, paths, summary)

@@ -1,0 +1,28 @@
+"""Every row status a result can carry, declared once. ``ok`` is success; every other value
+names what was wrong with that row (the row's ``message`` column says more). The job goes on:
+a bad row never stops the others."""
+
+from __future__ import annotations
+
+STATUS_OK = "ok"
+# rejected while reading or tokenizing
+STATUS_EMPTY_PROMPT = "empty_prompt"
+STATUS_PROMPT_TOO_LONG = "prompt_too_long"
+STATUS_INVALID_TOKENS = "invalid_tokens"
+STATUS_INVALID_MAX_TOKENS = "invalid_max_tokens"
+STATUS_NULL_FIELD = "null_field"  # input.template names a column that is null in this row
+STATUS_CHAT_TEMPLATE = "chat_template_error"  # the chat template refused the row's messages
+STATUS_INVALID_REQUEST = "invalid_request"  # an OpenAI Batch line that is not a valid request
+# a per-row setting column (input.<name>_column) holding a value the setting refuses
+STATUS_INVALID_SETTING = {
+    "temperature_column": "invalid_temperature",
+    "top_p_column": "invalid_top_p",
+    "top_k_column": "invalid_top_k",
+    "seed_column": "invalid_seed",
+    "stop_column": "invalid_stop",
+    "labels_column": "invalid_labels",
+    "json_schema_column": "invalid_json_schema",
+}
+# set while running
+STATUS_KV_BUDGET = "kv_budget_exceeded"  # the row cannot fit the KV cache even alone
+STATUS_JSON_INCOMPLETE = "json_incomplete"  # max_tokens ended a structured output early

@@ -1,0 +1,122 @@
+"""One run per output, taken before any work.
+
+Local output: an exclusive ``fcntl.flock`` on ``<meta>/lock``. The kernel drops the lock when
+the process ends however it ends (SIGKILL included), so a stale lock file never blocks a rerun.
+A second run gets ``LockedError`` (exit 75) at once.
+
+Object store (``s3://``): no fcntl. The lock is the object ``<meta>/lock``, created with a
+conditional put (``If-None-Match: *``: AWS S3 since 2024, MinIO, moto): of two runs exactly one
+creates it, the other gets exit 75. It holds the writer's host and pid and is deleted when the
+run ends (an exception or Ctrl-C included). A SIGKILLed run leaves it behind: a rerun on the
+same host sees that the pid is gone and takes the lock over; a run on another host cannot know,
+and exits 75 naming the object to delete once no run is writing. Where no conditional put is
+possible (boto3 not installed, a server that answers 501, a non-S3 store) the lock object is
+written for information only and the run assumes it is the single writer, saying so on stderr.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from batchjob.errors import ConfigError, LockedError
+from batchjob.storage.stores import ObjectPath, ObjectStore, put_if_absent
+
+log = logging.getLogger(__name__)
+
+
+def output_lock(lock_file: Path | ObjectPath, output: Any) -> AbstractContextManager[None]:
+    """Hold the lock of ``output`` for the ``with`` block (the holder's pid in the lock)."""
+    if isinstance(lock_file, ObjectPath):
+        return _object_lock(lock_file, output)
+    return _file_lock(lock_file, output)
+
+
+@contextmanager
+def _file_lock(lock_file: Path, output: Any) -> Iterator[None]:
+    try:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise ConfigError(f"output.path: cannot create the lock file {lock_file}: {e}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise LockedError(
+                f"output.path: another batchjob run (pid {holder}) is writing {output}; "
+                "this run did nothing. Wait for it to finish, or choose another output.path"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _dead_here(holder: dict[str, Any]) -> bool:
+    """The holder ran on this host and its process is gone (a killed run's leftover)."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _holder(store: ObjectStore, lock: ObjectPath) -> dict[str, Any]:
+    try:
+        h = json.loads(store.read_text(lock))
+    except (OSError, ValueError):
+        return {}
+    return h if isinstance(h, dict) else {}
+
+
+@contextmanager
+def _object_lock(lock: ObjectPath, output: Any) -> Iterator[None]:
+    store = ObjectStore(lock.scheme)
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "token": os.urandom(8).hex(),
+        "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    body = json.dumps(me).encode()
+    created = put_if_absent(lock, body)
+    if created is False and _dead_here(_holder(store, lock)):
+        log.warning("taking over the lock %s of a run that is gone", lock)
+        store.delete(lock)
+        created = put_if_absent(lock, body)
+    if created is False:
+        h = _holder(store, lock)
+        who = f"pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('since', '?')}"
+        raise LockedError(
+            f"output.path: another batchjob run ({who}) is writing {output}; this run did "
+            f"nothing. Wait for it to finish, or choose another output.path; if no run is "
+            f"writing (one was killed on another machine), delete {lock}"
+        )
+    if created is None:
+        log.warning(
+            "%s: this object store offers no conditional put: no lock, this run assumes it is "
+            "the only one writing %s",
+            lock,
+            output,
+        )
+        store.write_bytes(lock, body)
+    try:
+        yield
+    finally:
+        with suppress(OSError):
+            if _holder(store, lock).get("token") == me["token"]:
+                store.delete(lock)

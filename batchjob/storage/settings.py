@@ -1,0 +1,38 @@
+"""``[storage]``: object-store access for URI paths (``s3://bucket/prefix``). Declared here,
+beside the code that uses it, so that storage imports nothing from ``batchjob.config``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchjob.errors import ConfigError
+
+
+def _fail(key: str, msg: str, value: Any) -> None:
+    raise ConfigError(f"{key}: {msg}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Object-store access for URI paths (``s3://bucket/prefix``; batchjob.storage.stores). Unset
+    values come from the environment: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION /
+    AWS_DEFAULT_REGION; credentials always from the AWS chain (AWS_ACCESS_KEY_ID, ...)."""
+
+    endpoint_url: str | None = None  # an S3-compatible server, e.g. http://127.0.0.1:9000
+    region: str | None = None
+    anonymous: bool = False  # unsigned requests (public buckets)
+    options: dict[str, Any] = field(default_factory=dict)  # more pyarrow.fs.S3FileSystem args
+
+    def __post_init__(self) -> None:
+        for key in ("endpoint_url", "region"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v):
+                _fail(f"storage.{key}", "must be a non-empty string", v)
+        if self.endpoint_url is not None and not re.match(r"https?://", self.endpoint_url):
+            _fail("storage.endpoint_url", "must start with http:// or https://", self.endpoint_url)
+        if not isinstance(self.anonymous, bool):
+            _fail("storage.anonymous", "must be true or false", self.anonymous)
+        if not isinstance(self.options, dict):
+            _fail("storage.options", "must be a table of S3FileSystem arguments", self.options)
