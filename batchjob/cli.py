@@ -131,7 +131,7 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     from batchjob.timing import StageTiming
     from batchjob.tokenize.batched import load_prompts
 
-    data, info = load_prompts(job)
+    data, info = load_prompts(job.input, job.model, job.sampling, job.engine.backend)
     log.info("stage tokenize done: %d rows, %d tokens", data.num_rows, len(data.prompts.tokens))
     t0 = time.perf_counter()
     plan = build_plan(data.prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)

@@ -1,4 +1,4 @@
-"""The input-side example jobs of issue 13 on the demo's tiny model:
+"""The input-side example jobs (prompt template, OpenAI Batch file) on the demo's tiny model:
 
     python examples/input_jobs.py            # or: make demo-inputs
 

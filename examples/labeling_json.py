@@ -1,4 +1,4 @@
-"""The structured-output example job of issue 13 on the demo's tiny model:
+"""The structured-output example job on the demo's tiny model:
 
     python examples/labeling_json.py
 

@@ -1,4 +1,4 @@
-"""Ranking with labels (issue 13): build a (query, document) dataset, then run
+"""Ranking with labels: build a (query, document) dataset, then run
 ``jobs/ranking_labels.toml`` on the tiny model.
 
     .venv/bin/python examples/ranking.py                 # 2,000 rows, plan + run

@@ -14,8 +14,22 @@ from typing import Protocol
 
 import numpy as np
 
+from batchjob.config import EngineConfig, ModelConfig, SamplingConfig, SchedulerConfig
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """The settings a backend runs with: four sections of the job, and the names of the two
+    per-row input columns that change what it runs (no input, output, cluster or storage)."""
+
+    model: ModelConfig
+    sampling: SamplingConfig
+    scheduler: SchedulerConfig
+    engine: EngineConfig
+    labels_column: str | None  # input.labels_column: rows carry their own labels
+    json_schema_column: str | None  # input.json_schema_column: per-row JSON schemas
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchjob.config import JobConfig, SamplingConfig
+from batchjob.config import InputConfig, ModelConfig, SamplingConfig
 from batchjob.errors import ConfigError, InputDataError
 from batchjob.inputs.parquet import ROW_ID, RejectedRows
 from batchjob.status import STATUS_INVALID_SETTING, STATUS_PROMPT_TOO_LONG
@@ -82,9 +82,9 @@ class RowSettings:
         return dataclasses.replace(base, **changes) if changes else base
 
 
-def check_columns(job: JobConfig, schema: pa.Schema, where: str) -> None:
+def check_columns(inp: InputConfig, schema: pa.Schema, where: str) -> None:
     """Every configured per-row column exists with a usable type (else exit 4)."""
-    for name, col in _configured(job):
+    for name, col in _configured(inp):
         if col not in schema.names:
             raise InputDataError(
                 f"{where}: column {col!r} (input.{name}) not found; "
@@ -116,8 +116,8 @@ def check_columns(job: JobConfig, schema: pa.Schema, where: str) -> None:
             )
 
 
-def _configured(job: JobConfig) -> list[tuple[str, str]]:
-    return [(n, getattr(job.input, n)) for n in STATUS_INVALID if getattr(job.input, n)]
+def _configured(inp: InputConfig) -> list[tuple[str, str]]:
+    return [(n, getattr(inp, n)) for n in STATUS_INVALID if getattr(inp, n)]
 
 
 def _column(table: pa.Table, col: str) -> pa.Array:
@@ -126,16 +126,21 @@ def _column(table: pa.Table, col: str) -> pa.Array:
 
 
 def read_row_settings(
-    job: JobConfig, passthrough: pa.Table, row_ids: np.ndarray, encode_labels=None
+    inp: InputConfig,
+    sampling: SamplingConfig,
+    backend: str,
+    passthrough: pa.Table,
+    row_ids: np.ndarray,
+    encode_labels=None,
 ) -> tuple[RowSettings | None, RejectedRows]:
     """Settings of the rows ``row_ids`` (sorted) from the pass-through table, and the rows
     whose values are invalid. ``encode_labels``: list[str] -> list of int32 id arrays (the
     tokenizer, no special tokens); needed in scoring mode."""
-    cols = _configured(job)
-    scoring = bool(job.sampling.labels) or bool(job.input.labels_column)
+    cols = _configured(inp)
+    scoring = bool(sampling.labels) or bool(inp.labels_column)
     if not cols and not scoring:
         return None, RejectedRows.empty()
-    check_columns(job, passthrough.schema, "input")
+    check_columns(inp, passthrough.schema, "input")
     pt_ids = passthrough.column(ROW_ID).to_numpy()
     order = np.argsort(pt_ids, kind="stable")
     take = pa.array(order[np.searchsorted(pt_ids, row_ids, sorter=order)])
@@ -182,7 +187,7 @@ def read_row_settings(
             fields["json_schema"] = _row_schemas(
                 arr.to_pylist(),
                 lambda i, w, v, n=name, c=col: reject_one(i, n, c, w, v),
-                vllm=job.engine.backend == "vllm",
+                vllm=backend == "vllm",
             )
         else:
             lists = arr.to_pylist()
@@ -204,14 +209,14 @@ def read_row_settings(
 
     if scoring:
         row_labels = fields.pop("labels", None)
-        default = tuple(job.sampling.labels) or None
+        default = tuple(sampling.labels) or None
         labels: list[tuple[str, ...]] = []
         for i in range(m):
             own = row_labels[i] if row_labels is not None else None  # type: ignore[index]
             lab = own or default
             if lab is None:
                 if i not in bad:
-                    lcol = job.input.labels_column
+                    lcol = inp.labels_column
                     bad[i] = (
                         STATUS_INVALID["labels_column"],
                         f"row {int(row_ids[i])}: column {lcol!r} (input.labels_column) is "
@@ -298,18 +303,26 @@ def _select(s: RowSettings, keep: np.ndarray) -> RowSettings:
     )
 
 
-def with_row_settings(job: JobConfig, loaded, tokenizer, max_model_len: int | None):
+def with_row_settings(
+    inp: InputConfig,
+    sampling: SamplingConfig,
+    model: ModelConfig,
+    backend: str,
+    loaded,
+    tokenizer,
+    max_model_len: int | None,
+):
     """``TokenizedInput`` with its prompts carrying the rows' settings, and the rows with an
     invalid value moved to the rejected rows (``batchjob.tokenize.batched.load_prompts`` calls it).
     Scoring: a row whose prompt + longest label exceeds ``max_model_len`` is rejected too."""
     prompts = loaded.prompts
     encode = None
-    scoring = bool(job.sampling.labels or job.input.labels_column)
+    scoring = bool(sampling.labels or inp.labels_column)
     # stop strings are matched on text, labels are tokenized: both need the model's tokenizer
-    if (job.input.stop_column or scoring) and tokenizer is None:
+    if (inp.stop_column or scoring) and tokenizer is None:
         from batchjob.tokenize.tokenizer import load_tokenizer  # ModelError without tokenizer.json
 
-        tokenizer = load_tokenizer(job.model.path)
+        tokenizer = load_tokenizer(model.path)
     if scoring:
         assert tokenizer is not None
         tok = tokenizer.tokenizer
@@ -318,7 +331,9 @@ def with_row_settings(job: JobConfig, loaded, tokenizer, max_model_len: int | No
             encs = tok.encode_batch_fast(texts, add_special_tokens=False)
             return [np.asarray(e.ids, dtype=np.int32) for e in encs]
 
-    settings, bad = read_row_settings(job, loaded.passthrough, prompts.row_ids, encode)
+    settings, bad = read_row_settings(
+        inp, sampling, backend, loaded.passthrough, prompts.row_ids, encode
+    )
     if settings is None:
         return loaded
     if settings.label_tokens is not None and max_model_len is not None:

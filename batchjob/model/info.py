@@ -29,7 +29,7 @@ from batchjob.model.host_cpu import CpuInfo, host_cpu
 if TYPE_CHECKING:
     import torch
 
-    from batchjob.config import JobConfig
+    from batchjob.config import ModelConfig as ModelSettings  # [model], not the HF config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {
@@ -148,7 +148,7 @@ def resolve_device(device: str = "auto") -> str:
 
 # ``auto`` on CPU runs a half-precision checkpoint in bfloat16 where the CPU has bf16 matmul
 # hardware (AMX-bf16 / AVX-512-BF16) and this is True. Measured on a Sapphire Rapids VM
-# (benchmarks/bench_dtype.py; docs/benchmarks.md, "dtype auto"): bf16 engine throughput
+# (benchmarks/bench_dtype.py; docs/benchmarks.md, Sapphire Rapids): bf16 engine throughput
 # 1.2-1.8x float32's on the peer models, head dims 32/64/128.
 CPU_AUTO_BF16 = True
 
@@ -298,10 +298,10 @@ def read_model_info(
     )
 
 
-def model_info_for_job(job: JobConfig) -> ModelInfo | None:
-    """The job's model folder read with its ``[model]`` settings; None without model.path."""
-    m = job.model
+def model_info_for(m: ModelSettings, backend: str) -> ModelInfo | None:
+    """The job's model folder read with its ``[model]`` settings; None without model.path.
+    ``backend``: ``engine.backend`` (the dtype choice differs for vLLM)."""
     if m.path is None:
         return None
-    native = job.engine.backend == "native"
+    native = backend == "native"
     return read_model_info(m.path, m.dtype, m.device, m.max_model_len, native=native)

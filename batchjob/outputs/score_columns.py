@@ -1,4 +1,4 @@
-"""The optional result columns of issue 13: ``output_logprobs`` (``sampling.logprobs``),
+"""The optional result columns: ``output_logprobs`` (``sampling.logprobs``),
 ``label_logprobs`` and ``label`` (scoring mode), built as Arrow arrays without a Python
 object per token. ``batchjob.outputs.results`` adds the ones a job asks for to its schema."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.backends.base import TokenLogprobs
-from batchjob.config import JobConfig
+from batchjob.config import InputConfig, SamplingConfig
 
 _TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 _STEP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32()), ("top", pa.list_(_TOP))])
@@ -21,12 +21,12 @@ OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
 }
 
 
-def job_columns(job: JobConfig) -> tuple[str, ...]:
-    """The optional columns this job writes."""
+def job_columns(sampling: SamplingConfig, inp: InputConfig) -> tuple[str, ...]:
+    """The optional columns a job with these settings writes."""
     cols: list[str] = []
-    if job.sampling.logprobs is not None:
+    if sampling.logprobs is not None:
         cols.append("output_logprobs")
-    if job.sampling.labels or job.input.labels_column:
+    if sampling.labels or inp.labels_column:
         cols += ["label_logprobs", "label"]
     return tuple(cols)
 

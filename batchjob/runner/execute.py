@@ -18,8 +18,8 @@ import numpy as np
 from tqdm import tqdm
 
 from batchjob.backends import open_backend
-from batchjob.backends.base import BackendRun, FinishedRequest, RunSink
-from batchjob.config import JobConfig
+from batchjob.backends.base import BackendConfig, BackendRun, FinishedRequest, RunSink
+from batchjob.config import JobConfig, ModelConfig, SamplingConfig
 from batchjob.errors import ConfigError, ModelError
 from batchjob.model.info import ModelInfo
 from batchjob.outputs.results import ResultRow, ResultSink
@@ -49,16 +49,18 @@ class Execution:
     load_s: float  # opening the backend and checking the plan
 
 
-def job_tokenizer(job: JobConfig, text_prompts: bool) -> PromptTokenizer | None:
+def job_tokenizer(
+    model: ModelConfig, sampling: SamplingConfig, text_prompts: bool
+) -> PromptTokenizer | None:
     """Text prompts need the model's tokenizer; token ids use it only to decode the outputs,
     when the folder has one (else output_text stays null)."""
-    if job.model.path is None:
+    if model.path is None:
         raise ModelError("model.path: required to run a job (a local Hugging Face model folder)")
-    if text_prompts or (Path(job.model.path) / "tokenizer.json").is_file():
-        return load_tokenizer(job.model.path)
-    if job.sampling.stop:
+    if text_prompts or (Path(model.path) / "tokenizer.json").is_file():
+        return load_tokenizer(model.path)
+    if sampling.stop:
         raise ConfigError(
-            f"sampling.stop: stop strings need a tokenizer.json in {job.model.path} "
+            f"sampling.stop: stop strings need a tokenizer.json in {model.path} "
             "to decode the outputs"
         )
     return None
@@ -102,8 +104,20 @@ def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> R
     return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
 
 
+def backend_config(job: JobConfig) -> BackendConfig:
+    """The part of a job that a backend runs with."""
+    return BackendConfig(
+        model=job.model,
+        sampling=job.sampling,
+        scheduler=job.scheduler,
+        engine=job.engine,
+        labels_column=job.input.labels_column,
+        json_schema_column=job.input.json_schema_column,
+    )
+
+
 def execute(
-    job: JobConfig,
+    cfg: BackendConfig,
     prompts: TokenizedPrompts,
     plan: Plan,
     sink: ResultSink,
@@ -115,20 +129,20 @@ def execute(
     heartbeat_s: float | None = None,
     headline: Callable[[int, int], str] | None = None,
 ) -> Execution:
-    """Run ``plan`` over ``prompts`` on the job's backend, every outcome into ``sink``.
+    """Run ``plan`` over ``prompts`` on the backend of ``cfg``, every outcome into ``sink``.
 
     ``plan_file``: where the plan that runs is written (None: not written); ``headline(to_run,
     over_budget)``: the heartbeat's first line."""
     t0 = time.perf_counter()
     # no tokenizer, no stop strings (refused at load): the backend never needs text then
-    backend = open_backend(job, lambda ids: decode(tokenizer, ids) or "", model)
+    backend = open_backend(cfg, lambda ids: decode(tokenizer, ids) or "", model)
     over = _rows_over_budget(backend, prompts, plan)
     n_over = int(over.sum()) if not over.all() else 0
     if n_over:  # report those rows, run the rest (all: a config error)
         for i in np.flatnonzero(over):
-            sink.add(_over_budget_row(prompts, int(i), job.engine.kv_cache_bytes))
+            sink.add(_over_budget_row(prompts, int(i), cfg.engine.kv_cache_bytes))
         prompts = select_rows(prompts, ~over)
-        plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
+        plan = build_plan(prompts, enlarge=cfg.scheduler.enlarge, order=cfg.scheduler.reorder)
     backend.check_fits(prompts, plan)
     if plan_file is not None:
         write_plan(plan, plan_file)
@@ -171,7 +185,7 @@ def execute(
         if progress and _rec.iteration % 8 == 0:
             bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - t_run, 1e-9):.0f}")
         if hb:
-            hb.beat(finished, generated, _rec.kv_bytes_used, job.engine.kv_cache_bytes or 0)
+            hb.beat(finished, generated, _rec.kv_bytes_used, cfg.engine.kv_cache_bytes or 0)
 
     try:
         run_info = backend.run(prompts, plan, RunSink(on_finish, on_iteration))

@@ -28,7 +28,7 @@ from batchjob.outputs.results import ResultRow, ResultSink
 from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan_io import write_plan
-from batchjob.runner.execute import execute, job_tokenizer, select_rows
+from batchjob.runner.execute import backend_config, execute, job_tokenizer, select_rows
 from batchjob.storage.faults import fault_point
 from batchjob.storage.lock import output_lock
 from batchjob.storage.stores import ObjectPath
@@ -138,9 +138,13 @@ def _run_locked(
 ) -> JobResult:
     stage: dict[str, float] = {}
 
-    tokenizer = job_tokenizer(job, text_prompts)  # once: encodes text, decodes outputs
+    tokenizer = job_tokenizer(
+        job.model, job.sampling, text_prompts
+    )  # once: encodes text, decodes outputs
     if job.cluster.address == "none":
-        loaded, model = load_prompts(job, tokenizer)  # model: the folder, read once
+        loaded, model = load_prompts(  # model: the folder, read once
+            job.input, job.model, job.sampling, job.engine.backend, tokenizer
+        )
     else:  # read + tokenize as Ray tasks over the input's row groups (batchjob.runner.cluster.read)
         from batchjob.runner.cluster import load_prompts_on_cluster
 
@@ -154,7 +158,7 @@ def _run_locked(
         this,
         flush_rows=job.output.flush_rows,
         rows_per_file=job.output.rows_per_file,
-        extra_columns=job_columns(job),
+        extra_columns=job_columns(job.sampling, job.input),
     )
     done = sink.done_row_ids()
     prompts = select_rows(loaded.prompts, ~np.isin(loaded.prompts.row_ids, done))
@@ -182,7 +186,7 @@ def _run_locked(
 
     if job.cluster.address == "none":
         ex = execute(
-            job,
+            backend_config(job),
             prompts,
             plan,
             sink,

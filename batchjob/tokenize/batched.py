@@ -19,12 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchjob.config import JobConfig
+from batchjob.config import InputConfig, ModelConfig, SamplingConfig
 from batchjob.errors import ModelError
 from batchjob.inputs.parquet import InputDataset, PassthroughCollector, PromptBatch, RejectedRows
 from batchjob.inputs.row_settings import with_row_settings
 from batchjob.inputs.source import open_input
-from batchjob.model.info import ModelInfo, model_info_for_job
+from batchjob.model.info import ModelInfo, model_info_for
 from batchjob.status import (
     STATUS_EMPTY_PROMPT,
     STATUS_INVALID_MAX_TOKENS,
@@ -248,28 +248,33 @@ def tokenize_dataset(
 
 
 def load_prompts(
-    job: JobConfig, tokenizer: PromptTokenizer | None = None
+    inp: InputConfig,
+    model: ModelConfig,
+    sampling: SamplingConfig,
+    backend: str,
+    tokenizer: PromptTokenizer | None = None,
 ) -> tuple[TokenizedInput, ModelInfo | None]:
     """Open the job's input and model folder and tokenize everything (plan and run use it).
 
     The model folder is read once (``ModelInfo``, None without model.path) and returned for
-    the later stages. ``tokenizer``: the job's, when the caller has loaded it already (run
+    the later stages. ``backend``: ``engine.backend`` (it picks the dtype and how per-row
+    schemas are checked). ``tokenizer``: the job's, when the caller has loaded it already (run
     needs it to decode outputs too); else it is loaded here if the prompts are text.
     """
-    dataset = open_input(job.input, job.model)
-    info = model_info_for_job(job)
+    dataset = open_input(inp, model)
+    info = model_info_for(model, backend)
     if dataset.prompt_is_text and tokenizer is None:
-        if job.model.path is None:
+        if model.path is None:
             raise ModelError(
                 f"model.path: required because column {dataset.prompt_column!r} is text"
             )
-        tokenizer = load_tokenizer(job.model.path)
+        tokenizer = load_tokenizer(model.path)
     result = tokenize_dataset(
         dataset,
         tokenizer,
-        default_max_tokens=job.sampling.max_tokens,
-        max_model_len=info.max_model_len if info else job.model.max_model_len,
+        default_max_tokens=sampling.max_tokens,
+        max_model_len=info.max_model_len if info else model.max_model_len,
         vocab_size=info.vocab_size if info else None,
     )
-    max_len = info.max_model_len if info else job.model.max_model_len
-    return with_row_settings(job, result, tokenizer, max_len), info
+    max_len = info.max_model_len if info else model.max_model_len
+    return with_row_settings(inp, sampling, model, backend, result, tokenizer, max_len), info

@@ -16,6 +16,7 @@ from batchjob.backends.base import RunSink
 from batchjob.config import load_job
 from batchjob.errors import ConfigError
 from batchjob.plan.build import build_plan
+from batchjob.runner.execute import backend_config
 from batchjob.runner.pipeline import cap_to_context
 from batchjob.tokenize.batched import load_prompts
 from batchjob.tokenize.tokenizer import detokenize, load_tokenizer
@@ -43,10 +44,12 @@ class Opened:
         from batchjob.backends.vllm.backend import VllmBackend
 
         tok = load_tokenizer(job.model.path)
-        loaded, model = load_prompts(job, tok)
+        loaded, model = load_prompts(job.input, job.model, job.sampling, "vllm", tok)
         self.prompts = cap_to_context(loaded.prompts, model.max_model_len)
         self.plan = build_plan(self.prompts)
-        self.backend = VllmBackend(job, lambda ids: detokenize(tok, [ids])[0], model)
+        self.backend = VllmBackend(
+            backend_config(job), lambda ids: detokenize(tok, [ids])[0], model
+        )
         self.backend.check_fits(self.prompts, self.plan)
 
     def run(self):
@@ -162,7 +165,7 @@ def test_unmappable_settings_are_config_errors(model_dir, dataset, tmp_path, set
 
     job = job_for(model_dir, dataset, tmp_path / "r.parquet", "vllm", **sets)
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
-        VllmBackend(job, lambda ids: "")
+        VllmBackend(backend_config(job), lambda ids: "")
 
 
 def test_engine_vllm_table_needs_the_vllm_backend(tmp_path):

@@ -1,4 +1,4 @@
-"""Issue 13 on the vLLM backend: ``sampling.logprobs`` equals the native engine's (both the
+"""Log-probabilities on the vLLM backend: ``sampling.logprobs`` equals the native engine's (both the
 log-softmax of the raw logits), with and without stop strings (DELTA outputs); per-row
 sampling columns reach vLLM (scoring mode: test_vllm_scoring.py)."""
 

@@ -1,4 +1,4 @@
-"""Scoring mode (issue 13) on the vLLM backend: ``label_logprobs`` and ``label`` equal the
+"""Scoring mode on the vLLM backend: ``label_logprobs`` and ``label`` equal the
 native engine's within 1e-3 and the sum of HF transformers' log-softmax over each label's
 tokens (teacher-forced after the prompt), for single- and multi-token labels (shared first
 token included) and per-row labels; the rows of a group share their prompt through vLLM's

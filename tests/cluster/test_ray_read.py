@@ -77,7 +77,8 @@ def test_tasks_read_what_one_process_reads(
     split_data: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    single, _ = load_prompts(job_file(tmp_path, cluster_model, split_data, "a", None))
+    job = job_file(tmp_path, cluster_model, split_data, "a", None)
+    single, _ = load_prompts(job.input, job.model, job.sampling, "native")
     caplog.set_level(logging.INFO, logger="batchjob.runner.cluster.read")
     job = job_file(tmp_path, cluster_model, split_data, "b", 2)
     tasks, _ = load_prompts_on_cluster(job)

@@ -62,7 +62,8 @@ def test_plan_case1_prints_summary_and_writes_plan(
     assert str(plan_file) in r.stdout and plan_file.is_file()
 
     # round trip: the file holds the plan the planner builds for these prompts
-    data, _ = load_prompts(build_job(str(job)))
+    j = build_job(str(job))
+    data, _ = load_prompts(j.input, j.model, j.sampling, "native")
     want = build_plan(data.prompts)
     got = read_plan(plan_file)
     for f in ("group_prefix_len", "group_offsets", "members", "row_ids", "decode_estimate"):

@@ -1,4 +1,4 @@
-"""Issue 11 items 5-7: every documented error is its exit code with a one-line message and no
+"""Every documented error is its exit code with a one-line message and no
 traceback; context length caps generation; a job that can run no row fails.
 
 ``test_every_documented_error`` walks the README's exit-code table: each case is a real bad

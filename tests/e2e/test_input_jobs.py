@@ -1,4 +1,4 @@
-"""Issue 13's input-side example jobs end to end on a tiny model, through the real CLI:
+"""The input-side example jobs end to end on a tiny model, through the real CLI:
 jobs/snippets_template.toml (prompts from columns) and jobs/openai_migration.toml (OpenAI
 Batch requests in, Batch output lines out), with their data from examples/input_jobs.py."""
 

@@ -19,6 +19,7 @@ from batchjob.backends import open_backend
 from batchjob.cli import build_job, main
 from batchjob.errors import EXIT_MODEL
 from batchjob.model.info import DTYPE_BYTES, auto_cpu_dtype
+from batchjob.runner.execute import backend_config
 from batchjob.runner.pipeline import run
 from batchjob.testing.tiny_model import make_tiny_model
 from batchjob.testing.workloads import WORDS
@@ -84,7 +85,7 @@ def test_plan_and_run_report_the_same_kv_bytes_per_token(
     assert kv["dtype"] == ("float32" if itemsize == 4 else "bfloat16") and kv["device"] == "cpu"
 
     # the engine's own number and the cache it really allocated
-    backend = open_backend(build_job(str(job)), lambda ids: "")
+    backend = open_backend(backend_config(build_job(str(job))), lambda ids: "")
     try:
         engine = backend.engine
         assert engine.info.kv_bytes_per_token == want

@@ -1,4 +1,4 @@
-"""Issue 11: the operator's log. With no terminal (cron, Airflow) a run prints a progress
+"""The operator's log. With no terminal (cron, Airflow) a run prints a progress
 line every N seconds on stderr; before, nothing was printed until the end."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 11, items 1-4: safe overwrite, job identity (manifest), the lock, the output layout.
+"""Output safety: safe overwrite, job identity (manifest), the lock, the output layout.
 
 Each test reproduces a way the tester lost data or got a wrong answer without an error.
 """

@@ -1,4 +1,4 @@
-"""Issue 11 item 8 and report completeness: resume and overwrite corner cases, file modes,
+"""Resume and report completeness: resume and overwrite corner cases, file modes,
 and a report that says which job it describes."""
 
 from __future__ import annotations

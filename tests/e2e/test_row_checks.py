@@ -1,4 +1,4 @@
-"""Issue 11 item 8: per-row checks that gave a wrong status or message, and token-id input
+"""Per-row checks that gave a wrong status or message, and token-id input
 that needed a tokenizer it does not use."""
 
 from __future__ import annotations

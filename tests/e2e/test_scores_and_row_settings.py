@@ -1,4 +1,4 @@
-"""Issue 13 items 3, 4 and 6 through ``batchjob run`` on a tiny model: log-probabilities in
+"""Scores and per-row settings through ``batchjob run`` on a tiny model: log-probabilities in
 the results, scoring mode (job labels and a per-row labels column, multi-token labels), per-row
 sampling columns with per-row rejections, and the jobs/ranking_labels.toml example."""
 

@@ -1,4 +1,4 @@
-"""The native scheduler keeps no Python object per request (issue 14 item 5).
+"""The native scheduler keeps no Python object per request.
 
 A request's ``Sequence`` exists only while it is live (its group reached, not finished);
 finished requests' tokens come back from ``update``. Here 20,000 requests run through each

@@ -1,7 +1,7 @@
 """jobs/airflow_dag.py in a real Airflow: `airflow dags test` from .venv-airflow, SQLite metadata.
 
 Airflow runs in its own venv (``make test-integration`` creates it with
-benchmarks/setup_airflow_venv.sh) and calls the batchjob CLI of this venv on a tiny model.
+.ci/setup_airflow_venv.sh) and calls the batchjob CLI of this venv on a tiny model.
 What the DAG must do: plan then run; the output path templated by the run date; the second
 run of a date a no-op; retries on exit 1 only. Task states and tries are read from Airflow's
 own metadata database.

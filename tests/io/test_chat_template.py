@@ -97,7 +97,8 @@ def _load(tmp: Path, table: pa.Table, folder: Path, **sets: str):
         "output.path": str(tmp / "out.parquet"),
         **sets,
     }
-    return load_prompts(load_job(None, over))[0]
+    job = load_job(None, over)
+    return load_prompts(job.input, job.model, job.sampling, "native")[0]
 
 
 def _rows(loaded) -> list[list[int]]:

@@ -18,6 +18,7 @@ from batchjob.backends.names import ATTENTION_BACKENDS, BACKENDS, SCHEDULING_POL
 from batchjob.cli import main
 from batchjob.config import EngineConfig, SchedulerConfig, load_job
 from batchjob.errors import EXIT_CONFIG, ConfigError
+from batchjob.runner.execute import backend_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"input.path": "in.parquet", "output.path": "out"}
@@ -86,7 +87,7 @@ def test_unavailable_cuda_device_is_a_config_error_at_backend_open(tiny_model_di
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     job = load_job(None, {**BASE, "model.path": str(tiny_model_dir), "model.device": f"cuda:{n}"})
     with pytest.raises(ConfigError, match=rf"^model\.device: 'cuda:{n}' is not available"):
-        NativeBackend(job, lambda ids: "")
+        NativeBackend(backend_config(job), lambda ids: "")
 
 
 def test_names_come_from_one_registry_list() -> None:

@@ -188,7 +188,7 @@ def test_rejected_rows_concat_sorted() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# issue 11: input defects that used to be a traceback or silently wrong
+# input defects that used to be a traceback or silently wrong
 
 
 def test_files_typing_a_column_differently_is_an_input_error(tmp_path: Path) -> None:

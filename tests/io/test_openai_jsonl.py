@@ -86,7 +86,8 @@ def _load(tmp: Path, path: Path, model: Path, **sets: str):
         "output.path": str(tmp / "o.parquet"),
         **sets,
     }
-    return load_prompts(load_job(None, over))[0]
+    job = load_job(None, over)
+    return load_prompts(job.input, job.model, job.sampling, "native")[0]
 
 
 def test_completions_rows_tokenize_as_plain_text(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -117,7 +117,7 @@ def test_template_rows_tokenize_and_null_rows_get_a_status(
     )
     data = write_parquet(table, tmp_path / "d.parquet")
     job = _job(tmp_path, data, tiny_model_dir, **{"input.template": TEMPLATE})
-    loaded, _ = load_prompts(job)
+    loaded, _ = load_prompts(job.input, job.model, job.sampling, "native")
     assert loaded.prompts.row_ids.tolist() == [0, 1]
     assert loaded.rejected.row_ids.tolist() == [2, 3]
     assert loaded.rejected.status == (STATUS_NULL_FIELD, STATUS_NULL_FIELD)

@@ -1,4 +1,4 @@
-"""The reading path's memory fixes give the same prompts as the plain way (issue 14 item 5).
+"""The reading path's memory fixes give the same prompts as the plain way.
 
 ``PromptsBuilder`` writes batches straight into preallocated arrays (instead of collecting
 them and concatenating at the end) and ``tokenize_dataset`` sizes its token array from the
@@ -122,7 +122,7 @@ def test_reading_and_planning_keep_no_python_object_per_row(tmp_path: Path) -> N
     def plan_of(name: str):
         sets = {"input.path": str(tmp_path / name), "output.path": str(tmp_path / "out")}
         job = load_job(None, sets | {"input.batch_rows": "4096"})
-        data, _ = load_prompts(job)
+        data, _ = load_prompts(job.input, job.model, job.sampling, "native")
         return data, build_plan(data.prompts)
 
     plan_of("warm.parquet")  # imports and caches first: only the rows' cost is measured

@@ -183,17 +183,19 @@ def test_load_prompts_from_job(tmp_path: Path, tiny_model_dir: Path) -> None:
         "model.path": str(tiny_model_dir),
     }
     job = load_job(None, job_keys)
-    res, info = load_prompts(job)
+    res, info = load_prompts(job.input, job.model, job.sampling, "native")
     assert len(res.prompts) == 2 and info is not None and info.vocab_size == TINY_VOCAB
     assert info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K+V, layers, kv heads, dim, fp32
     assert info.max_model_len == TINY_MAX_LEN and info.dtype == "float32"
     bf16 = load_job(None, {**job_keys, "model.dtype": "bfloat16", "model.max_model_len": "9"})
-    res16, info16 = load_prompts(bf16, load_tokenizer(tiny_model_dir))
+    res16, info16 = load_prompts(
+        bf16.input, bf16.model, bf16.sampling, "native", load_tokenizer(tiny_model_dir)
+    )
     assert info16.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 and info16.max_model_len == 9
     assert res16.prompts.row_ids.tolist() == res.prompts.row_ids.tolist()
     no_model = load_job(None, {"input.path": str(p), "output.path": str(tmp_path / "o")})
     with pytest.raises(ModelError, match=r"model\.path"):
-        load_prompts(no_model)
+        load_prompts(no_model.input, no_model.model, no_model.sampling, "native")
 
 
 def test_model_folder_errors(tmp_path: Path) -> None:

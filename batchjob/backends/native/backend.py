@@ -1,6 +1,6 @@
 """The native engine behind the ``Backend`` interface: load the model, run the plan.
 
-The job's sections go down as they are (``job.scheduler``, ``job.engine``, ``job.sampling``):
+The job's sections go down as they are (``cfg.scheduler``, ``cfg.engine``, ``cfg.sampling``):
 ``load_job`` already checked every value. What only the machine can tell (the KV budget in
 blocks of this model, the attention backend on this device) fails here, as a ``ConfigError``
 naming the key, before the plan runs.
@@ -11,12 +11,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration, RunSink
+from batchjob.backends.base import (
+    BackendConfig,
+    BackendRun,
+    Detokenize,
+    OnFinish,
+    OnIteration,
+    RunSink,
+)
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
 from batchjob.backends.native.structured import JsonConstraint
 from batchjob.backends.scoring import RowScores, row_tries
-from batchjob.config import JobConfig
 from batchjob.errors import ConfigError
 from batchjob.inputs.row_settings import row_json_schemas
 from batchjob.model.info import ModelInfo
@@ -39,26 +45,26 @@ class NativeBackend:
     name = "native"
 
     def __init__(
-        self, job: JobConfig, detokenize: Detokenize, info: ModelInfo | None = None
+        self, cfg: BackendConfig, detokenize: Detokenize, info: ModelInfo | None = None
     ) -> None:
-        check_device(job.model.device)
-        if job.engine.threads:
-            torch.set_num_threads(job.engine.threads)
-        self.job = job
+        check_device(cfg.model.device)
+        if cfg.engine.threads:
+            torch.set_num_threads(cfg.engine.threads)
+        self.cfg = cfg
         self.detokenize = detokenize
-        source = info or job.model.path  # the job's ModelInfo, read once by load_prompts
+        source = info or cfg.model.path  # the job's ModelInfo, read once by load_prompts
         if source is None:
             raise ConfigError("model.path: required to run the native backend")
         model, self.info = load_model(
             source,
-            dtype=job.model.dtype,
-            device=job.model.device,
-            attention=job.engine.attention,
-            linear=job.engine.linear,
+            dtype=cfg.model.dtype,
+            device=cfg.model.device,
+            attention=cfg.engine.attention,
+            linear=cfg.engine.linear,
         )
         self.device = str(self.info.device)
         try:
-            self.engine = Engine(model, self.info, job.scheduler, job.engine)
+            self.engine = Engine(model, self.info, cfg.scheduler, cfg.engine)
         except ValueError as e:
             raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
 
@@ -76,7 +82,7 @@ class NativeBackend:
         if prompts.settings is not None and prompts.settings.labels is not None:
             return self._score(prompts, plan, on_finish, on_iteration)
         constraint = None
-        schemas = row_json_schemas(self.job.sampling, prompts)  # per row, or the job's
+        schemas = row_json_schemas(self.cfg.sampling, prompts)  # per row, or the job's
         if schemas is not None:
             constraint = JsonConstraint(
                 self.info.path, schemas, self.info.vocab_size, self.info.eos_token_ids
@@ -84,7 +90,7 @@ class NativeBackend:
         r = self.engine.run(
             prompts,
             plan,
-            self.job.sampling,
+            self.cfg.sampling,
             on_finish,
             detokenize=self.detokenize,
             on_iteration=on_iteration,

@@ -96,7 +96,7 @@ class Engine:
         )
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]. Zeroed here, which faults its
         # pages in now: uninitialised (torch.empty) pages fault in during the run instead,
-        # ~0.2-0.3 s per used GiB inside the timed window (session 6). No slot's content reaches
+        # ~0.2-0.3 s per used GiB inside the timed window. No slot's content reaches
         # an output before it is written (test_unwritten_kv_slots_never_reach_outputs).
         self.kv_cache = torch.zeros(
             info.kv_cache_shape(self.kv.num_blocks, self.kv.block_size),

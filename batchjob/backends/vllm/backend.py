@@ -16,14 +16,20 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from batchjob.backends.base import BackendRun, Detokenize, OnFinish, OnIteration, RunSink
+from batchjob.backends.base import (
+    BackendConfig,
+    BackendRun,
+    Detokenize,
+    OnFinish,
+    OnIteration,
+    RunSink,
+)
 from batchjob.backends.scoring import LabelCombiner, expand
 from batchjob.backends.vllm.engine_args import EngineSettings, engine_settings, environment
 from batchjob.backends.vllm.requests import OutputTracker, ScoreTracker, Submission, plan_order
 from batchjob.backends.vllm.scheduler import scheduler_class_path
-from batchjob.config import JobConfig
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
-from batchjob.model.info import ModelInfo, model_info_for_job
+from batchjob.model.info import ModelInfo, model_info_for
 from batchjob.plan.build import build_plan
 from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
@@ -57,10 +63,10 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, job: JobConfig, detokenize: Detokenize, model: ModelInfo | None = None):
-        self.job = job
+    def __init__(self, cfg: BackendConfig, detokenize: Detokenize, model: ModelInfo | None = None):
+        self.cfg = cfg
         self.detokenize = detokenize
-        info = model or model_info_for_job(job)
+        info = model or model_info_for(cfg.model, cfg.engine.backend)
         if info is None:
             raise ConfigError('model.path: required with engine.backend = "vllm"')
         self.model: ModelInfo = info
@@ -72,11 +78,11 @@ class VllmBackend:
         self.window = 0
         self._runs = 0
         # fail on settings before any data is touched (vLLM itself starts in check_fits)
-        engine_settings(job, self.model.dtype, 2)
+        engine_settings(cfg, self.model.dtype, 2)
 
     # --- start-up ---------------------------------------------------------------------
     def _start(self, longest: int, longest_row: int) -> None:
-        s = engine_settings(self.job, self.model.dtype, longest)
+        s = engine_settings(self.cfg, self.model.dtype, longest)
         with environment(s.env):
             self._start_engine(s, longest, longest_row)
         self.device = "cpu" if s.on_cpu else "cuda:0"
@@ -97,7 +103,7 @@ class VllmBackend:
             msg = " ".join(str(e).split())
             raise ConfigError(f"{_key_for(msg)}: vLLM refused the settings: {msg}{hint}") from None
         sc = config.scheduler_config
-        policy = self.job.scheduler.policy
+        policy = self.cfg.scheduler.policy
         sc.scheduler_cls = scheduler_class_path(policy, bool(sc.async_scheduling))
         try:
             self.engine = LLMEngine(
@@ -113,8 +119,8 @@ class VllmBackend:
                 raise ConfigError(f"{key}: vLLM could not start: {msg}{hint}") from None
             raise VllmError(f"vLLM failed to start: {msg}") from e
         self.scheduler = self.engine.engine_core.engine_core.scheduler
-        if self.job.scheduler.policy == "batchllm":
-            self.scheduler.bj_kv_threshold = self.job.scheduler.kv_threshold
+        if self.cfg.scheduler.policy == "batchllm":
+            self.scheduler.bj_kv_threshold = self.cfg.scheduler.kv_threshold
 
     @property
     def block_size(self) -> int:
@@ -131,7 +137,7 @@ class VllmBackend:
 
     def _check_budget(self, tokens: int, row_id: int) -> None:
         """Before vLLM starts: an explicit KV budget that cannot hold the longest request."""
-        budget, bs = self.job.engine.kv_cache_bytes, self.job.engine.block_size
+        budget, bs = self.cfg.engine.kv_cache_bytes, self.cfg.engine.block_size
         if budget is None:
             return
         blocks = budget // (bs * self.model.kv_bytes_per_token)
@@ -172,7 +178,7 @@ class VllmBackend:
             return self._score(prompts, plan, sink)
         self.check_fits(prompts, plan)
         self._runs += 1
-        sampling, eos = self.job.sampling, self.model.config.eos_token_ids
+        sampling, eos = self.cfg.sampling, self.model.config.eos_token_ids
         tag = f"r{self._runs}"
         groups = plan_order(prompts, plan, sampling, eos, tag, seeded=self.device != "cpu")
         tracker = OutputTracker(prompts, sampling, eos, self.detokenize)
@@ -188,19 +194,19 @@ class VllmBackend:
         req = expand(prompts)
         widest = max((len(t) for t in req.targets), default=0)
         if widest > MAX_LOGPROB_TOKEN_IDS:
-            key = "input.labels_column" if self.job.input.labels_column else "sampling.labels"
+            key = "input.labels_column" if self.cfg.labels_column else "sampling.labels"
             raise ConfigError(
                 f"{key}: {widest} labels differ at the same token; the vLLM backend scores at "
                 f"most {MAX_LOGPROB_TOKEN_IDS} (vLLM's logprob_token_ids limit)"
             )
-        sched = self.job.scheduler
+        sched = self.cfg.scheduler
         if not req.same_rows:
             plan = build_plan(req.prompts, enlarge=sched.enlarge, order=sched.reorder)
         self.check_fits(req.prompts, plan)
         self._runs += 1
         combiner = LabelCombiner(req, prompts.row_ids, sink.on_finish)
         eos = self.model.config.eos_token_ids
-        sampling = dataclasses.replace(self.job.sampling, stop=())  # FINAL_ONLY outputs
+        sampling = dataclasses.replace(self.cfg.sampling, stop=())  # FINAL_ONLY outputs
         groups = plan_order(
             req.prompts, plan, sampling, eos, f"r{self._runs}", score_targets=req.targets
         )

@@ -3,7 +3,8 @@
 Mapping (batchjob key -> vLLM engine argument):
 
 - ``model.path`` -> ``model``; ``model.dtype`` -> ``dtype`` (``auto`` resolved as the native
-  engine does: float32 on CPU); ``model.max_model_len`` -> ``max_model_len`` (default: the
+  engine does: on a CPU, bfloat16 for a half-precision checkpoint where the CPU has bf16
+  matmul hardware, else float32); ``model.max_model_len`` -> ``max_model_len`` (default: the
   longest prompt + max_tokens of the job, so a small KV budget still starts).
 - ``engine.kv_cache_bytes`` -> ``kv_cache_memory_bytes`` (default on CPU: 2 GiB, as native);
   without it on a GPU ``engine.gpu_memory_fraction`` -> ``gpu_memory_utilization``.
@@ -30,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from batchjob.config import JobConfig
+from batchjob.backends.base import BackendConfig
 from batchjob.errors import ConfigError, ModelError
 
 GiB = 1 << 30
@@ -88,8 +89,8 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _check_device(job: JobConfig, on_cpu: bool) -> None:
-    dev = job.model.device
+def _check_device(cfg: BackendConfig, on_cpu: bool) -> None:
+    dev = cfg.model.device
     if dev == "auto":
         return
     if dev.startswith("cuda") and on_cpu:
@@ -110,13 +111,14 @@ def _cpu_env(threads: int | None) -> dict[str, str | None]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
 
 
-def engine_settings(job: JobConfig, dtype: str, longest_request: int) -> EngineSettings:
-    """EngineArgs for ``job``; ``dtype`` resolved, ``longest_request`` = max prompt + output."""
-    e, s = job.engine, job.scheduler
-    if job.model.path is None:
+def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> EngineSettings:
+    """EngineArgs for the backend's settings; ``dtype`` resolved, ``longest_request`` = max
+    prompt + output."""
+    e, s = cfg.engine, cfg.scheduler
+    if cfg.model.path is None:
         raise ConfigError('model.path: required with engine.backend = "vllm"')
-    if not (job.model.path / "config.json").is_file():
-        raise ModelError(f"model.path: {job.model.path} has no config.json")
+    if not (cfg.model.path / "config.json").is_file():
+        raise ModelError(f"model.path: {cfg.model.path} has no config.json")
     if e.attention != "auto":
         raise ConfigError(
             f"engine.attention: {e.attention!r} is a native-engine kernel; vLLM picks its own "
@@ -129,21 +131,21 @@ def engine_settings(job: JobConfig, dtype: str, longest_request: int) -> EngineS
         )
     extra = dict(getattr(e, "vllm", None) or {})
     check_extra_args(extra)
-    if "max_model_len" in extra and job.model.max_model_len is not None:
+    if "max_model_len" in extra and cfg.model.max_model_len is not None:
         raise ConfigError("engine.vllm.max_model_len: set model.max_model_len or this, not both")
     on_cpu = _on_cpu()
-    _check_device(job, on_cpu)
+    _check_device(cfg, on_cpu)
     batchllm = s.policy == "batchllm"
-    structured = job.sampling.json_schema is not None or bool(job.input.json_schema_column)
+    structured = cfg.sampling.json_schema is not None or bool(cfg.json_schema_column)
     kw: dict[str, Any] = {
-        "model": str(job.model.path),
+        "model": str(cfg.model.path),
         "dtype": dtype,
         "block_size": e.block_size,
         "enable_prefix_caching": True,
         # structured outputs compile the schema against vLLM's own tokenizer (the model's)
         "skip_tokenizer_init": not structured,
-        "seed": job.sampling.seed,
-        "max_model_len": job.model.max_model_len or longest_request,
+        "seed": cfg.sampling.seed,
+        "max_model_len": cfg.model.max_model_len or longest_request,
         "max_num_batched_tokens": s.chunk_size,
         # batchllm admits by KV memory (the scheduler class); vLLM needs runner slots <= budget
         "max_num_seqs": min(BATCHLLM_MAX_SEQS, s.chunk_size) if batchllm else s.max_num_seqs,

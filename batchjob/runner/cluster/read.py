@@ -33,7 +33,7 @@ from batchjob.inputs.parquet import InputDataset, PromptBatch, RejectedRows
 from batchjob.inputs.prompt_builder import make_builder
 from batchjob.inputs.row_settings import with_row_settings
 from batchjob.inputs.source import open_input
-from batchjob.model.info import ModelInfo, model_info_for_job
+from batchjob.model.info import ModelInfo, model_info_for
 from batchjob.runner.execute import job_tokenizer
 from batchjob.storage.stores import arrow_source
 from batchjob.storage.stores import configure as configure_storage
@@ -138,7 +138,7 @@ def read_fragments(
     configure_storage(job.storage)
     builder = make_builder(job.input, job.model) if dataset.builder is not None else None
     part = FragmentDataset(**{**_fields(dataset), "builder": builder, "fragments": frags})
-    tokenizer = job_tokenizer(job, True) if dataset.prompt_is_text else None
+    tokenizer = job_tokenizer(job.model, job.sampling, True) if dataset.prompt_is_text else None
     loaded = tokenize_dataset(
         part,
         tokenizer,
@@ -195,8 +195,8 @@ def load_prompts_on_cluster(
     )
     if len(tasks) < 2:  # nothing to split: one process reads it
         log.info("read + tokenize in this process (%d fragment groups)", len(tasks))
-        return load_prompts(job, tokenizer)
-    info = model_info_for_job(job)
+        return load_prompts(job.input, job.model, job.sampling, job.engine.backend, tokenizer)
+    info = model_info_for(job.model, job.engine.backend)
     max_len = info.max_model_len if info else job.model.max_model_len
     vocab = info.vocab_size if info else None
     ray = _import_ray()
@@ -228,5 +228,9 @@ def load_prompts_on_cluster(
     )
     pa.default_memory_pool().release_unused()
     if dataset.prompt_is_text and tokenizer is None:
-        tokenizer = job_tokenizer(job, True)
-    return with_row_settings(job, loaded, tokenizer, max_len), info
+        tokenizer = job_tokenizer(job.model, job.sampling, True)
+    backend = job.engine.backend
+    rows = with_row_settings(
+        job.input, job.sampling, job.model, backend, loaded, tokenizer, max_len
+    )
+    return rows, info

@@ -17,7 +17,7 @@ from batchjob.outputs.layout import OutputLayout
 from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.plan import Plan
-from batchjob.runner.execute import Execution, execute, job_tokenizer
+from batchjob.runner.execute import Execution, backend_config, execute, job_tokenizer
 from batchjob.storage.atomic import write_json_atomic
 from batchjob.storage.stores import configure as configure_storage
 from batchjob.tokenize.prompts import TokenizedPrompts
@@ -59,17 +59,17 @@ class ShardWorker:
         job = self.job
         if not self._loaded:
             self._announce()
-            self._tokenizer = job_tokenizer(job, self.text_prompts)
+            self._tokenizer = job_tokenizer(job.model, job.sampling, self.text_prompts)
             self._loaded = True
         sink = ResultSink(
             self.layout,
             self.manifest,
             flush_rows=job.output.flush_rows,
             rows_per_file=job.output.rows_per_file,
-            extra_columns=job_columns(job),
+            extra_columns=job_columns(job.sampling, job.input),
             writer=self.writer,
         )
-        return execute(job, prompts, plan, sink, self._tokenizer)
+        return execute(backend_config(job), prompts, plan, sink, self._tokenizer)
 
 
 def workers_dir(layout: OutputLayout) -> Any:

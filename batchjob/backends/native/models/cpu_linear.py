@@ -3,7 +3,7 @@
 A decode step multiplies tens of rows by every weight matrix. torch's sgemm (MKL) packs the
 weight on every call and runs such shapes far below its large-matrix speed, worse still with
 the weights cold after attention streamed the KV cache (an AVX2 EPYC: 1.3-4x slower than the
-packed kernel at 1-128 rows, docs/benchmarks.md "Linear layers of decode batches"). On some
+packed kernel at 1-128 rows, docs/kernels.md "CPU linear layers"). On some
 CPUs the packed kernel also beats MKL on prefill chunks of 512-2048 rows (an AVX-512 EPYC,
 where MKL's large sgemm reached ~160 GFLOP/s of ~220), so the buckets run up to the default
 chunk size and the calibration decides each.

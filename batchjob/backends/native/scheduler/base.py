@@ -32,7 +32,7 @@ Memory: a request's ``Sequence`` (its mutable state) exists only while it is liv
 when its group comes up for scheduling (batchllm: at the head of the prefix queue; baseline:
 at the head of the waiting line) and dropped when it finishes, its outputs handed back by
 ``update``. Per-row data stays in ``TokenizedPrompts`` / the plan's numpy arrays, so live
-Python objects grow with the running set, not with the dataset (issue 14 item 5).
+Python objects grow with the running set, not with the dataset.
 Pure Python + numpy: never import torch here.
 """
 
