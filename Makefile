@@ -38,24 +38,29 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# tests/integration needs .venv-airflow: `make test-integration` runs it (CI runs both)
-# Tests against real external systems (vLLM engine, local Ray cluster, S3 server, Airflow):
-# `make test-integration`; `make test` is everything else. CI runs both.
-INTEGRATION := tests/backends tests/cluster tests/io/test_s3.py
+# `make test`: lint, types and every test that needs nothing outside this process tree.
+# `make test-integration`: the tests against real external systems (the vLLM engine, a local
+# Ray cluster, an S3 server, Airflow) and the harnesses that start them (the vLLM peer
+# benchmark, README's quick start with its vLLM line). CI runs both.
+INTEGRATION := tests/backends tests/cluster tests/io/test_s3.py tests/bench/test_bench_peers_smoke.py \
+	tests/bench/test_peer_harness.py tests/readme
 
 test: $(STAMP) lint typecheck
 	$(VENV)/bin/pytest -n 2 -q --durations=12 --ignore=tests/integration $(addprefix --ignore=,$(INTEGRATION))
 
-# the vLLM backend, Ray and S3 tests, then jobs/airflow_dag.py under a real Airflow 3.3.2
-# (own venv, SQLite metadata, `airflow dags test`)
+# then jobs/airflow_dag.py under a real Airflow 3.3.2 (own venv, SQLite metadata,
+# `airflow dags test`)
 test-integration: $(STAMP) $(AIRFLOW_STAMP)
 	$(VENV)/bin/pytest -n 2 -q --durations=12 $(INTEGRATION)
 	BATCHJOB_REQUIRE_AIRFLOW=1 $(VENV)/bin/pytest -n 0 -q --durations=6 tests/integration
 
-$(AIRFLOW_STAMP): benchmarks/setup_airflow_venv.sh benchmarks/airflow-constraints.txt
-	PYTHON=$(PYTHON) bash benchmarks/setup_airflow_venv.sh $(AIRFLOW_VENV)
+$(AIRFLOW_STAMP): .ci/setup_airflow_venv.sh .ci/airflow-constraints.txt
+	PYTHON=$(PYTHON) bash .ci/setup_airflow_venv.sh $(AIRFLOW_VENV)
 	touch $(AIRFLOW_STAMP)
 
+# The benchmark suite: benchmarks/README.md lists every script with its command, time and
+# output. `make bench`: the planner (stdout) and the two scheduling policies on one engine
+# (out/bench_engine.md, .parquet); about 5 minutes on 2 cores.
 bench: bench-plan bench-engine
 
 bench-plan: $(STAMP)
@@ -64,14 +69,16 @@ bench-plan: $(STAMP)
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
 
-# docs/scale.md: plan at 100k/300k/1M/10M and run at 500k/1M token-id rows on a tiny model,
-# wall time and peak RSS per stage (data in data/scale/, ~1.3 GB; about an hour on 2 cores)
+# docs/benchmarks.md, "Millions of rows on one machine": plan at 100k/300k/1M/10M and run at
+# 500k/1M token-id rows on a tiny model, wall time and peak RSS per stage (data in
+# data/scale/, ~1.3 GB; about an hour on 2 cores)
 bench-scale: $(STAMP)
 	$(PY) benchmarks/bench_scale.py all
 
-# The real peers: vLLM (own venv) and HF transformers, side by side with batchjob.
+# batchjob against vLLM (own venv, .venv-vllm) on the same model and token ids; writes
+# out/bench_peers/ (about an hour on 2 cores; HF transformers too with --with-hf)
 bench-peers: $(STAMP)
-	bash benchmarks/setup_vllm_venv.sh
+	bash benchmarks/peers/setup_vllm_venv.sh
 	$(PY) benchmarks/bench_peers.py
 
 # Needs a CUDA GPU.

@@ -3,16 +3,16 @@
 # tests/integration (jobs/airflow_dag.py under `airflow dags test`). Airflow only calls the
 # batchjob CLI of .venv, so the two never share packages.
 #
-# Versions: apache-airflow==3.3.2 with every dependency pinned by benchmarks/airflow-constraints.txt.
+# Versions: apache-airflow==3.3.2 with every dependency pinned by .ci/airflow-constraints.txt.
 # Idempotent: an existing venv whose airflow is 3.3.2 is left as is.
-# Usage: bash benchmarks/setup_airflow_venv.sh [VENV_DIR]   (default: <repo>/.venv-airflow)
+# Usage: bash .ci/setup_airflow_venv.sh [VENV_DIR]   (default: <repo>/.venv-airflow)
 set -euo pipefail
 
 AIRFLOW_VERSION="3.3.2"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-airflow}"
 PY="$VENV/bin/python"
-CONSTRAINTS="$ROOT/benchmarks/airflow-constraints.txt"
+CONSTRAINTS="$ROOT/.ci/airflow-constraints.txt"
 PYTHON="${PYTHON:-python3}"
 
 die() {

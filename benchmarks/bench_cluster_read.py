@@ -71,7 +71,10 @@ def main() -> None:
             sets = {} if n == 1 else {"cluster.address": "local", "cluster.workers": str(n)}
             j = load_job(job, sets)
             t = time.perf_counter()
-            loaded, _ = (load_prompts if n == 1 else load_prompts_on_cluster)(j)
+            if n == 1:
+                loaded, _ = load_prompts(j.input, j.model, j.sampling, j.engine.backend)
+            else:
+                loaded, _ = load_prompts_on_cluster(j)
             print(
                 f"{args.form} {loaded.num_rows} rows, {len(loaded.prompts.tokens)} tokens, "
                 f"{n} {'process' if n == 1 else 'tasks'}: {time.perf_counter() - t:.2f} s",

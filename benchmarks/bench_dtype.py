@@ -1,4 +1,4 @@
-"""float32 vs bfloat16 engine throughput on the peer benchmark's models (issue 12, item 4).
+"""float32 vs bfloat16 engine throughput on the peer benchmark's models.
 
     .venv/bin/python benchmarks/bench_dtype.py                          # d 32/64/128, 2 workloads
     .venv/bin/python benchmarks/bench_dtype.py --head-dims 128 --workloads natural-qa --repeats 3

@@ -1,13 +1,15 @@
 """Engine benchmark: `batchllm` vs `baseline` policy on the same engine, model and KV budget.
 
-    python benchmarks/bench_engine.py                      # all workloads, 3 repeats
-    python benchmarks/bench_engine.py --workloads case1 --repeats 1
+    .venv/bin/python benchmarks/bench_engine.py            # all workloads, 3 repeats
+    .venv/bin/python benchmarks/bench_engine.py --workloads case1 --repeats 1
 
 Workloads are the paper's shapes from batchjob/testing/workloads.py, scaled for a 2-core CPU, rows
 shuffled. The model (random weights) and the KV budget are sized so that the dataset's KV
 is several times the budget, as a 7B model's is on a GPU. Reports medians over repeats:
 throughput (requests/s, prompt and total tokens/s), achieved saving ratio, mean/min tokens
 per iteration, preemptions, and the ratio batchllm / baseline measured in the same run.
+Writes the table to stdout and ``--out``.md, every run to ``--out``.parquet (default
+out/bench_engine). ``--no-decode-reserve``: batchllm admits new prefill by KV blocks in use.
 """
 
 from __future__ import annotations
@@ -145,8 +147,15 @@ def markdown(rows: list[dict]) -> str:
 @click.option("--chunk-size", default=512, show_default=True)
 @click.option("--max-num-seqs", default=256, show_default=True, help="baseline cap (vLLM's)")
 @click.option("--max-tokens", default=32, show_default=True, help="Output tokens per row.")
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write .md and .parquet")
-def main(workloads, repeats, kv_mib, chunk_size, max_num_seqs, max_tokens, out) -> None:
+@click.option("--decode-reserve/--no-decode-reserve", default=True, show_default=True,
+              help="scheduler.decode_reserve (batchllm): off admits new prefill by KV blocks "
+              "in use.")  # fmt: skip
+@click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_engine",
+              help="Writes OUT.md (the table) and OUT.parquet (every run); default "
+              "out/bench_engine.")  # fmt: skip
+def main(
+    workloads, repeats, kv_mib, chunk_size, max_num_seqs, max_tokens, decode_reserve, out: Path
+) -> None:
     torch.manual_seed(0)
     model_dir = ROOT / "models" / "bench-llama"
     if not (model_dir / "config.json").exists():
@@ -179,7 +188,10 @@ def main(workloads, repeats, kv_mib, chunk_size, max_num_seqs, max_tokens, out) 
                     model,
                     info,
                     SchedulerConfig(
-                        policy=policy, chunk_size=chunk_size, max_num_seqs=max_num_seqs
+                        policy=policy,
+                        chunk_size=chunk_size,
+                        max_num_seqs=max_num_seqs,
+                        decode_reserve=decode_reserve,
                     ),
                     EngineConfig(kv_cache_bytes=kv_mib << 20, block_size=16),
                 )
@@ -213,14 +225,13 @@ def main(workloads, repeats, kv_mib, chunk_size, max_num_seqs, max_tokens, out) 
         )
     table_md = markdown(summary_rows)
     print("\n" + table_md)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".md").write_text(table_md + "\n")
-        cols = [f for f in Measurement.__dataclass_fields__]
-        write_parquet_atomic(
-            pa.table({c: [getattr(m, c) for m in results] for c in cols}),
-            out.with_suffix(".parquet"),
-        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table_md + "\n")
+    cols = [f for f in Measurement.__dataclass_fields__]
+    write_parquet_atomic(
+        pa.table({c: [getattr(m, c) for m in results] for c in cols}),
+        out.with_suffix(".parquet"),
+    )
 
 
 if __name__ == "__main__":

@@ -284,8 +284,8 @@ def main(
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     kv_bytes = kv_mib << 20 if kv_mib else None
     # compile and autotune the kernels for every shape bucket outside the timing: each workload
-    # at a small scale, each policy (2026-11-27: a warm-up on one tiny workload missed some,
-    # and the first measured run paid ~17 s of autotuning)
+    # at a small scale, each policy (a warm-up on one tiny workload misses some buckets, and
+    # the first measured run then pays ~17 s of autotuning on an H100)
     for name in workloads.split(","):
         warm = prompts_from_table(
             make_workload(name, scale=0.03, seed=1, vocab_size=info.vocab_size, max_tokens=8)

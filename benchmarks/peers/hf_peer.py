@@ -3,10 +3,10 @@
 Runs in the project venv, on small workloads only (it pads every batch to its longest prompt
 and decodes every row to the batch's longest ``max_tokens``):
 
-    .venv/bin/python benchmarks/hf_peer.py --model DIR --input W.parquet \\
+    .venv/bin/python benchmarks/peers/hf_peer.py --model DIR --input W.parquet \\
         --output-json out.json [--batch-size 8] [--sort-prompts] [--threads 2]
 
-Same input and JSON shape as benchmarks/vllm_peer.py: a ``prompt`` column (list<int>), a
+Same input and JSON shape as benchmarks/peers/vllm_peer.py: a ``prompt`` column (list<int>), a
 ``max_tokens`` column, optional ``row_id``. Greedy, fp32 by default, left padding. EOS is
 suppressed the way vLLM's ``min_tokens = max_tokens`` suppresses it (``min_new_tokens`` masks
 the EOS ids of the generation config), so both peers decode exactly ``max_tokens`` tokens per

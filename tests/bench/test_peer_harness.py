@@ -33,8 +33,8 @@ GROUPS, MEMBERS, PREFIX, DISTINCT = 3, 3, 70, 10
 BLOCK = 32
 
 
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, PEERS / f"{name}.py")
+def _load(name: str, folder: Path = PEERS) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up by name
@@ -183,7 +183,7 @@ def test_vllm_peer_prefix_cache_and_tokens(model_dir: Path, workload: Path, tmp_
 
 def test_bench_models_per_head_dim_and_kv_heads(tmp_path: Path) -> None:
     """--head-dims / --kv-heads: one folder per shape, grouped-query attention when kv < 8."""
-    bp = _load("bench_peers")
+    bp = _load("bench_peers", ROOT / "benchmarks")
     assert bp.model_dir(128).name == "bench-peer"  # the original's folder, unchanged
     assert bp.model_dir(64).name == "bench-peer-d64"
     assert bp.model_dir(128, 2).name == "bench-peer-kv2"
