@@ -79,6 +79,7 @@ WORKLOADS: dict[str, tuple[float, float, int]] = {  # (scale, len_scale, max_tok
     "case2": (0.1, 0.5, 25),
     "nosharing": (0.1, 0.5, 64),
     "natural-qa": (0.15, 1.0, 32),  # 150 requests: instruction 40 / document ~400 / question ~22
+    "long-doc": (0.15, 1.0, 32),  # 150 requests: 1,500-3,500-token documents, 5-100 questions each
 }
 SMOKE_WORKLOAD = ("micro-2000-200-s4", 0.02, 0.05, 8)  # 20 requests of 110 tokens
 # minimum batchjob / vLLM-best requests/s

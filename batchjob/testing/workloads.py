@@ -20,6 +20,10 @@ Workloads (lengths in tokens, before ``len_scale``):
 - ``natural-qa`` (questions about documents, multi-level): ~1000 requests; a 40-token
   instruction shared by all rows, then a ~400-token document shared by ~8 rows (1 +
   Poisson(7)), then a short question of 15-29 tokens per row; max_tokens 32.
+- ``long-doc`` (long-document QA): ~1000 requests; a 20-token instruction shared by all rows,
+  then a document of 1,500-3,500 tokens (uniform) asked 5-100 questions (uniform), then a
+  question of 10-30 tokens per row; max_tokens 32. Where the method gains most: a long
+  prefix, many members, short outputs.
 
 ``len_scale`` multiplies prompt and output lengths, ``scale`` the request count, so a
 workload can shrink to a 2-core CPU while keeping its shape.
@@ -41,7 +45,7 @@ import pyarrow as pa
 MICRO = [
     f"micro-{p}-{d}-s{s}" for p, d in ((2000, 200), (1000, 1000), (200, 2000)) for s in (4, 16)
 ]
-WORKLOADS = [*MICRO, "case1", "case2", "nosharing", "natural-qa"]
+WORKLOADS = [*MICRO, "case1", "case2", "nosharing", "natural-qa", "long-doc"]
 DEFAULT_VOCAB_LO = 16  # ids below this are left to special tokens
 
 
@@ -145,6 +149,27 @@ def _nosharing(g: _Gen, n: int, max_out: int, out_mean: float) -> _Rows:
     return _Rows([[s] for s in seqs], mt, {})
 
 
+def _long_docs(g: _Gen, n: int, max_tokens: int) -> _Rows:
+    """Rows = [instruction] + document (1,500-3,500 tokens) + question (10-30 tokens); each
+    document asked 5-100 questions."""
+    sizes: list[int] = []
+    while sum(sizes) < n:
+        sizes.append(int(g.rng.integers(5, 101)))
+    sizes[-1] -= sum(sizes) - n
+    sizes = [s for s in sizes if s > 0]
+    instr = g.seqs([g.length(20)])[0]
+    docs = g.seqs([g.length(float(g.rng.integers(1500, 3501))) for _ in sizes])
+    segments: list[list] = []
+    doc_col: list[int] = []
+    for di, (size, doc) in enumerate(zip(sizes, docs, strict=True)):
+        for question in g.seqs([g.length(float(g.rng.integers(10, 31))) for _ in range(size)]):
+            segments.append([instr, doc, question])
+            doc_col.append(di)
+    mt = np.full(len(segments), max(1, round(max_tokens * g.len_scale)), dtype=np.int32)
+    ids = np.arange(len(segments), dtype=np.int64)
+    return _Rows(segments, mt, {"doc_id": np.asarray(doc_col, np.int64), "question_id": ids})
+
+
 def _build(name: str, g: _Gen, scale: float) -> _Rows:
     def count(base: int) -> int:
         return max(1, round(base * scale))
@@ -162,6 +187,8 @@ def _build(name: str, g: _Gen, scale: float) -> _Rows:
         return _nosharing(g, count(1000), 1536, 128.0)
     if name == "natural-qa":
         return _grouped(g, count(1000), 8, False, 40, 400, 22, 0.32, 32, ("doc_id", "question_id"))
+    if name == "long-doc":
+        return _long_docs(g, count(1000), 32)
     raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 

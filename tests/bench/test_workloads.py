@@ -96,6 +96,30 @@ def test_nosharing_shape() -> None:
     assert len(set(heads)) == 1000  # no two prompts share even one token
 
 
+def test_long_doc_shape() -> None:
+    """Documents of 1,500-3,500 tokens, each asked 5-100 questions of 10-30 tokens, behind one
+    20-token instruction; 32 output tokens; rows shuffled."""
+    t = make_workload("long-doc", scale=0.5, seed=3)
+    prompts = [np.asarray(p) for p in t.column("prompt").to_pylist()]
+    docs = t.column("doc_id").to_numpy()
+    sizes = np.bincount(docs)
+    assert t.num_rows == 500 and (sizes[:-1] >= 5).all() and (sizes <= 100).all()
+    assert set(t.column("max_tokens").to_pylist()) == {32}
+    assert not np.array_equal(docs, np.sort(docs))  # shuffled
+    instr = prompts[0][:20]
+    for d in np.unique(docs):
+        rows = [p for p, di in zip(prompts, docs, strict=True) if di == d]
+        if len(rows) < 2:
+            continue
+        a, b = rows[0], rows[1]
+        n = min(len(a), len(b))
+        common = int(np.argmin(np.r_[a[:n] == b[:n], False]))  # instruction + document
+        assert 20 + 1500 <= common <= 20 + 3500, common
+        for p in rows:
+            assert np.array_equal(p[:20], instr) and np.array_equal(p[:common], a[:common])
+            assert 10 <= len(p) - common <= 30
+
+
 def test_seeded_determinism_and_scale() -> None:
     for name in WORKLOADS:
         a = make_workload(name, scale=0.05, len_scale=0.02, seed=5)
