@@ -1,20 +1,31 @@
-"""batchjob: offline batch LLM inference for prefix-shared Parquet datasets."""
+"""batchjob: offline batch LLM inference for prefix-shared Parquet datasets.
+
+``batchjob.run(job)`` runs a job file as ``batchjob run`` does; ``batchjob.generate(data,
+model=..., sampling={...})`` runs a pyarrow Table, a polars or pandas DataFrame or a list of
+prompts and returns a pyarrow Table; ``batchjob.Generator`` keeps one loaded engine across
+calls; ``batchjob.generate_batches`` streams data larger than memory (``batchjob.api``).
+Imported lazily: ``import batchjob`` loads no torch.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from batchjob.config import JobConfig
-    from batchjob.runner.pipeline import JobResult
+from typing import TYPE_CHECKING, Any
 
 from batchjob.version import __version__ as __version__
 
+if TYPE_CHECKING:
+    from batchjob.api import Generator as Generator
+    from batchjob.api import generate as generate
+    from batchjob.api import generate_batches as generate_batches
+    from batchjob.api import run as run
 
-def run(job: JobConfig | str | Path, progress: bool = False) -> JobResult:
-    """Run a job (a ``JobConfig`` or a path to its TOML file); see ``batchjob.runner.pipeline``."""
-    from batchjob.config import JobConfig, load_job
-    from batchjob.runner.pipeline import run as run_job
+_API = ("run", "generate", "generate_batches", "Generator")
+__all__ = [*_API, "__version__"]
 
-    return run_job(job if isinstance(job, JobConfig) else load_job(job), progress=progress)
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from batchjob import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'batchjob' has no attribute {name!r}")

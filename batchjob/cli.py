@@ -11,6 +11,7 @@ mount) prints one line and exits 1. Anything else is a bug and keeps its traceba
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -44,14 +45,27 @@ class _Group(click.Group):
             ctx.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
+            if signal.getsignal(signal.SIGINT) is _interrupted_again:  # a signal stopped us:
+                for sig in (signal.SIGINT, signal.SIGTERM):  # one more cannot change the code
+                    signal.signal(sig, signal.SIG_IGN)  # while the interpreter shuts down
             ctx.exit(EXIT_INTERRUPTED)
         except OSError as e:  # disk full, a lost mount: the machine's problem, retry may help
             click.echo(f"error: {e}; rows written so far are kept: rerun to resume", err=True)
             ctx.exit(EXIT_RUNTIME)
 
 
-def _sigterm(signum: int, frame: object) -> None:
+def _interrupted(signum: int, frame: object) -> None:
+    """SIGINT or SIGTERM (Ctrl-C, Airflow, cron): stop the work by KeyboardInterrupt; the rows
+    written are flushed and kept. A second signal while it stops: ``_interrupted_again``."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupted_again)
     raise KeyboardInterrupt
+
+
+def _interrupted_again(signum: int, frame: object) -> None:
+    """Exit 130 at once: what is on disk is whole (atomic parts), as after a kill."""
+    os.write(2, b"interrupted again: stopping now; rows written are kept\n")
+    os._exit(EXIT_INTERRUPTED)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,7 +76,8 @@ def main(verbose: int) -> None:
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _sigterm)  # Airflow/cron stop: same path as Ctrl-C
+        for sig in (signal.SIGINT, signal.SIGTERM):  # Airflow/cron stop: same path as Ctrl-C
+            signal.signal(sig, _interrupted)
     if parallelism_disabled():
         log.warning(
             "TOKENIZERS_PARALLELISM=%s: tokenization runs on one core",
@@ -206,6 +221,26 @@ def run_cmd(job: JobConfig, no_progress: bool, as_json: bool) -> None:
         f"{s.preemptions} preemptions\n"
         f"report: {result.report_paths.get('json')}"
     )
+
+
+@main.command("keys")
+@click.argument("section", required=False)
+@click.option("--markdown", is_flag=True, help="The tables of docs/job_file.md.")
+def keys_cmd(section: str | None, markdown: bool) -> None:
+    """Every job-file key (of SECTION): type, default, allowed values and meaning."""
+    from batchjob.config import SECTIONS
+    from batchjob.config.keys import format_markdown, format_text, markdown_blocks
+
+    if section is not None and section not in SECTIONS:
+        near = difflib.get_close_matches(section, list(SECTIONS), n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        raise ConfigError(
+            f"unknown section {section!r}{hint} (expected one of {', '.join(SECTIONS)})"
+        )
+    if markdown:
+        click.echo(format_markdown(section) if section else markdown_blocks())
+    else:
+        click.echo(format_text(section))
 
 
 if __name__ == "__main__":

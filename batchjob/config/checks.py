@@ -45,13 +45,20 @@ def _fail(key: str, msg: str, value: Any) -> None:
     raise ConfigError(f"{key}: {msg}, got {value!r}")
 
 
-def _int(key: str, v: Any, lo: int | None = None, optional: bool = False) -> None:
+INT64_MAX = 2**63 - 1  # no integer setting is larger: numpy and Arrow hold them as int64
+
+
+def _int(
+    key: str, v: Any, lo: int | None = None, optional: bool = False, hi: int = INT64_MAX
+) -> None:
     if v is None and optional:
         return
     if not isinstance(v, int) or isinstance(v, bool):
         _fail(key, "must be an integer", v)
     if lo is not None and v < lo:
         _fail(key, f"must be >= {lo}", v)
+    if v > hi:
+        _fail(key, f"must be <= {hi}", v)
 
 
 def _float(obj: Any, name: str, key: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -84,7 +91,7 @@ def _path(obj: Any, name: str, key: str, optional: bool, uri: bool = False) -> N
         if not optional:
             raise ConfigError(f"{key}: required")
         return
-    if not isinstance(v, str | Path | ObjectPath) or not str(v):
+    if not isinstance(v, str | Path | ObjectPath) or not str(v).strip():
         _fail(key, "must be a path", v)
     if is_uri(v) and not uri:
         _fail(key, "must be a local path (object-store URIs are for input.path, output.*)", v)

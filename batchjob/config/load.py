@@ -7,14 +7,18 @@
   current directory, as a shell user expects.
 - ``--set section.key=value`` parses ``value`` as a TOML literal (``4096``, ``true``,
   ``[1, 2]``, ``"text"``) and falls back to the raw string (``2GiB``, ``data/x.parquet``).
-  For text-valued keys the raw string is always used; ``none`` resets an optional key.
+  For text-valued keys the raw string is always used; ``none`` or ``null`` resets an optional
+  key. ``--set engine.vllm.tensor_parallel_size=2`` sets one entry of a table-valued key.
+- A misspelled or misplaced key's error names the closest known key (``closest_key``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +66,24 @@ def _parse_value(dotted: str, raw: str) -> Any:
     if ftype.startswith(("str", "Path")) and not raw.strip().startswith(('"', "'")):
         return raw  # text keys take the raw string: --set input.id_column=2024
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
+        return _toml_value(dotted, raw)
     except tomllib.TOMLDecodeError:
         return raw
+
+
+def _toml_value(dotted: str, raw: str) -> Any:
+    """``raw`` as one TOML value; text that parses as more (``3\n[evil]\nx=1``) is refused."""
+    parsed = tomllib.loads(f"v = {raw}")
+    if set(parsed) != {"v"}:
+        raise ConfigError(f"--set {dotted}: {raw!r} is not one value (it holds more TOML)")
+    return parsed["v"]
 
 
 def _resolve(value: Any, base: Path) -> Any:
     if value is None or not isinstance(value, str | Path) or value in ("auto", "none"):
         return value
+    if isinstance(value, str) and not value.strip():
+        return value  # names no path (not the current folder): the section refuses it
     if is_uri(value):
         return str(value)  # s3://bucket/key: not a local path
     if str(value).startswith("file://"):
@@ -78,21 +92,47 @@ def _resolve(value: Any, base: Path) -> Any:
     return os.path.normpath(p if p.is_absolute() else base / p)  # globs survive normpath
 
 
+def _keys(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(_SECTIONS[section])]
+
+
+def closest_key(section: str, key: str) -> str | None:
+    """The dotted key meant by a misspelled or misplaced ``section.key``: the closest key of
+    that section, else a key of that name in another section, else the closest key of any
+    section; None when nothing is close (``difflib``)."""
+    if section in _SECTIONS and (near := difflib.get_close_matches(key, _keys(section), n=1)):
+        return f"{section}.{near[0]}"
+    owners = [s for s in _SECTIONS if key in _keys(s)]
+    if owners:
+        return f"{owners[0]}.{key}"
+    every = {k: s for s in reversed(list(_SECTIONS)) for k in _keys(s)}  # first section wins
+    near = difflib.get_close_matches(key, list(every), n=1)
+    return f"{every[near[0]]}.{near[0]}" if near else None
+
+
 def _check_keys(raw: dict[str, Any], where: str) -> None:
     for section, table in raw.items():
         if section not in _SECTIONS:
+            near = difflib.get_close_matches(section, list(_SECTIONS), n=1)
+            hint = f"; did you mean [{near[0]}]?" if near else ""
+            if not near and (moved := closest_key("", section)) is not None:
+                hint = f"; did you mean {moved}?"  # a key written outside its section
             raise ConfigError(
-                f"{where}: unknown section [{section}] (expected one of {', '.join(_SECTIONS)})"
+                f"{where}: unknown section [{section}]{hint} "
+                f"(expected one of {', '.join(_SECTIONS)})"
             )
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: [{section}] must be a table")
-        names = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+        names = _keys(section)
         for key in table:
             if section == "model" and key == "trust_remote_code":
                 raise ConfigError(f"model.trust_remote_code: not supported ({where})")
             if key not in names:
+                near_key = closest_key(section, key)
+                hint = f"; did you mean {near_key}?" if near_key else ""
                 raise ConfigError(
-                    f"{section}.{key}: unknown key in {where} (known: {', '.join(sorted(names))})"
+                    f"{section}.{key}: unknown key in {where}{hint} "
+                    f"(known: {', '.join(sorted(names))})"
                 )
 
 
@@ -106,22 +146,35 @@ def load_job(
 
     ``path`` may be None to build a job from overrides alone.
     """
+    return build_job(*read_tables(path, overrides, cwd=cwd))
+
+
+def read_tables(
+    path: str | Path | None,
+    overrides: dict[str, str] | None = None,
+    *,
+    cwd: Path | None = None,
+    tables: Mapping[str, Mapping[str, Any]] | None = None,
+    where: str = "command line",
+) -> tuple[dict[str, dict[str, Any]], Path | None, str]:
+    """A job's sections as plain tables, keys checked and paths resolved, not yet validated:
+    the file's, then ``tables`` (typed values, ``batchjob.generate``'s settings), then the
+    ``--set`` overrides -> (tables, the file, where the settings came from)."""
     cwd = cwd or Path.cwd()
     raw: dict[str, dict[str, Any]] = {}
-    where = "command line"
     source = None
     if path is not None:
         source = Path(path).expanduser().resolve()
-        where = str(path)
         try:
             raw = tomllib.loads(source.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"{where}: job file not found") from None
+            raise ConfigError(f"{path}: job file not found") from None
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{where}: cannot read job file: {e}") from None
+            raise ConfigError(f"{path}: cannot read job file: {e}") from None
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{where}: invalid TOML: {e}") from None
-        _check_keys(raw, where)
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        _check_keys(raw, str(path))
+        where = str(path) if tables is None else f"{path} and {where}"
         for dotted in _PATH_KEYS:
             section, _, key = dotted.partition(".")
             if key in raw.get(section, {}):
@@ -130,12 +183,50 @@ def load_job(
         if isinstance(schema, str) and not schema.lstrip().startswith("{"):
             raw["sampling"]["json_schema"] = _resolve(schema, source.parent)  # a file path
 
+    for section, table in (tables or {}).items():
+        _check_keys({section: dict(table)}, where)
+        for key, value in table.items():
+            dotted = f"{section}.{key}"
+            resolved = _resolve(value, cwd) if dotted in _PATH_KEYS else value
+            raw.setdefault(section, {})[key] = resolved
+
     for dotted, value in (overrides or {}).items():
         section, _, key = dotted.partition(".")
+        key, _, sub = key.partition(".")  # engine.vllm.tensor_parallel_size: in a table key
         _check_keys({section: {key: None}}, f"--set {dotted}")
+        if sub:
+            _set_in_table(raw.setdefault(section, {}), section, key, sub, value)
+            continue
         parsed = _parse_value(dotted, value)
         raw.setdefault(section, {})[key] = _resolve(parsed, cwd) if dotted in _PATH_KEYS else parsed
+    return raw, source, where
 
+
+def _set_in_table(raw: dict[str, Any], section: str, key: str, sub: str, value: str) -> None:
+    """``--set section.key.sub=value`` for a table-valued key (``engine.vllm``,
+    ``storage.options``): the value a TOML literal, else the raw string."""
+    if not _field_type(section, key).startswith("dict"):
+        raise ConfigError(
+            f"--set {section}.{key}.{sub}: {section}.{key} is not a table; "
+            f"write --set {section}.{key}=VALUE"
+        )
+    table = raw.setdefault(key, {})
+    names = sub.split(".")
+    for name in names[:-1]:
+        if not isinstance(table, dict):
+            break
+        table = table.setdefault(name, {})
+    if not isinstance(table, dict) or not all(names):
+        raise ConfigError(f"--set {section}.{key}.{sub}: not a key of a table")
+    try:
+        table[names[-1]] = _toml_value(f"{section}.{key}.{sub}", value)
+    except tomllib.TOMLDecodeError:
+        table[names[-1]] = value
+
+
+def build_job(raw: dict[str, dict[str, Any]], source: Path | None, where: str) -> JobConfig:
+    """The job of ``read_tables``' tables: every section built and checked; a ConfigError
+    names the key and ``where``."""
     suffix = f" ({where})"
     try:
         for section in ("input", "output"):

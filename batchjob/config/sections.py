@@ -59,37 +59,50 @@ def _prompt_source_checks(cfg: Any) -> None:
 
 @dataclass(frozen=True)
 class InputConfig:
-    path: str  # a Parquet file, a directory of them, or a glob (absolute after loading)
-    prompt_column: str = "prompt"  # text column, or list<int> token ids (auto-detected)
-    id_column: str | None = None  # a pass-through id column checked to exist
-    max_tokens_column: str = "max_tokens"  # per-row decode limit, used when present
+    path: str  # a Parquet file, folder or glob, an OpenAI Batch .jsonl, or an s3:// URI
+    prompt_column: str = "prompt"  # text, or list<int> token ids (detected from the type)
+    id_column: str | None = None  # an id column checked to exist (OpenAI output: custom_id)
+    max_tokens_column: str | None = "max_tokens"  # per-row output limit, used when present
     batch_rows: int = 65536  # rows per streamed Arrow batch
     limit: int | None = None  # read only the first N rows
-    template: str | None = None  # prompt built from columns: "Q: {question}" ({{ }}: braces)
-    messages_column: str | None = None  # list<struct<role, content>> chat messages
-    system_prompt: str | None = None  # system turn put before each row's messages/prompt
+    template: str | None = None  # build prompts from columns: "Q: {question}" ({{ }}: braces)
+    messages_column: str | None = None  # chat messages: list<struct<role, content>>
+    system_prompt: str | None = None  # a system turn put before each row's messages/prompt
     # per-row settings (batchjob.inputs.row_settings): a null value takes the [sampling] one
-    temperature_column: str | None = None
-    top_p_column: str | None = None
-    top_k_column: str | None = None
-    seed_column: str | None = None
-    stop_column: str | None = None  # list<string>
-    labels_column: str | None = None  # list<string>: scoring mode, this row's labels
-    json_schema_column: str | None = None  # string: this row's JSON schema (structured output)
+    temperature_column: str | None = None  # per-row temperature, a number
+    top_p_column: str | None = None  # per-row top_p, a number
+    top_k_column: str | None = None  # per-row top_k, an integer
+    seed_column: str | None = None  # per-row seed, an integer
+    stop_column: str | None = None  # per-row stop strings, list<string>
+    labels_column: str | None = None  # per-row scoring labels, list<string>
+    json_schema_column: str | None = None  # per-row JSON schema, a string (structured output)
 
     def __post_init__(self) -> None:
         _str("input.path", self.path if self.path is None else str(self.path))
         object.__setattr__(self, "path", str(self.path))
         _str("input.prompt_column", self.prompt_column)
         _str("input.id_column", self.id_column, optional=True)
-        _str("input.max_tokens_column", self.max_tokens_column)
+        _str("input.max_tokens_column", self.max_tokens_column, optional=True)
         _int("input.batch_rows", self.batch_rows, lo=1)
         _int("input.limit", self.limit, lo=1, optional=True)
         _prompt_source_checks(self)
         for name in ROW_SETTING_COLUMNS:
             _str(f"input.{name}", getattr(self, name), optional=True)
+        if self.path.endswith(".jsonl"):  # OpenAI Batch requests: each sets its own row's
+            for name, column in REQUEST_COLUMNS.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, column)
 
 
+# the per-row setting columns of an OpenAI Batch input (a .jsonl path): its requests' body
+# fields, honoured without the job naming them (batchjob.inputs.openai_batch)
+REQUEST_COLUMNS = {
+    "temperature_column": "temperature",
+    "top_p_column": "top_p",
+    "top_k_column": "top_k",
+    "seed_column": "seed",
+    "stop_column": "stop",
+}
 ROW_SETTING_COLUMNS = (
     "temperature_column",
     "top_p_column",
@@ -103,11 +116,11 @@ ROW_SETTING_COLUMNS = (
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: Path | None = None  # local Hugging Face folder (config.json, safetensors, tokenizer)
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    max_model_len: int | None = None  # default: config.json max_position_embeddings
-    chat_template: str | None = None  # auto | none | PATH; unset: only messages use the model's
+    path: Path | None = None  # a local Hugging Face folder (required to run a job)
+    dtype: str = "auto"  # weights and compute; auto: by checkpoint and device
+    device: str = "auto"  # auto (CUDA when present), cpu, cuda or cuda:N
+    max_model_len: int | None = None  # context length; unset: max_position_embeddings
+    chat_template: str | None = None  # auto (the folder's), none, or a Jinja file
 
     def __post_init__(self) -> None:
         _path(self, "path", "model.path", optional=True)
@@ -124,6 +137,7 @@ class ModelConfig:
 
 
 MAX_LOGPROBS = 20
+MAX_TOKENS = 2**31 - 1  # per-row limits are int32 (a row's max_tokens column: the same bound)
 
 
 @dataclass(frozen=True)
@@ -131,20 +145,20 @@ class SamplingConfig:
     """How tokens are drawn and when a request stops; the native sampler takes it as is
     (per row, ``dataclasses.replace(cfg, max_tokens=row_limit)``)."""
 
-    max_tokens: int = 128  # generated tokens at most (finish "length"), where the row has none
+    max_tokens: int = 128  # output limit where the row has none (finish "length")
     temperature: float = 0.0  # 0: greedy (argmax)
     top_k: int = 0  # keep the k most likely tokens; 0 (or >= vocab size): off
     top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1: off
-    seed: int = 0  # each draw is a hash of (seed, row_id, step): same seed, same outputs
-    stop_token_ids: tuple[int, ...] = ()  # finish "stop" when one is generated
-    stop: tuple[str, ...] = ()  # finish "stop" when the text contains one (text cut before it)
+    seed: int = 0  # each draw hashes (seed, row_id, step): same seed, same outputs
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end a row (finish "stop") besides EOS
+    stop: tuple[str, ...] = ()  # stop strings (finish "stop"); the text is cut before one
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
-    logprobs: int | None = None  # per generated token: its log-prob and the top-N (0..20)
-    labels: tuple[str, ...] = ()  # scoring mode: log-prob of each label after the prompt
-    json_schema: str | None = None  # structured output: inline JSON or a schema file path
+    logprobs: int | None = None  # per generated token: its log-prob and the top N (N <= 20)
+    labels: tuple[str, ...] = ()  # scoring mode: each label's log-prob, nothing generated
+    json_schema: str | None = None  # constrain output: a schema file or inline JSON "{...}"
 
     def __post_init__(self) -> None:
-        _int("sampling.max_tokens", self.max_tokens, lo=1)
+        _int("sampling.max_tokens", self.max_tokens, lo=1, hi=MAX_TOKENS)
         _float(self, "temperature", "sampling.temperature", 0.0, 100.0)
         _int("sampling.top_k", self.top_k, lo=0)
         _float(self, "top_p", "sampling.top_p", 0.0, 1.0, lo_open=True)
@@ -196,13 +210,13 @@ class SchedulerConfig:
     """The native scheduler's settings; it takes this section as is, with the engine's
     ``KVLayout`` (block count and size) beside it."""
 
-    policy: str = "batchllm"  # batchllm (groups, 3 queues, Algo 2) | baseline (vLLM v1 style)
-    chunk_size: int = 2048  # token budget S_chunk per iteration (decode + prefill tokens)
-    kv_threshold: float = 0.95  # M_threshold: KV fraction above which no new prefill starts
+    policy: str = "batchllm"  # batchllm: groups, KV admission; baseline: vLLM v1-like
+    chunk_size: int = 2048  # token budget per iteration (decode + prefill tokens)
+    kv_threshold: float = 0.95  # KV fraction above which no new prefill is admitted
     max_num_seqs: int = 256  # running-request cap (baseline policy only)
-    enlarge: bool = True  # Algo 1 first-level enlargement
-    reorder: bool = True  # Eq. 4 group order
-    decode_reserve: bool = True  # batchllm: admit new prefill against the projected decode peak
+    enlarge: bool = True  # first-level enlargement of the plan's groups (Algo 1)
+    reorder: bool = True  # order groups by decode/prefill ratio (Eq. 4)
+    decode_reserve: bool = True  # batchllm: admit prefill against the projected decode peak
 
     def __post_init__(self) -> None:
         _str("scheduler.policy", self.policy, SCHEDULING_POLICIES)
@@ -222,15 +236,14 @@ class SchedulerConfig:
 class EngineConfig:
     """Which engine runs the plan and its KV cache; the native engine takes it as is."""
 
-    backend: str = "native"  # native | vllm
-    kv_cache_bytes: int | None = None  # None: from gpu_memory_fraction on GPU, 2 GiB on CPU
-    gpu_memory_fraction: float = 0.9  # of the GPU's memory, when kv_cache_bytes is None
-    block_size: int = 16  # tokens per KV block (any size >= 1: the kernels index by // and %)
-    attention: str = "auto"  # auto | torch | cpu (C kernel) | triton (CUDA)
-    linear: str = "auto"  # auto: float32 CPU models' batches of <= 2048 rows on the C kernel
-    # where the calibration found it faster | torch
-    threads: int | None = None  # torch CPU threads
-    vllm: dict[str, Any] = field(default_factory=dict)  # extra vLLM engine arguments (vllm only)
+    backend: str = "native"  # native (batchjob's engine) or vllm
+    kv_cache_bytes: int | None = None  # KV cache; unset: gpu_memory_fraction, 2 GiB on CPU
+    gpu_memory_fraction: float = 0.9  # GPU memory share for the KV cache (kv_cache_bytes unset)
+    block_size: int | None = None  # tokens per KV block; unset: 16 native, vLLM: see backends
+    attention: str = "auto"  # auto, torch, cpu (C kernel) or triton (CUDA)
+    linear: str = "auto"  # auto: float32 CPU batches on the C kernel where faster; torch
+    threads: int | None = None  # CPU threads; unset: all cores
+    vllm: dict[str, Any] = field(default_factory=dict)  # more vLLM EngineArgs (vllm only)
 
     def __post_init__(self) -> None:
         _str("engine.backend", self.backend, BACKENDS)
@@ -245,7 +258,7 @@ class EngineConfig:
                 raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
             _int("engine.kv_cache_bytes", self.kv_cache_bytes, lo=1)
         _float(self, "gpu_memory_fraction", "engine.gpu_memory_fraction", 0.0, 1.0, lo_open=True)
-        _int("engine.block_size", self.block_size, lo=1)
+        _int("engine.block_size", self.block_size, lo=1, optional=True)
         _str("engine.attention", self.attention, ATTENTION_BACKENDS)
         _str("engine.linear", self.linear, LINEAR_BACKENDS)
         _int("engine.threads", self.threads, lo=1, optional=True)
@@ -253,19 +266,23 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    path: Path | ObjectPath  # results: a .parquet file, or a directory (any other name)
-    report_path: Path | ObjectPath | None = None  # default: <meta>/report.json (outputs.layout)
-    plan_path: Path | ObjectPath | None = None  # default: <meta>/plan.parquet (outputs.layout)
-    overwrite: bool = False
-    rows_per_file: int = 100000
+    path: Path | ObjectPath  # results: a .parquet file, else a folder of results files
+    report_path: Path | ObjectPath | None = None  # throughput report; unset: <meta>/report.json
+    plan_path: Path | ObjectPath | None = None  # the plan; unset: <meta>/plan.parquet
+    overwrite: bool = False  # replace another job's results at this path
+    rows_per_file: int = 100000  # rows per results file of a folder output
     flush_rows: int = 4096  # finished rows per atomic part file (what a crash can lose)
-    format: str = "parquet"  # parquet | openai-jsonl (also writes OpenAI Batch output lines)
+    format: str = "parquet"  # openai-jsonl: also write OpenAI Batch output lines
+    # a results folder holding files batchjob did not write: refused unless true; then the
+    # results go beside them (never deleted) and commit in place, as on an object store
+    allow_other_files: bool = False
 
     def __post_init__(self) -> None:
         _path(self, "path", "output.path", optional=False, uri=True)
         _path(self, "report_path", "output.report_path", optional=True, uri=True)
         _path(self, "plan_path", "output.plan_path", optional=True, uri=True)
         _bool("output.overwrite", self.overwrite)
+        _bool("output.allow_other_files", self.allow_other_files)
         _int("output.rows_per_file", self.rows_per_file, lo=1)
         _int("output.flush_rows", self.flush_rows, lo=1)
         _str("output.format", self.format, ("parquet", "openai-jsonl"))
@@ -279,7 +296,7 @@ class ClusterConfig:
     """Where the plan runs: in this process ("none"), or split over the workers of a Ray
     cluster (``batchjob.runner.cluster``; Ray is imported only then)."""
 
-    address: str = "none"  # none | local (start one here) | auto (this node's) | ray://host:port
+    address: str = "none"  # none, local (start one), auto (this node's), ray://host:port
     workers: int = 1  # engine actors; the plan is split into this many shards, groups whole
     num_cpus: float = 1.0  # Ray CPUs reserved by each worker
     num_gpus: float = 0.0  # Ray GPUs reserved by each worker (1: one engine per GPU)

@@ -151,6 +151,12 @@ def resolve_files(path: str) -> list[str]:
                 found += glob.glob(os.path.join(glob.escape(m), "**", "*.parquet"), recursive=True)
             else:
                 found.append(m)
+    broken = [f for f in found if os.path.islink(f) and not os.path.exists(f)]
+    if broken := [f for f in broken if not _hidden(f, path)]:
+        raise InputDataError(
+            f"{broken[0]}: a link to {os.readlink(broken[0])}, which does not exist "
+            f"(input.path {path!r}); its rows would be missing: fix or remove the link"
+        )
     files = sorted({f for f in found if os.path.isfile(f) and not _hidden(f, path)})
     if not files:
         raise InputDataError(f"input.path: {path!r} matches no Parquet file")
@@ -306,6 +312,50 @@ def _unify(acc: pa.Schema | None, schema: pa.Schema, f: str, first: str) -> pa.S
         raise InputDataError(f"{f}: schema does not match earlier files (e.g. {first})") from None
 
 
+def requires_max_tokens_column(cfg: InputConfig) -> bool:
+    """input.max_tokens_column names a column that must exist (the default may be absent)."""
+    return cfg.max_tokens_column not in (None, _DEFAULT_MAX_TOKENS_COLUMN)
+
+
+def check_schema(
+    cfg: InputConfig, builder: PromptBuilder | None, schema: pa.Schema, where: str
+) -> tuple[bool, bool]:
+    """One file's (or in-memory table's) columns against ``[input]`` -> (the prompts are text,
+    the max_tokens column is present); InputDataError naming ``where`` and the column."""
+    names = schema.names
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        raise InputDataError(
+            f"{where}: more than one column named {', '.join(map(repr, dup))}; every column "
+            "needs its own name"
+        )
+    if builder is not None:  # template, messages or a chat prompt: text
+        builder.check_schema(schema, where)
+    elif cfg.prompt_column not in names:
+        raise InputDataError(
+            f"{where}: column {cfg.prompt_column!r} (input.prompt_column) not found; "
+            f"available columns: {', '.join(names)}"
+        )
+    ptype = schema.field(cfg.prompt_column).type if builder is None else pa.string()
+    if not (_is_text(ptype) or _is_token_list(ptype)):
+        raise InputDataError(
+            f"{where}: column {cfg.prompt_column!r} has type {ptype}; expected string "
+            "(text to tokenize) or list<int> (token ids)"
+        )
+    if cfg.id_column is not None and cfg.id_column not in names:
+        raise InputDataError(
+            f"{where}: column {cfg.id_column!r} (input.id_column) not found; "
+            f"available columns: {', '.join(names)}"
+        )
+    mt = cfg.max_tokens_column
+    has_mt = mt is not None and mt in names
+    if mt is not None and has_mt and not pa.types.is_integer(schema.field(mt).type):
+        raise InputDataError(
+            f"{where}: column {mt!r} (input.max_tokens_column) has type "
+            f"{schema.field(mt).type}; expected an integer type"
+        )
+    return _is_text(ptype), has_mt
+
+
 def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDataset:
     """Resolve and validate Parquet input (schema of every file); reads no row data. The job
     opens its input through batchjob.inputs.source.open_input, which also takes OpenAI JSONL.
@@ -326,33 +376,9 @@ def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDat
             raise InputDataError(f"{f}: not a readable Parquet file ({e})") from None
         rows.append(meta.num_rows)
         schemas.append(schema)
-        names = schema.names
-        if builder is not None:  # template, messages or a chat prompt: text
-            builder.check_schema(schema, f)
-        elif cfg.prompt_column not in names:
-            raise InputDataError(
-                f"{f}: column {cfg.prompt_column!r} (input.prompt_column) not found; "
-                f"available columns: {', '.join(names)}"
-            )
-        ptype = schema.field(cfg.prompt_column).type if builder is None else pa.string()
-        if not (_is_text(ptype) or _is_token_list(ptype)):
-            raise InputDataError(
-                f"{f}: column {cfg.prompt_column!r} has type {ptype}; expected string "
-                "(text to tokenize) or list<int> (token ids)"
-            )
-        kinds.add(_is_text(ptype))
-        if cfg.id_column is not None and cfg.id_column not in names:
-            raise InputDataError(
-                f"{f}: column {cfg.id_column!r} (input.id_column) not found; "
-                f"available columns: {', '.join(names)}"
-            )
-        has_mt = cfg.max_tokens_column in names
+        is_text, has_mt = check_schema(cfg, builder, schema, f)
+        kinds.add(is_text)
         has_max_tokens.add(has_mt)
-        if has_mt and not pa.types.is_integer(schema.field(cfg.max_tokens_column).type):
-            raise InputDataError(
-                f"{f}: column {cfg.max_tokens_column!r} (input.max_tokens_column) has type "
-                f"{schema.field(cfg.max_tokens_column).type}; expected an integer type"
-            )
     if len(kinds) > 1:
         raise InputDataError(
             f"column {cfg.prompt_column!r} is text in some files and token ids in others"
@@ -364,7 +390,7 @@ def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDat
     unified = None
     for f, schema in zip(files, schemas, strict=True):
         unified = _unify(unified, schema, f, files[0])
-    if cfg.max_tokens_column != _DEFAULT_MAX_TOKENS_COLUMN and True not in has_max_tokens:
+    if requires_max_tokens_column(cfg) and True not in has_max_tokens:
         raise InputDataError(
             f"{files[0]}: column {cfg.max_tokens_column!r} (input.max_tokens_column) not found; "
             f"available columns: {', '.join(schemas[0].names)}"

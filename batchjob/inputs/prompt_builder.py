@@ -163,9 +163,11 @@ class PromptBuilder:
                 conv = [{"role": "system", "content": self.system_text}, *conv]
             try:
                 out[i] = chat.render(conv)
-            except (jinja2.TemplateError, TypeError, ValueError) as e:
+            except Exception as e:  # only the template runs here: any error is its own
                 status[i] = STATUS_CHAT_TEMPLATE
-                message[i] = f"chat template {os.path.basename(chat.source)} refused the row: {e}"
+                why = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+                name = os.path.basename(chat.source)
+                message[i] = f"chat template {name} refused the row: {why}"
         return out
 
 
@@ -183,14 +185,17 @@ def make_builder(
     prompt_column: str | None = None,
     error_column: str | None = None,
     text_prompts: bool = True,
+    chat_prompts: bool = True,
 ) -> PromptBuilder | None:
     """The job's builder, or None when the prompt column is the exact model input.
 
     ``model`` None: metadata only (schema checks; nothing is rendered). The keyword
-    arguments let a reader (OpenAI JSONL) name the columns it made."""
+    arguments let a reader (OpenAI JSONL) name the columns it made; ``chat_prompts`` False:
+    a prompt is raw text, never a chat turn, whatever the chat settings (/v1/completions)."""
     messages_col = messages_col or cfg.messages_column
     setting = model.chat_template if model is not None else None
     wrap = messages_col is None and (setting not in (None, "none") or cfg.system_prompt is not None)
+    wrap = wrap and chat_prompts
     template = PromptTemplate.parse(cfg.template) if cfg.template else None
     if template is None and messages_col is None and not wrap and error_column is None:
         return None

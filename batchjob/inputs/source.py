@@ -7,14 +7,17 @@ itself cannot dispatch to it without an import cycle.
 
 from __future__ import annotations
 
-from batchjob.config import InputConfig, ModelConfig
+from batchjob.config import InputConfig, ModelConfig, SamplingConfig
 from batchjob.inputs.openai_batch import open_requests
 from batchjob.inputs.parquet import InputDataset, open_dataset
 
 
-def open_input(cfg: InputConfig, model: ModelConfig | None = None) -> InputDataset:
+def open_input(
+    cfg: InputConfig, model: ModelConfig | None = None, sampling: SamplingConfig | None = None
+) -> InputDataset:
     """Resolve and validate the input; reads no row data. ``model``: the job's model section,
-    to load a chat template (None: metadata only)."""
+    to load a chat template; ``sampling``: the job's, to check what OpenAI requests ask for
+    (None: metadata only)."""
     if cfg.path.endswith(".jsonl"):
-        return open_requests(cfg, model)
+        return open_requests(cfg, model, sampling)
     return open_dataset(cfg, model)

@@ -5,14 +5,20 @@ results (``manifest.json`` in the metadata folder). A resumed run and an "alread
 answer require the stored fingerprint to equal this run's; otherwise the output belongs to
 another job and the run stops with exit 3 naming the first field that differs.
 
-In the fingerprint: the input files (path or URI, size, mtime) and row count, every other input
-setting (prompt and max_tokens columns, row limit, ...); the model folder's identity
+In the fingerprint: the input files (path or URI, size, and a hash of every byte:
+``sha256:``, or an S3 object's ``etag:``; ``storage.stores.content_id``) and row count, every
+other input setting (prompt and max_tokens columns, row limit, ...); the model folder's identity
 (config.json and tokenizer.json hashes, weight file names, sizes and mtimes) and every other
 model setting (dtype, max_model_len); every sampling setting; the plan-shaping scheduler
 settings (enlarge, reorder); engine.backend; the batchjob version. Not in it (may differ
 between runs): threads, progress, chunk size, KV budget and threshold, block size, attention
 backend, policy, device, id_column, batch_rows and every output setting (flush_rows,
 rows_per_file, overwrite).
+
+Identity by content, not by size and mtime: a file rewritten with other bytes of the same size
+and its old mtime restored is another input. The hash reads every byte once per run (1 GB: about
+0.75 s of CPU with SHA-NI, plus the read; docs/operations.md). Manifests of earlier versions
+(size and mtime) are still matched as those versions did, so their parts resume once.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 
 from batchjob.config import JobConfig
 from batchjob.storage.atomic import write_json_atomic
-from batchjob.storage.stores import ObjectPath, file_stat, store_for
+from batchjob.storage.stores import ObjectPath, content_id, file_stat, store_for
 from batchjob.version import __version__
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -34,6 +40,16 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 def _stat(path: str | Path) -> list[Any]:
     size, mtime_ns = file_stat(str(path))  # a local file or an object
     return [str(path), size, mtime_ns]
+
+
+def _content(path: str) -> list[Any]:
+    """[path, size, content hash] of one input file (streamed; see the module doc)."""
+    try:
+        return [str(path), file_stat(str(path))[0], content_id(str(path))]
+    except OSError as e:
+        from batchjob.errors import InputDataError
+
+        raise InputDataError(f"{path}: cannot read the input file: {e}") from None
 
 
 def _sha256(path: Path) -> str | None:
@@ -69,7 +85,7 @@ def fingerprint(job: JobConfig, input_files: Sequence[str], num_rows: int) -> di
     """Flat ``{"section.key": value}`` of what determines the results (JSON-able)."""
     fp: dict[str, Any] = {
         "batchjob.version": __version__,
-        "input.files": [_stat(f) for f in input_files],
+        "input.files": [_content(f) for f in input_files],
         "input.num_rows": num_rows,
         "model.identity": model_identity(job.model.path),
     }
@@ -86,6 +102,8 @@ def manifest(job: JobConfig, input_files: Sequence[str], num_rows: int) -> dict[
     """The fingerprint plus what identifies the job to a reader (not compared)."""
     return {
         "fingerprint": fingerprint(job, input_files, num_rows),
+        # not compared, except against a manifest of an earlier version (difference)
+        "stat": {"input.files": [_stat(f) for f in input_files]},
         "job": {
             "input.path": job.input.path,
             "model.path": str(job.model.path) if job.model.path else None,
@@ -108,6 +126,12 @@ def write_manifest(m: dict[str, Any], path: Path | ObjectPath) -> None:
     write_json_atomic(m, path)
 
 
+def legacy_fingerprint(fp: dict[str, Any]) -> bool:
+    """Written by a version that identified input files by size and mtime (no content)."""
+    files = fp.get("input.files") or []
+    return bool(files) and all(isinstance(f, list) and isinstance(f[-1], int) for f in files)
+
+
 def _short(v: Any, limit: int = 100) -> str:
     s = json.dumps(v)
     return s if len(s) <= limit else s[: limit - 3] + "..."
@@ -118,11 +142,18 @@ def difference(this: dict[str, Any], stored: dict[str, Any] | None) -> str | Non
     if stored is None:
         return "no batchjob manifest (not written by batchjob, or by a version without one)"
     a, b = this["fingerprint"], stored["fingerprint"]
+    if legacy_fingerprint(b) and "stat" in this:  # earlier versions: files by size and mtime
+        a = {**a, "input.files": this["stat"]["input.files"]}
     for key in sorted(a.keys() | b.keys()):
         if a.get(key) != b.get(key):
             va, vb = a.get(key), b.get(key)
             if isinstance(va, list) and isinstance(vb, list) and len(va) == len(vb):
                 i = next(i for i, (x, y) in enumerate(zip(va, vb, strict=True)) if x != y)
                 va, vb = va[i], vb[i]
+            if isinstance(va, list) and isinstance(vb, list) and va[:1] == vb[:1] and va:
+                # one input file's entry, [path, size, content]: name it, show what differs
+                j = [k for k in range(1, min(len(va), len(vb))) if va[k] != vb[k]] or [1]
+                what = f"this run: {_short(va[j[0]])}; stored: {_short(vb[j[0]])}"
+                return f"{key} differs for {va[0]} ({what})"
             return f"{key} differs (this run: {_short(va)}; stored: {_short(vb)})"
     return None

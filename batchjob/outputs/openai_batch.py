@@ -1,11 +1,20 @@
 """OpenAI Batch API output lines (``output.format = "openai-jsonl"``): written from the
 committed results, keyed by ``custom_id``, in the Batch output-line format. The results stay
-the source of truth for resume; a kill before this file is written redoes it on rerun."""
+the source of truth for resume; a kill before this file is written redoes it on rerun.
+
+``choices[0].logprobs`` is filled from the results' ``output_logprobs`` (``sampling.logprobs``)
+for the rows whose request asks for log-probs (``logprobs``, ``top_logprobs``; a Parquet
+input's rows, or requests that say nothing: whenever the job computes them), in OpenAI's
+format: chat ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``,
+completions ``{tokens, token_logprobs, top_logprobs, text_offset}``. Token strings are each id
+decoded alone with the model's tokenizer."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +26,8 @@ from batchjob.inputs.openai_batch import CHAT_URL, COMPLETIONS_URL
 from batchjob.storage.atomic import atomic_open
 from batchjob.storage.stores import ObjectPath
 
+Decode = Callable[[int], str]
+
 
 def _chat_job(inp: InputConfig, model: ModelConfig) -> bool:
     if inp.path.endswith(".jsonl"):
@@ -26,7 +37,49 @@ def _chat_job(inp: InputConfig, model: ModelConfig) -> bool:
     )
 
 
-def _line(r: dict[str, Any], url: str, model: str, created: int) -> dict[str, Any]:
+def _token(decode: Decode, token_id: int, logprob: float) -> dict[str, Any]:
+    text = decode(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _logprobs(r: dict[str, Any], chat: bool, decode: Decode | None) -> dict[str, Any] | None:
+    """The row's ``choices[0].logprobs`` in OpenAI's format, or None when not asked for."""
+    steps = r.get("output_logprobs")
+    asked = r.get("logprobs")  # the request's: True / False, None when it said nothing
+    if steps is None or decode is None or asked is False:
+        return None
+    top_n = r.get("top_logprobs")
+    if top_n is None:  # chat logprobs=true alone: no alternatives; silent: the job's top N
+        top_n = 0 if asked else len(steps[0]["top"]) if steps else 0
+    if chat:
+        content = [
+            {
+                **_token(decode, s["token_id"], s["logprob"]),
+                "top_logprobs": [
+                    _token(decode, t["token_id"], t["logprob"]) for t in s["top"][:top_n]
+                ],
+            }
+            for s in steps
+        ]
+        return {"content": content, "refusal": None}
+    tokens = [decode(s["token_id"]) for s in steps]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [s["logprob"] for s in steps],
+        "top_logprobs": [
+            {decode(t["token_id"]): t["logprob"] for t in s["top"][:top_n]} for s in steps
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _line(
+    r: dict[str, Any], url: str, model: str, created: int, decode: Decode | None = None
+) -> dict[str, Any]:
     rid = f"batch_req_{r['row_id']:012d}"
     cid = r.get("custom_id") or f"row-{r['row_id']}"
     if r["status"] != "ok":
@@ -38,7 +91,11 @@ def _line(r: dict[str, Any], url: str, model: str, created: int) -> dict[str, An
         }
     chat = url == CHAT_URL
     text = r["output_text"] or ""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": r["finish_reason"]}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "logprobs": _logprobs(r, chat, decode),
+        "finish_reason": r["finish_reason"],
+    }
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -70,7 +127,10 @@ def write_responses(
     """The committed results -> ``out`` (the layout's ``jsonl_file``) in the Batch API's
     output format."""
     assert isinstance(out, Path)  # an object-store output.path is refused at load for this
-    table = pq.read_table(results_path).sort_by("row_id")
+    from batchjob.outputs.layout import committed_files  # the commit's files, no other
+
+    table = pa.concat_tables([pq.read_table(f) for f in committed_files(results_path)])
+    table = table.sort_by("row_id")
     names = set(table.column_names)
     if "custom_id" not in names and inp.id_column in names:
         table = table.append_column("custom_id", table.column(inp.id_column).cast(pa.string()))
@@ -90,12 +150,32 @@ def write_responses(
             "num_output_tokens",
             "status",
             "message",
+            "output_logprobs",
+            "logprobs",
+            "top_logprobs",
         )
         if c in table.column_names
     ]
+    decode = _decoder(model_cfg) if "output_logprobs" in table.column_names else None
     with atomic_open(out, "w") as f:
         for batch in table.select(keep).to_batches(max_chunksize=8192):
             for r in batch.to_pylist():
                 url = r.get("url") or default_url
-                f.write(json.dumps(_line(r, url, model, created), ensure_ascii=False) + "\n")
+                line = _line(r, url, model, created, decode)
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
     return out
+
+
+def _decoder(model_cfg: ModelConfig) -> Decode | None:
+    """One token id -> its text (memoised), with the model's tokenizer; None without one."""
+    if model_cfg.path is None or not (Path(model_cfg.path) / "tokenizer.json").is_file():
+        return None
+    from batchjob.tokenize.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_cfg.path).tokenizer
+
+    @functools.cache
+    def decode(token_id: int) -> str:
+        return str(tok.decode([token_id], skip_special_tokens=False))
+
+    return decode

@@ -65,12 +65,14 @@ def outcome_counts(results: Path | ObjectPath) -> dict[str, int]:
     """
     import polars as pl
 
+    from batchjob.outputs.layout import committed_files  # the commit's files, no other
+
     if isinstance(results, Path):
-        files = sorted(results.glob("*.parquet")) if results.is_dir() else [results]
+        files = committed_files(results)
         scan = pl.scan_parquet(files) if files else None
     else:
         store, cols = store_for(results), ["status", "finish_reason"]
-        found = store.glob(results, "*.parquet") if store.is_dir(results) else [results]
+        found = committed_files(results)
         tables = [store.read_parquet(f, columns=cols) for f in found]
         scan = pl.LazyFrame(pa.concat_tables(tables)) if tables else None
     if scan is None:

@@ -1,44 +1,58 @@
 """Results output: incremental, atomic, resumable, committed only when complete.
 
 Finished rows are buffered and flushed as numbered part files into ``<meta>/parts/`` (see
-``output_layout``), each written atomically (temp file + rename), the job's manifest first.
-A job killed at any point leaves only whole parts; rerun as the same job (same manifest), it
-reads the row_ids already in the parts and skips them.
+``layout``), each written atomically (temp file + rename), the job's manifest first; the names
+carry the run's token (``part-000003-<run>[-<worker>].parquet``). A job killed at any point
+leaves only whole parts; rerun as the same job (same manifest), it reads the row_ids already in
+the parts and skips them.
 
 When every row is done, ``finalize`` joins the parts with the pass-through input columns,
-sorts by row_id and writes the final files into ``<meta>/staging/``; ``commit`` then moves
-them over the output (earlier results stay untouched until this point) and records the
-manifest beside them; ``cleanup`` removes the parts. A crash anywhere from staging to
-cleanup leaves the parts and their manifest, so a rerun commits again (rolls forward).
+sorts by row_id and commits; earlier results stay untouched until the new ones are whole:
 
-On an object store (``layout.remote``; batchjob.storage.stores) there is no rename: every part is
-one PUT under a unique name (a random token per run), and the commit writes the final files in
-place after removing ``_SUCCESS`` and the committed manifest, then the manifest and ``_SUCCESS``
-last; a reader treats a folder without ``_SUCCESS`` as incomplete. A crash during the commit
-leaves the parts, so the rerun commits again, as locally.
+- one local file: written in ``<meta>/staging/``, renamed over the old one;
+- a local folder that is batchjob's alone: built whole in ``<meta>/staging/`` (files named
+  ``results-NNNNN-<commit>.parquet`` + ``_SUCCESS``) and exchanged with the old folder in one
+  ``renameat2(RENAME_EXCHANGE)``; without it, two renames (old to ``<meta>/previous/``, new
+  into place) with the recovery rule of ``OutputLayout.clean_stale``;
+- an object-store folder, or a local folder shared with other files: in place, ``_SUCCESS``
+  first removed and last written, new files under new names, batchjob's old files (listed in
+  ``<meta>/commit.json`` while it runs) deleted only once every new one is written.
 
-Exactly one result row per input row: the parts never hold a row twice (resumed runs skip
-done rows), and ``finalize`` checks the count against the input before it commits.
+The committed manifest records the commit and its files; ``cleanup`` then removes the parts. A
+crash anywhere from staging to cleanup leaves the parts and their manifest, so a rerun commits
+again (rolls forward).
+
+Exactly one result row per input row: the parts never hold a row twice within a run (resumed
+runs skip done rows; a row two runs both wrote, a dead run's leftover worker's last part, is
+kept once), and ``finalize`` checks the count against the input before it commits.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from uuid import uuid4
 
 import numpy as np
 import pyarrow as pa
 
 from batchjob.inputs.parquet import ROW_ID
-from batchjob.outputs.layout import RESULT_GLOB, SUCCESS, OutputLayout
+from batchjob.outputs.layout import COMMITTER, SUCCESS, OutputLayout, result_name
 from batchjob.outputs.manifest import write_manifest
 from batchjob.outputs.score_columns import OPTIONAL_COLUMNS, optional_columns
-from batchjob.storage.atomic import fsync_dir, write_parquet_atomic, write_text_atomic
+from batchjob.storage.atomic import (
+    fsync_dir,
+    rename_exchange,
+    write_json_atomic,
+    write_parquet_atomic,
+    write_text_atomic,
+)
 from batchjob.storage.faults import fault_point
 from batchjob.storage.stores import ObjectPath
 
@@ -61,15 +75,6 @@ def result_schema(extra_columns: tuple[str, ...] = ()) -> pa.Schema:
     return pa.schema(list(RESULT_SCHEMA) + [(c, OPTIONAL_COLUMNS[c]) for c in extra_columns])
 
 
-_LEGACY_META = (
-    "report.json",
-    "report.iterations.parquet",
-    "report.summary.parquet",
-    "report.timeline.png",
-    "plan.parquet",
-)
-
-
 @dataclass(frozen=True)
 class ResultRow:
     """The outcome of one input row."""
@@ -88,11 +93,69 @@ class ResultRow:
     label: str | None = None
 
 
+class RowSink(Protocol):
+    """Where ``batchjob.runner.execute`` puts every row's outcome: ``ResultSink`` (part files
+    on disk, the job's results) or ``batchjob.outputs.memory.MemorySink`` (a table in memory,
+    ``batchjob.generate``)."""
+
+    def add(self, row: ResultRow) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+def rows_table(rows: list[ResultRow], schema: pa.Schema) -> pa.Table:
+    """Finished rows as a table of ``schema`` (``result_schema``), in the order given."""
+    return pa.table(
+        {
+            ROW_ID: [r.row_id for r in rows],
+            "output_text": [r.output_text for r in rows],
+            "output_token_ids": [
+                None if r.output_token_ids is None else r.output_token_ids.tolist() for r in rows
+            ],
+            "num_prompt_tokens": [r.num_prompt_tokens for r in rows],
+            "num_output_tokens": [r.num_output_tokens for r in rows],
+            "finish_reason": [r.finish_reason for r in rows],
+            "status": [r.status for r in rows],
+            "message": [r.message for r in rows],
+            **optional_columns(rows, schema),
+        },
+        schema=schema,
+    )
+
+
+def with_passthrough(results: pa.Table, passthrough: pa.Table) -> pa.Table:
+    """``results`` (one row per row_id) sorted by row_id, the input's pass-through columns
+    appended; an input column named like a result column is kept as ``input_<name>``."""
+    extra = [c for c in passthrough.column_names if c != ROW_ID]
+    clash = [c for c in extra if c in results.column_names]
+    if clash:
+        passthrough = passthrough.rename_columns(
+            [f"input_{c}" if c in clash else c for c in passthrough.column_names]
+        )
+    results = results.sort_by(ROW_ID)
+    if extra:
+        # align pass-through rows to results by row_id (Arrow's join can't carry lists)
+        pt_ids = passthrough[ROW_ID].to_numpy()
+        order = np.argsort(pt_ids, kind="stable")
+        pos = order[np.searchsorted(pt_ids, results[ROW_ID].to_numpy(), sorter=order)]
+        taken = passthrough.take(pa.array(pos))
+        for name in taken.column_names:
+            if name != ROW_ID:
+                results = results.append_column(taken.schema.field(name), taken[name])
+    return results
+
+
 class ResultSink:
     """Buffers finished rows and flushes them as atomic part files.
 
-    Single-file layout: one final file. Otherwise a folder of ``results-NNNNN.parquet`` files
-    of ``rows_per_file`` rows each, then ``_SUCCESS``.
+    Single-file layout: one final file. Otherwise a folder of ``results-NNNNN-<commit>.parquet``
+    files of ``rows_per_file`` rows each, then ``_SUCCESS``.
+
+    ``run``: the run's token (in every part name, so a run never writes a name a dead run's
+    leftover worker could write too; default: a new one). ``writer``: a cluster worker's id,
+    also in the names. ``before_write``: called before each part file (a cluster worker's
+    check that its run still holds the output; it raises to stop). ``own_parts_dir`` False:
+    never create the parts folder (a worker whose run was committed meanwhile must not).
     """
 
     def __init__(
@@ -104,12 +167,14 @@ class ResultSink:
         rows_per_file: int = 100_000,
         extra_columns: tuple[str, ...] = (),
         writer: str = "",
+        run: str = "",
+        before_write: Callable[[], None] | None = None,
+        own_parts_dir: bool = True,
     ):
         self.schema = result_schema(extra_columns)
-        # parts of concurrent writers (cluster workers) get the writer's id in their names
-        self._suffix = f"-{writer}" if writer else ""
-        if layout.remote:  # no atomic rename: unique names keep any two writers apart
-            self._suffix += f"-{uuid4().hex[:12]}"
+        self.run = run or uuid4().hex[:8]
+        # part-<N>-<run>[-<writer>].parquet: no two runs, no two writers share a name
+        self._suffix = f"-{self.run}" + (f"-{writer}" if writer else "")
         self.layout = layout
         self.store = layout.store
         self.manifest = manifest
@@ -117,9 +182,12 @@ class ResultSink:
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self.rows_per_file = rows_per_file
+        self.before_write = before_write
+        self.own_parts_dir = own_parts_dir
         self._buffer: list[ResultRow] = []
         self._last_flush = time.monotonic()
-        self.store.mkdir(self.parts_dir)
+        if own_parts_dir:
+            self.store.mkdir(self.parts_dir)
         existing = layout.part_files()
         self._next_part = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
 
@@ -129,7 +197,7 @@ class ResultSink:
         if not parts:
             return np.zeros(0, dtype=np.int64)
         cols = [self.store.read_parquet(p, columns=[ROW_ID])[ROW_ID].to_numpy() for p in parts]
-        return np.concatenate(cols).astype(np.int64)
+        return np.unique(np.concatenate(cols).astype(np.int64))
 
     def add(self, row: ResultRow) -> None:
         self._buffer.append(row)
@@ -140,149 +208,170 @@ class ResultSink:
     def flush(self) -> None:
         if not self._buffer:
             return
+        if self.before_write is not None:
+            self.before_write()
         if not self.store.exists(self.layout.parts_manifest):  # the job's identity, first
             write_manifest(self.manifest, self.layout.parts_manifest)
             fault_point("manifest")
-        rows = self._buffer
-        table = pa.table(
-            {
-                ROW_ID: [r.row_id for r in rows],
-                "output_text": [r.output_text for r in rows],
-                "output_token_ids": [
-                    None if r.output_token_ids is None else r.output_token_ids.tolist()
-                    for r in rows
-                ],
-                "num_prompt_tokens": [r.num_prompt_tokens for r in rows],
-                "num_output_tokens": [r.num_output_tokens for r in rows],
-                "finish_reason": [r.finish_reason for r in rows],
-                "status": [r.status for r in rows],
-                "message": [r.message for r in rows],
-                **optional_columns(rows, self.schema),
-            },
-            schema=self.schema,
-        )
+        table = rows_table(self._buffer, self.schema)
         fault_point("part")
         name = f"part-{self._next_part:06d}{self._suffix}.parquet"
-        write_parquet_atomic(table, self.parts_dir / name)
+        write_parquet_atomic(table, self.parts_dir / name, make_parent=self.own_parts_dir)
         self._next_part += 1
         self._buffer = []
         self._last_flush = time.monotonic()
 
     def finalize(self, passthrough: pa.Table, expected_rows: int) -> Path | ObjectPath:
-        """Join parts with pass-through columns, stage the final files, commit them."""
+        """Join parts with pass-through columns, then commit: the new results replace the old
+        ones in one step where the layout allows it (see the module doc)."""
         self.flush()
         results = self._joined(passthrough, expected_rows)
-        if self.layout.remote:
+        layout = self.layout
+        if layout.single_file:
+            if layout.remote:
+                self._commit_object(results)
+            else:
+                self._commit_file(results)
+        elif layout.swappable():
+            self._commit_swap(results)
+        else:
             self._commit_in_place(results)
-            return self.layout.output
-        staged = self._stage(results)
-        self._commit(staged)
-        return self.layout.output
+        return layout.output
 
     def _joined(self, passthrough: pa.Table, expected_rows: int) -> pa.Table:
         parts = self.layout.part_files()
-        results = (
-            pa.concat_tables([self.store.read_parquet(p, schema=self.schema) for p in parts])
-            if parts
-            else self.schema.empty_table()
-        )
+        tables = [self.store.read_parquet(p, schema=self.schema) for p in parts]
+        results = pa.concat_tables(tables) if parts else self.schema.empty_table()
         ids = results[ROW_ID].to_numpy()
-        if len(np.unique(ids)) != len(ids) or len(ids) != expected_rows:
+        if len(np.unique(ids)) != len(ids):
+            results = _drop_dead_runs_copies(results, parts, tables, self.parts_dir)
+            ids = results[ROW_ID].to_numpy()
+        if len(ids) != expected_rows:
             raise RuntimeError(
-                f"results hold {len(ids)} rows ({len(np.unique(ids))} distinct) for "
-                f"{expected_rows} input rows; parts kept in {self.parts_dir}"
+                f"results hold {len(ids)} rows for {expected_rows} input rows; parts kept in "
+                f"{self.parts_dir}"
             )
-        extra = [c for c in passthrough.column_names if c != ROW_ID]
-        clash = [c for c in extra if c in self.schema.names]
-        if clash:
-            passthrough = passthrough.rename_columns(
-                [f"input_{c}" if c in clash else c for c in passthrough.column_names]
-            )
-        results = results.sort_by(ROW_ID)
-        if extra:
-            # align pass-through rows to results by row_id (Arrow's join can't carry lists)
-            pt_ids = passthrough[ROW_ID].to_numpy()
-            order = np.argsort(pt_ids, kind="stable")
-            pos = order[np.searchsorted(pt_ids, results[ROW_ID].to_numpy(), sorter=order)]
-            taken = passthrough.take(pa.array(pos))
-            for name in taken.column_names:
-                if name != ROW_ID:
-                    results = results.append_column(taken.schema.field(name), taken[name])
-        return results
+        return with_passthrough(results, passthrough)
 
-    def _stage(self, results: pa.Table) -> list[Path]:
-        """Write the final files into staging/; nothing at the output changes yet."""
-        staging = self.layout.staging
-        shutil.rmtree(staging, ignore_errors=True)
-        if self.layout.single_file:
-            files = [staging / self.layout.output.name]
-            write_parquet_atomic(results, files[0])
-            fault_point("stage")
-            return files
-        files = []
-        for i, start in enumerate(range(0, max(results.num_rows, 1), self.rows_per_file)):
-            files.append(staging / f"results-{i:05d}.parquet")
-            write_parquet_atomic(results.slice(start, self.rows_per_file), files[-1])
-            fault_point("stage")
-        write_text_atomic(f"{results.num_rows} rows\n", staging / SUCCESS)
-        return files
+    def _files(self, results: pa.Table, commit: str) -> list[tuple[str, pa.Table]]:
+        """(name, rows) of each results file of a folder output."""
+        return [
+            (result_name(i, commit), results.slice(start, self.rows_per_file))
+            for i, start in enumerate(range(0, max(results.num_rows, 1), self.rows_per_file))
+        ]
 
-    def _commit(self, staged: list[Path]) -> None:
-        """Swap the staged files in, then record the manifest of what is now committed."""
+    def _commit_id(self) -> str:
+        """A new commit id: no file of it can have a name the results folder holds now."""
+        present = (
+            set(self.store.names(self.layout.output)) if not self.layout.single_file else set()
+        )
+        while True:
+            commit = uuid4().hex[:8]
+            if not any(commit in n for n in present):
+                return commit
+
+    def _committed(self, commit: str | None, files: list[str], rows: int) -> dict[str, Any]:
+        """The manifest of committed results: the job's + what was committed."""
+        return {**self.manifest, "results": {"commit": commit, "files": files, "rows": rows}}
+
+    def _commit_file(self, results: pa.Table) -> None:
+        """One results file: staged in the metadata folder, then renamed over the old one."""
         layout = self.layout
-        assert isinstance(layout.output, Path)  # local (an object store: _commit_in_place)
+        assert isinstance(layout.output, Path) and isinstance(layout.staging, Path)
+        shutil.rmtree(layout.staging, ignore_errors=True)
+        staged = layout.staging / layout.output.name
+        write_parquet_atomic(results, staged)
+        fault_point("stage")
         layout.manifest_file.unlink(missing_ok=True)  # the old results lose their voucher
         fault_point("commit")
-        if layout.single_file:
-            layout.output.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staged[0], layout.output)
-            fsync_dir(layout.output.parent)
-        else:
-            out = layout.output
-            out.mkdir(parents=True, exist_ok=True)
-            (out / SUCCESS).unlink(missing_ok=True)
-            names = {f.name for f in staged}
-            for f in staged:
-                os.replace(f, out / f.name)
-                fault_point("commit_file")
-            for old in out.glob(RESULT_GLOB):
-                if old.name not in names:
-                    old.unlink()  # a previous, longer run's extra files
-            for name in _LEGACY_META:  # metadata that older versions wrote into the folder
-                (out / name).unlink(missing_ok=True)
-            shutil.rmtree(out / "_parts", ignore_errors=True)
-            fsync_dir(out)
-            os.replace(layout.staging / SUCCESS, out / SUCCESS)
-            fsync_dir(out)
-        write_manifest(self.manifest, layout.manifest_file)
+        layout.output.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, layout.output)
+        fsync_dir(layout.output.parent)
+        write_manifest(
+            self._committed(None, [layout.output.name], results.num_rows), layout.manifest_file
+        )
         fault_point("committed")
         shutil.rmtree(layout.staging, ignore_errors=True)
 
+    def _commit_swap(self, results: pa.Table) -> None:
+        """A local results folder that is batchjob's alone: the new folder is built whole in
+        ``<meta>/staging/`` (files + ``_SUCCESS``) and exchanged with the old folder in one
+        ``renameat2(RENAME_EXCHANGE)``: a reader sees the old folder or the new one, at every
+        instant. Without that call (an old kernel, a filesystem without it): the old folder is
+        renamed to ``<meta>/previous/`` and the new one into place, two renames; a kill between
+        them leaves no results folder for that instant, and the rerun moves the old one back
+        (``OutputLayout.clean_stale``) before it commits again. Never a mix."""
+        layout = self.layout
+        out, staging = layout.output, layout.staging
+        assert isinstance(out, Path) and isinstance(staging, Path)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        commit = self._commit_id()
+        files = self._files(results, commit)
+        for name, rows in files:
+            write_parquet_atomic(rows, staging / name)
+            fault_point("stage")
+        names = [n for n, _ in files]
+        write_json_atomic(_success(commit, results.num_rows, names), staging / SUCCESS)
+        layout.manifest_file.unlink(missing_ok=True)  # the old results lose their voucher
+        fault_point("commit")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            os.chmod(staging, stat.S_IMODE(out.stat().st_mode))  # the folder keeps its mode
+            if rename_exchange(staging, out):
+                fault_point("swap")
+            else:
+                os.rename(out, layout.previous)
+                fault_point("swap")
+                os.rename(staging, out)
+                fault_point("swap")
+        else:
+            os.rename(staging, out)
+            fault_point("swap")
+        fsync_dir(out.parent)
+        write_manifest(self._committed(commit, names, results.num_rows), layout.manifest_file)
+        fault_point("committed")
+        shutil.rmtree(staging, ignore_errors=True)  # the old folder, after an exchange
+        shutil.rmtree(layout.previous, ignore_errors=True)
+
+    def _commit_object(self, results: pa.Table) -> None:
+        """One results object on an object store: one atomic PUT over the old one."""
+        layout = self.layout
+        self.store.delete(layout.manifest_file)
+        fault_point("commit")
+        write_parquet_atomic(results, layout.output)
+        fault_point("commit_file")
+        write_manifest(
+            self._committed(None, [layout.output.name], results.num_rows), layout.manifest_file
+        )
+        fault_point("committed")
+
     def _commit_in_place(self, results: pa.Table) -> None:
-        """The commit on an object store (no rename): the old results lose their voucher
-        (manifest, ``_SUCCESS``), the new files are PUT over them, stale ones deleted, then the
-        manifest and ``_SUCCESS`` are written last. One results object is one atomic PUT."""
+        """A folder that cannot be swapped: on an object store (no rename), or a local folder
+        shared with files batchjob did not write (``output.allow_other_files``). ``_SUCCESS``
+        goes first (readers: incomplete from here), the new files are written under names no
+        old file has, then batchjob's old files are deleted (only those: the commit log names
+        them, so a kill anywhere leaves nothing unaccounted for), the manifest and ``_SUCCESS``
+        last. Until every new file is written no old file is changed or deleted."""
         layout, store, out = self.layout, self.store, self.layout.output
+        old = layout.owned_results() - {SUCCESS}
+        commit = self._commit_id()
+        files = self._files(results, commit)
+        names = [n for n, _ in files]
         store.delete(layout.manifest_file)
         fault_point("commit")
-        if layout.single_file:
-            write_parquet_atomic(results, out)
+        log = {"commit": commit, "files": names, "replaces": sorted(old)}
+        write_json_atomic(log, layout.commit_log)
+        store.delete(out / SUCCESS)  # readers: incomplete from here until the end
+        store.mkdir(out)
+        for name, rows in files:
+            write_parquet_atomic(rows, out / name)
             fault_point("commit_file")
-        else:
-            store.delete(out / SUCCESS)  # readers: incomplete from here until the end
-            names = set()
-            for i, start in enumerate(range(0, max(results.num_rows, 1), self.rows_per_file)):
-                names.add(f"results-{i:05d}.parquet")
-                write_parquet_atomic(
-                    results.slice(start, self.rows_per_file), out / f"results-{i:05d}.parquet"
-                )
-                fault_point("commit_file")
-            for old in store.glob(out, RESULT_GLOB):
-                if old.name not in names:
-                    store.delete(old)  # a previous, longer run's extra files
-        write_manifest(self.manifest, layout.manifest_file)
-        if not layout.single_file:
-            write_text_atomic(f"{results.num_rows} rows\n", out / SUCCESS)
+        for name in sorted(old - set(names)):
+            store.delete(out / name)  # batchjob's earlier files, and only those
+        write_manifest(self._committed(commit, names, results.num_rows), layout.manifest_file)
+        write_json_atomic(_success(commit, results.num_rows, names), out / SUCCESS)
+        store.delete(layout.commit_log)
         fault_point("committed")
 
     def cleanup(self) -> None:
@@ -304,3 +393,43 @@ class ResultSink:
         os.replace(layout.parts, layout.trash)
         fault_point("cleanup")
         shutil.rmtree(layout.trash, ignore_errors=True)
+
+
+def _success(commit: str, rows: int, files: list[str]) -> dict[str, Any]:
+    """``_SUCCESS`` of a results folder: batchjob's commit, its rows and files (a reader that
+    reads exactly these files reads one whole commit)."""
+    return {"committer": COMMITTER, "commit": commit, "rows": rows, "files": files}
+
+
+def _part_run(part: Any) -> str:
+    """The run token in a part's name (part-<N>-<run>[-<writer>]); "" for older names."""
+    bits = part.stem.split("-")
+    return bits[2] if len(bits) > 2 and len(bits[2]) == 8 else ""
+
+
+def _drop_dead_runs_copies(
+    results: pa.Table, parts: list[Any], tables: list[pa.Table], parts_dir: Any
+) -> pa.Table:
+    """Rows that two runs of the same job both wrote (a dead run's cluster worker that wrote
+    one more part before it noticed the new run): every copy is a result of this job, the
+    first is kept. Twice within one run is a bug: RuntimeError."""
+    runs = (
+        np.concatenate([np.full(t.num_rows, i, dtype=np.int64) for i, t in enumerate(tables)])
+        if tables
+        else np.zeros(0, dtype=np.int64)
+    )
+    run_of_part = [_part_run(p) for p in parts]
+    ids = results[ROW_ID].to_numpy()
+    order = np.lexsort((runs, ids))
+    sids, sparts = ids[order], runs[order]
+    dup = np.flatnonzero(sids[1:] == sids[:-1]) + 1
+    for i in dup:
+        a, b = run_of_part[sparts[i - 1]], run_of_part[sparts[i]]
+        if not a or a == b:
+            raise RuntimeError(
+                f"row {int(sids[i])} is in two part files of one run ({parts[sparts[i - 1]].name}, "
+                f"{parts[sparts[i]].name}); parts kept in {parts_dir}"
+            )
+    keep = np.ones(len(ids), dtype=bool)
+    keep[order[dup]] = False
+    return results.filter(pa.array(keep))

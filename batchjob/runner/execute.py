@@ -8,6 +8,7 @@ to the sink as a result row; whatever finished is flushed to disk even on a cras
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -18,17 +19,18 @@ import numpy as np
 from tqdm import tqdm
 
 from batchjob.backends import open_backend
-from batchjob.backends.base import BackendConfig, BackendRun, FinishedRequest, RunSink
+from batchjob.backends.base import Backend, BackendConfig, BackendRun, FinishedRequest, RunSink
 from batchjob.config import JobConfig, ModelConfig, SamplingConfig
 from batchjob.errors import ConfigError, ModelError
 from batchjob.model.info import ModelInfo
-from batchjob.outputs.results import ResultRow, ResultSink
+from batchjob.outputs.results import ResultRow, RowSink
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
 from batchjob.plan.plan_io import write_plan
 from batchjob.runner.heartbeat import Heartbeat
 from batchjob.status import STATUS_KV_BUDGET, STATUS_OK
 from batchjob.storage.atomic import Target
+from batchjob.tokenize.batched import TokenizedInput
 from batchjob.tokenize.prompts import TokenizedPrompts
 from batchjob.tokenize.tokenizer import PromptTokenizer, detokenize, load_tokenizer
 
@@ -85,6 +87,38 @@ def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts
     )
 
 
+def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPrompts:
+    """Per-row max_tokens cut to what the context leaves after the prompt: generation stops
+    at the model's context with finish_reason "length", as in vLLM (prompts that leave no
+    room were rejected as prompt_too_long)."""
+    room = np.maximum(max_model_len - prompts.lengths, 1)
+    capped = np.minimum(prompts.max_tokens.astype(np.int64), room).astype(np.int32)
+    return dataclasses.replace(prompts, max_tokens=capped)
+
+
+def rows_to_run(
+    loaded: TokenizedInput,
+    model: ModelInfo | None,
+    sink: RowSink,
+    done: np.ndarray | None = None,
+) -> TokenizedPrompts:
+    """The prompts still to run (not in ``done``, the row_ids written by an earlier run),
+    max_tokens capped to the model's context; every rejected row not done goes to ``sink``
+    as its result row. The step between reading and planning of every job and of
+    ``batchjob.generate``."""
+    prompts = loaded.prompts
+    if done is not None and len(done):
+        prompts = select_rows(prompts, ~np.isin(prompts.row_ids, done))
+    if model is not None:
+        prompts = cap_to_context(prompts, model.max_model_len)
+    rejected = loaded.rejected
+    todo = np.ones(len(rejected), dtype=bool) if done is None else ~np.isin(rejected.row_ids, done)
+    for i in np.flatnonzero(todo):
+        rid = int(rejected.row_ids[i])
+        sink.add(ResultRow(rid, None, None, 0, 0, None, rejected.status[i], rejected.message[i]))
+    return prompts
+
+
 def _rows_over_budget(backend, prompts: TokenizedPrompts, plan) -> np.ndarray:
     """bool [N]: rows the backend says cannot fit its KV budget even alone (none if it
     cannot tell: then ``check_fits`` alone decides)."""
@@ -104,6 +138,14 @@ def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> R
     return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
 
 
+def open_job_backend(
+    cfg: BackendConfig, tokenizer: PromptTokenizer | None, model: ModelInfo | None = None
+) -> Backend:
+    """The job's backend, loaded (model weights, KV cache) and ready to run plans."""
+    # no tokenizer, no stop strings (refused at load): the backend never needs text then
+    return open_backend(cfg, lambda ids: decode(tokenizer, ids) or "", model)
+
+
 def backend_config(job: JobConfig) -> BackendConfig:
     """The part of a job that a backend runs with."""
     return BackendConfig(
@@ -120,10 +162,11 @@ def execute(
     cfg: BackendConfig,
     prompts: TokenizedPrompts,
     plan: Plan,
-    sink: ResultSink,
+    sink: RowSink,
     tokenizer: PromptTokenizer | None,
     model: ModelInfo | None = None,
     *,
+    backend: Backend | None = None,
     plan_file: Target | None = None,
     progress: bool = False,
     heartbeat_s: float | None = None,
@@ -131,11 +174,14 @@ def execute(
 ) -> Execution:
     """Run ``plan`` over ``prompts`` on the backend of ``cfg``, every outcome into ``sink``.
 
+    ``backend``: one opened earlier (``open_job_backend``), kept open for the caller's next
+    plan (``batchjob.Generator``); None: opened here and closed when the plan is done.
     ``plan_file``: where the plan that runs is written (None: not written); ``headline(to_run,
     over_budget)``: the heartbeat's first line."""
     t0 = time.perf_counter()
-    # no tokenizer, no stop strings (refused at load): the backend never needs text then
-    backend = open_backend(cfg, lambda ids: decode(tokenizer, ids) or "", model)
+    owned = backend is None
+    if backend is None:
+        backend = open_job_backend(cfg, tokenizer, model)
     over = _rows_over_budget(backend, prompts, plan)
     n_over = int(over.sum()) if not over.all() else 0
     if n_over:  # report those rows, run the rest (all: a config error)
@@ -191,7 +237,8 @@ def execute(
         run_info = backend.run(prompts, plan, RunSink(on_finish, on_iteration))
     finally:
         bar.close()
-        backend.close()
+        if owned:
+            backend.close()
         sink.flush()  # whatever finished is on disk, even on Ctrl-C or a crash
     return Execution(
         run=run_info,

@@ -4,7 +4,8 @@
 path, takes the output's lock and compares the job's manifest with what the output holds
 (``manifest``): a rerun of the same interrupted job skips the rows already written; another
 job's results or parts are refused unless ``output.overwrite``, and even then replaced only at
-commit, once the new results are complete (``results``).
+commit, once the new results are complete (``results``). A results folder holding files
+batchjob did not write is refused unless ``output.allow_other_files`` (``layout``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import dataclasses
 import datetime
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from batchjob.config import JobConfig
 from batchjob.errors import AllRowsRejectedError, ConfigError
@@ -24,17 +24,17 @@ from batchjob.inputs.source import open_input
 from batchjob.outputs.layout import OutputLayout
 from batchjob.outputs.manifest import difference, manifest, read_manifest
 from batchjob.outputs.report import RunSummary, summarize, write_report
-from batchjob.outputs.results import ResultRow, ResultSink
+from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan_io import write_plan
-from batchjob.runner.execute import backend_config, execute, job_tokenizer, select_rows
+from batchjob.runner.execute import backend_config, execute, job_tokenizer, rows_to_run
+from batchjob.runner.execute import cap_to_context as cap_to_context
 from batchjob.storage.faults import fault_point
 from batchjob.storage.lock import output_lock
 from batchjob.storage.stores import ObjectPath
 from batchjob.storage.stores import configure as configure_storage
 from batchjob.tokenize.batched import load_prompts
-from batchjob.tokenize.prompts import TokenizedPrompts
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +74,6 @@ def _resume_or_start(layout: OutputLayout, this: dict, overwrite: bool) -> bool:
     return True
 
 
-def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPrompts:
-    """Per-row max_tokens cut to what the context leaves after the prompt: generation stops
-    at the model's context with finish_reason "length", as in vLLM (prompts that leave no
-    room were rejected as prompt_too_long)."""
-    room = np.maximum(max_model_len - prompts.lengths, 1)
-    capped = np.minimum(prompts.max_tokens.astype(np.int64), room).astype(np.int32)
-    return dataclasses.replace(prompts, max_tokens=capped)
-
-
 def _utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
@@ -109,15 +100,34 @@ def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None)
     layout = OutputLayout.of(job.output)
     dataset = open_input(job.input)  # metadata only: files and row count for the manifest
     layout.check(job.input.path, dataset.files)
+    layout.adopt_legacy_meta()  # an earlier version's out/res.meta/ of out/res.parquet
     layout.prepare()
-    with output_lock(layout.lock_file, layout.output):
+    token = uuid.uuid4().hex[:8]  # this run's: in the lock and in every part name
+    with output_lock(layout.lock_file, layout.output, token):
         layout.clean_stale()
         this = manifest(job, dataset.files, dataset.num_rows)
+        if not _complete_already(layout, this):
+            layout.check_results_folder()  # files batchjob did not write: refused, never lost
         if not _resume_or_start(layout, this, job.output.overwrite):
             return JobResult(layout.output, {}, None)  # complete already: idempotent
         return _run_locked(
-            job, layout, this, progress, t_job, heartbeat_s, started, dataset.prompt_is_text
+            job,
+            layout,
+            this,
+            progress,
+            t_job,
+            heartbeat_s,
+            started,
+            dataset.prompt_is_text,
+            run_token=token,
         )
+
+
+def _complete_already(layout: OutputLayout, this: dict) -> bool:
+    """The output holds this job's complete results and no parts: nothing will be written."""
+    if not layout.complete() or layout.has_parts():
+        return False
+    return difference(this, read_manifest(layout.manifest_file)) is None
 
 
 def _rejected_summary(loaded) -> str:
@@ -135,6 +145,7 @@ def _run_locked(
     heartbeat_s: float | None = None,
     started: str = "",
     text_prompts: bool = True,
+    run_token: str = "",
 ) -> JobResult:
     stage: dict[str, float] = {}
 
@@ -156,28 +167,13 @@ def _run_locked(
     sink = ResultSink(
         layout,
         this,
+        run=run_token,
         flush_rows=job.output.flush_rows,
         rows_per_file=job.output.rows_per_file,
         extra_columns=job_columns(job.sampling, job.input),
     )
     done = sink.done_row_ids()
-    prompts = select_rows(loaded.prompts, ~np.isin(loaded.prompts.row_ids, done))
-    if model is not None:
-        prompts = cap_to_context(prompts, model.max_model_len)
-    rejected = loaded.rejected
-    for i in np.flatnonzero(~np.isin(rejected.row_ids, done)):
-        sink.add(
-            ResultRow(
-                int(rejected.row_ids[i]),
-                None,
-                None,
-                0,
-                0,
-                None,
-                rejected.status[i],
-                rejected.message[i],
-            )
-        )
+    prompts = rows_to_run(loaded, model, sink, done)  # rejected rows go to the sink here
 
     t0 = time.perf_counter()
     plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
@@ -204,7 +200,9 @@ def _run_locked(
         from batchjob.runner.cluster import run_on_cluster
 
         write_plan(plan, layout.plan_file)
-        ex = run_on_cluster(job, layout, this, prompts, plan, text_prompts, progress, heartbeat_s)
+        ex = run_on_cluster(
+            job, layout, this, prompts, plan, text_prompts, progress, heartbeat_s, sink.run
+        )
     plan, run_info, n_over = ex.plan, ex.run, ex.over_budget
     stage["load_s"] = ex.load_s
     stage["run_s"] = run_info.wall_s

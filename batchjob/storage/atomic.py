@@ -7,6 +7,11 @@ included, the temp file is removed and the target is left untouched. The file's 
 the umask (``0o666 & ~umask``) like a plain ``open``, not mkstemp's 0600.
 
 Temp names are ``.<name>.<random>.tmp``: hidden, and never matching a ``*.parquet`` glob.
+``make_parent=False`` refuses to create a missing folder (``FileNotFoundError``): a writer that
+must not outlive its folder (a cluster worker whose run was committed) cannot bring it back.
+
+``rename_exchange(a, b)`` swaps two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``):
+the folder commit uses it so a reader of the results folder sees the old folder or the new one.
 
 An object-store path (``batchjob.storage.stores.ObjectPath``, ``s3://bucket/key``) is written into
 memory and uploaded as one PUT when the block ends without an exception: readers see the old
@@ -16,6 +21,8 @@ Stdlib only at import time (the planner and the kernels' callers import this).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import io
 import json
 import os
@@ -38,6 +45,7 @@ __all__ = [
     "atomic_open",
     "current_umask",
     "fsync_dir",
+    "rename_exchange",
     "save_figure_atomic",
     "write_bytes_atomic",
     "write_json_atomic",
@@ -69,18 +77,48 @@ def fsync_dir(folder: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def rename_exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Swap the paths ``a`` and ``b`` (both must exist, on one filesystem) in one atomic step:
+    True when done, False where the kernel, libc or filesystem has no such call (then nothing
+    changed). ``BATCHJOB_RENAME_EXCHANGE=0`` answers False (tests of the fallback)."""
+    if os.environ.get("BATCHJOB_RENAME_EXCHANGE") == "0":
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), ctypes.c_uint(_RENAME_EXCHANGE))
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), f"{a} <-> {b}")
+
+
 @overload
-def atomic_open(path: Target, mode: Literal["wb"] = "wb") -> AbstractContextManager[IO[bytes]]: ...
+def atomic_open(
+    path: Target, mode: Literal["wb"] = "wb", *, make_parent: bool = True
+) -> AbstractContextManager[IO[bytes]]: ...
 @overload
-def atomic_open(path: Target, mode: Literal["w"]) -> AbstractContextManager[IO[str]]: ...
-def atomic_open(path: Target, mode: str = "wb") -> AbstractContextManager[IO[Any]]:
+def atomic_open(
+    path: Target, mode: Literal["w"], *, make_parent: bool = True
+) -> AbstractContextManager[IO[str]]: ...
+def atomic_open(
+    path: Target, mode: str = "wb", *, make_parent: bool = True
+) -> AbstractContextManager[IO[Any]]:
     """``with atomic_open(path) as f: f.write(...)`` publishes ``path`` only if the block ends
-    without an exception. ``mode`` is "wb" (bytes) or "w" (UTF-8 text)."""
+    without an exception. ``mode`` is "wb" (bytes) or "w" (UTF-8 text). ``make_parent``:
+    create the folder if missing (else ``FileNotFoundError``; an object store has no folders)."""
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open mode must be 'wb' or 'w', not {mode!r}")
     if isinstance(path, ObjectPath):
         return _object_open(path, mode)
-    return _atomic_open(Path(path), mode)
+    return _atomic_open(Path(path), mode, make_parent)
 
 
 @contextmanager
@@ -96,8 +134,9 @@ def _object_open(path: ObjectPath, mode: str) -> Iterator[IO[Any]]:
 
 
 @contextmanager
-def _atomic_open(path: Path, mode: str) -> Iterator[IO[Any]]:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _atomic_open(path: Path, mode: str, make_parent: bool = True) -> Iterator[IO[Any]]:
+    if make_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         try:
@@ -134,11 +173,13 @@ def write_json_atomic(obj: Any, path: Target, *, indent: int | None = 2) -> None
     write_text_atomic(json.dumps(obj, indent=indent) + "\n", path)
 
 
-def write_parquet_atomic(table: pa.Table, path: Target, **kwargs: Any) -> None:
+def write_parquet_atomic(
+    table: pa.Table, path: Target, *, make_parent: bool = True, **kwargs: Any
+) -> None:
     """``kwargs`` go to ``pyarrow.parquet.write_table`` (compression, row_group_size, ...)."""
     import pyarrow.parquet as pq
 
-    with atomic_open(path, "wb") as f:
+    with atomic_open(path, "wb", make_parent=make_parent) as f:
         pq.write_table(table, f, **kwargs)
 
 

@@ -18,6 +18,8 @@ _hits: dict[str, int] = {}  # calls per spec, so a new spec starts counting afre
 def fault_point(name: str) -> None:
     spec = os.environ.get(ENV)
     if not spec:
+        if _hits:  # unset again: the next spec, even the same one, counts from zero
+            _hits.clear()
         return
     target, _, rest = spec.partition(":")
     if target != name:

@@ -2,7 +2,9 @@
 
 Local output: an exclusive ``fcntl.flock`` on ``<meta>/lock``. The kernel drops the lock when
 the process ends however it ends (SIGKILL included), so a stale lock file never blocks a rerun.
-A second run gets ``LockedError`` (exit 75) at once.
+A second run gets ``LockedError`` (exit 75) at once. The file holds the holder's pid and its
+run token (``holder_token``): a cluster worker compares it with its own run's before each
+part, so a worker left over from a dead run stops once another run holds the output.
 
 Object store (``s3://``): no fcntl. The lock is the object ``<meta>/lock``, created with a
 conditional put (``If-None-Match: *``: AWS S3 since 2024, MinIO, moto): of two runs exactly one
@@ -33,15 +35,30 @@ from batchjob.storage.stores import ObjectPath, ObjectStore, put_if_absent
 log = logging.getLogger(__name__)
 
 
-def output_lock(lock_file: Path | ObjectPath, output: Any) -> AbstractContextManager[None]:
-    """Hold the lock of ``output`` for the ``with`` block (the holder's pid in the lock)."""
+def output_lock(
+    lock_file: Path | ObjectPath, output: Any, token: str | None = None
+) -> AbstractContextManager[None]:
+    """Hold the lock of ``output`` for the ``with`` block (the holder's pid and ``token``, the
+    run's id, in the lock)."""
+    token = token or os.urandom(8).hex()
     if isinstance(lock_file, ObjectPath):
-        return _object_lock(lock_file, output)
-    return _file_lock(lock_file, output)
+        return _object_lock(lock_file, output, token)
+    return _file_lock(lock_file, output, token)
+
+
+def holder_token(lock_file: Path | ObjectPath) -> str | None:
+    """The run token in the lock (None: no lock, or one written without a token)."""
+    if isinstance(lock_file, ObjectPath):
+        return _holder(ObjectStore(lock_file.scheme), lock_file).get("token")
+    try:
+        lines = lock_file.read_text().split()
+    except OSError:
+        return None
+    return lines[1] if len(lines) > 1 else None
 
 
 @contextmanager
-def _file_lock(lock_file: Path, output: Any) -> Iterator[None]:
+def _file_lock(lock_file: Path, output: Any, token: str) -> Iterator[None]:
     try:
         fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
@@ -50,13 +67,13 @@ def _file_lock(lock_file: Path, output: Any) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            holder = (os.pread(fd, 64, 0).decode(errors="replace").split() or ["?"])[0]
             raise LockedError(
                 f"output.path: another batchjob run (pid {holder}) is writing {output}; "
                 "this run did nothing. Wait for it to finish, or choose another output.path"
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()}\n{token}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -84,12 +101,12 @@ def _holder(store: ObjectStore, lock: ObjectPath) -> dict[str, Any]:
 
 
 @contextmanager
-def _object_lock(lock: ObjectPath, output: Any) -> Iterator[None]:
+def _object_lock(lock: ObjectPath, output: Any, token: str) -> Iterator[None]:
     store = ObjectStore(lock.scheme)
     me = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "token": os.urandom(8).hex(),
+        "token": token,
         "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     body = json.dumps(me).encode()

@@ -20,8 +20,8 @@ class StorageConfig:
     values come from the environment: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_REGION /
     AWS_DEFAULT_REGION; credentials always from the AWS chain (AWS_ACCESS_KEY_ID, ...)."""
 
-    endpoint_url: str | None = None  # an S3-compatible server, e.g. http://127.0.0.1:9000
-    region: str | None = None
+    endpoint_url: str | None = None  # an S3-compatible server; unset: AWS_ENDPOINT_URL(_S3)
+    region: str | None = None  # the bucket's region; unset: AWS_REGION, AWS_DEFAULT_REGION
     anonymous: bool = False  # unsigned requests (public buckets)
     options: dict[str, Any] = field(default_factory=dict)  # more pyarrow.fs.S3FileSystem args
 

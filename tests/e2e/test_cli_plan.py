@@ -58,7 +58,7 @@ def test_plan_case1_prints_summary_and_writes_plan(
         assert word in r.stdout
     assert "multi-level" in r.stdout and "single-level plan" in r.stdout
     assert "tok/s" in r.stdout and "KV estimate" in r.stdout
-    plan_file = tmp_path / "out" / "results.meta" / "plan.parquet"  # default: metadata folder
+    plan_file = tmp_path / "out" / "results.parquet.meta" / "plan.parquet"  # default: in <meta>
     assert str(plan_file) in r.stdout and plan_file.is_file()
 
     # round trip: the file holds the plan the planner builds for these prompts

@@ -8,6 +8,10 @@ input (file, folder, flag) run through the CLI in this process.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +22,7 @@ from batchjob import errors
 from batchjob.config import load_job
 from batchjob.outputs.layout import OutputLayout
 from batchjob.storage.lock import output_lock
-from tests.e2e.jobkit import cli, read_results, write_job
+from tests.e2e.jobkit import ROOT, cli, read_results, write_job
 
 
 def _one_line_error(res, code: int) -> str:
@@ -238,3 +242,72 @@ def test_readme_exit_code_table_is_complete_and_tested(tmp_path, bad, run_model)
     tested = {code for _, code, _ in _cases(bad, run_model, tmp_path).values()}
     tested |= {errors.EXIT_OK, errors.EXIT_RUNTIME, errors.EXIT_LOCKED, errors.EXIT_INTERRUPTED}
     assert table <= tested
+
+
+# ---------------------------------------------------------------------------------------
+# settings and data that used to end in a traceback, or in the wrong exit code
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999", "9223372036854775807", "2147483648"])
+def test_max_tokens_out_of_range_is_a_setting_error(value, bad, run_model, tmp_path):
+    """Beyond int64 was an OverflowError (exit 1); beyond int32 was "every row rejected"
+    (exit 6, fix the data) where the setting is what is wrong (exit 3)."""
+    args = ["run", "--input", str(bad["text"]), "--output", str(tmp_path / "o.parquet")]
+    args += ["--model", str(run_model), "--set", "model.device=cpu"]
+    line = _one_line_error(cli(*args, "--set", f"sampling.max_tokens={value}"), errors.EXIT_CONFIG)
+    assert "sampling.max_tokens" in line and "2147483647" in line
+
+
+def test_two_columns_of_one_name_are_bad_data(run_model, tmp_path):
+    data = tmp_path / "dup.parquet"
+    t = pa.table([pa.array(["a b", "c"]), pa.array(["x", "y"])], names=["prompt", "prompt"])
+    pq.write_table(t, data)
+    args = ["run", "--input", str(data), "--output", str(tmp_path / "o.parquet")]
+    line = _one_line_error(cli(*args, "--model", str(run_model)), errors.EXIT_INPUT)
+    assert "dup.parquet" in line and "'prompt'" in line
+
+
+def test_a_dangling_link_in_the_input_folder_is_bad_data(run_model, run_data, tmp_path):
+    """Its rows went missing without a word."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.parquet").write_bytes(run_data.read_bytes())
+    (folder / "b.parquet").symlink_to(tmp_path / "gone.parquet")
+    args = ["run", "--input", str(folder), "--output", str(tmp_path / "o.parquet")]
+    line = _one_line_error(cli(*args, "--model", str(run_model)), errors.EXIT_INPUT)
+    assert "b.parquet" in line and "gone.parquet" in line
+
+
+def test_a_set_value_holding_more_toml_is_refused(bad, run_model, tmp_path):
+    """The extra table was parsed and silently ignored."""
+    args = ["run", "--input", str(bad["text"]), "--output", str(tmp_path / "o.parquet")]
+    args += ["--model", str(run_model), "--set", "sampling.max_tokens=3\n[evil]\nx=1"]
+    line = _one_line_error(cli(*args), errors.EXIT_CONFIG)
+    assert "sampling.max_tokens" in line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_still_exits_130(sig, run_model, run_data, tmp_path):
+    """Signals keep coming while the run stops (an impatient user, a supervisor that repeats
+    SIGTERM): the exit is 130 whenever the second one lands (it was -2 or -15 when it landed
+    during the interpreter's shutdown), and the rows written are whole."""
+    job = write_job(tmp_path, run_model, run_data, "out/results.parquet", flush_rows="1")
+    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
+    cmd += ["--set", "scheduler.chunk_size=8"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    parts = OutputLayout.of(load_job(job).output).parts
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not list(parts.glob("part-*.parquet")):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    while proc.poll() is None:  # the first signal, then one every 20 ms until it is gone
+        proc.send_signal(sig)
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == errors.EXIT_INTERRUPTED, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    for p in parts.glob("part-*.parquet"):
+        assert pq.read_metadata(p).num_rows == 1
+    res = cli("run", job)
+    assert res.exit_code == 0, res.output

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchjob.backends import open_backend
+from batchjob.backends.native.engine import NATIVE_BLOCK_SIZE
 from batchjob.cli import build_job, main
 from batchjob.errors import EXIT_MODEL
 from batchjob.model.info import DTYPE_BYTES, auto_cpu_dtype
@@ -100,7 +101,7 @@ def test_plan_and_run_report_the_same_kv_bytes_per_token(
     iters = pq.read_table(res.report_paths["iterations"]).to_pylist()
     used = [it for it in iters if it["kv_blocks_used"] > 0]
     assert used
-    block_size = build_job(str(job)).engine.block_size
+    block_size = build_job(str(job)).engine.block_size or NATIVE_BLOCK_SIZE  # unset: native's
     for it in used:
         assert it["kv_bytes_used"] == it["kv_blocks_used"] * block_size * want
 

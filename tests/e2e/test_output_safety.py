@@ -48,7 +48,7 @@ def test_failed_overwrite_run_keeps_previous_results_and_report(tmp_path, run_mo
     job = write_job(tmp_path, run_model, run_data, "out/results.parquet")
     assert cli("run", job).exit_code == 0
     before = read_results(tmp_path / "out" / "results.parquet")
-    report = tmp_path / "out" / "results.meta" / "report.json"
+    report = tmp_path / "out" / "results.parquet.meta" / "report.json"
     report_before = report.read_text()
 
     broken = tmp_path / "broken-model"
@@ -89,7 +89,7 @@ def _interrupted_run(tmp_path: Path, job: Path, parts: Path) -> None:
 
 def test_resume_with_a_different_input_is_refused(tmp_path, run_model, run_data):
     job = write_job(tmp_path, run_model, run_data, "out/results.parquet")
-    _interrupted_run(tmp_path, job, tmp_path / "out" / "results.meta" / "parts")
+    _interrupted_run(tmp_path, job, tmp_path / "out" / "results.parquet.meta" / "parts")
     other = build_dataset(tmp_path / "other.parquet", seed=11)
     res = cli("run", job, "--input", other)
     assert res.exit_code == EXIT_CONFIG, res.output
@@ -131,7 +131,7 @@ def test_second_run_on_the_same_output_exits_locked(tmp_path, run_model, run_dat
     cmd += ["--set", "scheduler.chunk_size=4", "--set", "output.flush_rows=1"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    parts = tmp_path / "out" / "results.meta" / "parts"
+    parts = tmp_path / "out" / "results.parquet.meta" / "parts"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and first.poll() is None:
         if parts.is_dir() and any(parts.glob("part-*.parquet")):
@@ -169,7 +169,10 @@ def test_directory_output_is_a_readable_dataset(tmp_path, run_model, run_data):
 
 def test_single_file_output_keeps_metadata_in_a_sibling_folder(tmp_path, run_model, run_data):
     assert cli("run", write_job(tmp_path, run_model, run_data, "o/results.parquet")).exit_code == 0
-    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["results.meta", "results.parquet"]
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
+        "results.parquet",
+        "results.parquet.meta",
+    ]
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "in_a_dir_named_parquet"])

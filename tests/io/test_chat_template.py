@@ -207,3 +207,28 @@ def test_tokenizer_config_named_templates(tmp_path: Path) -> None:
     )
     assert _rows(loaded) == [_hf_ids(folder, CONVERSATIONS[2])]
     assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == named
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "{% for i in range(100000000) %}x{% endfor %}",  # the sandbox's OverflowError
+        "{{ 1 // 0 }}",  # ZeroDivisionError
+    ],
+)
+def test_a_template_that_fails_in_python_is_a_row_error(
+    tmp_path: Path, llama3_dir: Path, body: str
+) -> None:
+    """Any error the template raises while rendering a row is that row's
+    ``chat_template_error`` (it was a traceback, exit 1), the other rows run."""
+    template = tmp_path / "loop.jinja"
+    template.write_text(
+        "{% if messages[0]['content'] == 'boom' %}" + body + "{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    table = pa.table({"messages": [CONVERSATIONS[0][1:], [{"role": "user", "content": "boom"}]]})
+    sets = {"input.messages_column": "messages", "model.chat_template": str(template)}
+    loaded = _load(tmp_path, table, llama3_dir, **sets)
+    assert loaded.prompts.row_ids.tolist() == [0]
+    assert loaded.rejected.status == (STATUS_CHAT_TEMPLATE,)
+    assert loaded.rejected.message[0].startswith("row 1 ") and "Error" in loaded.rejected.message[0]

@@ -106,7 +106,7 @@ def test_full_file_values_and_relative_paths(tmp_path: Path) -> None:
     assert o.overwrite is True and o.rows_per_file == 10
     layout = OutputLayout.of(o)
     assert layout.report_file == d / "report.json"
-    assert layout.plan_file == Path("/abs/out/results.meta/plan.parquet")
+    assert layout.plan_file == Path("/abs/out/results.parquet.meta/plan.parquet")
     assert job.source == (tmp_path / "jobs" / "job.toml").resolve()
     assert job.to_dict()["sampling"]["stop_token_ids"] == [2, 5]
 
@@ -120,7 +120,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert job.scheduler.policy == "batchllm" and job.scheduler.chunk_size == 2048
     assert job.scheduler.kv_threshold == 0.95 and job.scheduler.enlarge and job.scheduler.reorder
     assert job.engine.backend == "native" and job.engine.kv_cache_bytes is None
-    assert job.engine.block_size == 16 and job.engine.attention == "auto"
+    assert job.engine.block_size is None and job.engine.attention == "auto"
     assert job.output.overwrite is False and job.output.rows_per_file == 100000
     out = (tmp_path / "jobs" / "out").resolve()
     layout = OutputLayout.of(job.output)

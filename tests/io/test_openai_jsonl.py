@@ -61,7 +61,7 @@ def test_rows_and_per_line_rejections(tmp_path: Path) -> None:
     errors = {r["line"]: r["_request_error"] for r in rows if r["_request_error"]}
     assert set(errors) == {2, 5, 6, 7, 8, 9}
     assert errors[2].startswith(f"{STATUS_INVALID_REQUEST}\tline 2: invalid JSON")
-    assert "body.n must be 1" in errors[5] and "body must be" in errors[6]
+    assert "body.n = 2 is not honoured" in errors[5] and "body must be" in errors[6]
     assert "repeats line 1" in errors[7] and "body.max_tokens must be an integer" in errors[8]
     assert "text parts" in errors[9]
 

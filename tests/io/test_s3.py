@@ -14,6 +14,7 @@ import os
 import socket
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
@@ -109,7 +110,7 @@ def test_round_trip_equals_local_and_rerun_is_already_complete(s3, model, data, 
     res = cli("run", "--no-progress", *_job(model, data[1], out))
     assert res.exit_code == 0, res.output
     assert _read(s3, out).equals(local_results)
-    assert _keys(s3, "out/day1") == ["_SUCCESS", "results-00000.parquet"]
+    assert _results(_keys(s3, "out/day1")) == 1
     meta = _keys(s3, "out/day1.meta")
     assert {"manifest.json", "plan.parquet", "report.json"} <= set(meta)
     assert not [k for k in meta if k.startswith(("parts/", "lock", "staging"))], meta
@@ -138,7 +139,8 @@ def test_kill_mid_run_and_mid_commit_then_resume_exactly_once(s3, model, data, l
     killed = cli_subprocess("run", "--no-progress", *args, env=fault)
     assert killed.returncode == -9, killed.stderr
     partial = _keys(s3, "out/killed")
-    assert partial == ["results-00000.parquet"]  # no _SUCCESS: readers see it incomplete
+    assert _results(partial) == 1 and "_SUCCESS" not in partial  # readers: incomplete
+    assert "commit.json" in _keys(s3, "out/killed.meta")  # what the commit writes, replaces
 
     # the next rerun commits, then is killed after deleting its first part
     killed = cli_subprocess(
@@ -150,6 +152,8 @@ def test_kill_mid_run_and_mid_commit_then_resume_exactly_once(s3, model, data, l
 
     res = cli("run", "--no-progress", *args)  # complete: the leftover parts are just removed
     assert res.exit_code == 0 and "already complete" in res.output, res.output
+    success = json.loads(s3.open_input_stream(f"{BUCKET}/out/killed/_SUCCESS").read())
+    assert sorted(_keys(s3, "out/killed")) == sorted(["_SUCCESS", *success["files"]])
     got = _read(s3, out)
     assert got["row_id"].to_pylist() == list(range(local_results.num_rows))
     assert got.equals(local_results)
@@ -170,11 +174,41 @@ def test_lock_object_refuses_a_second_writer(s3, model, data):
 def test_a_dead_local_holder_is_taken_over(s3, model, data, local_results):
     out = f"s3://{BUCKET}/out/stale.parquet"
     dead = {"host": socket.gethostname(), "pid": 2**22 + 7, "token": "y", "since": "?"}
-    with s3.open_output_stream(f"{BUCKET}/out/stale.meta/lock") as f:
+    with s3.open_output_stream(f"{BUCKET}/out/stale.parquet.meta/lock") as f:
         f.write(json.dumps(dead).encode())
     res = cli("run", "--no-progress", *_job(model, data[1], out))
     assert res.exit_code == 0, res.output
     assert _read(s3, out).equals(local_results)  # single-file output: one atomic PUT
+
+
+def _results(names: list[str]) -> int:
+    """How many result files: ``results-NNNNN-<commit>.parquet``, and nothing but _SUCCESS."""
+    found = [n for n in names if n.startswith("results-") and n.endswith(".parquet")]
+    assert set(names) - set(found) <= {"_SUCCESS"}, names
+    return len(found)
+
+
+def test_overwrite_killed_mid_commit_keeps_every_old_object(s3, model, data, local_results):
+    """An object store has no rename: an overwrite deletes ``_SUCCESS`` first (readers: not
+    complete), writes its files under new names and deletes the old ones only once every new
+    one is written. Killed in between, the old commit's objects are all there, unchanged."""
+    out = f"s3://{BUCKET}/out/over"
+    args = _job(model, data[1], out, "output.rows_per_file=10")
+    assert cli("run", "--no-progress", *args).exit_code == 0
+    old = json.loads(s3.open_input_stream(f"{BUCKET}/out/over/_SUCCESS").read())["files"]
+    args2 = [*args, "--set", "sampling.temperature=1.0", "--set", "output.overwrite=true"]
+    killed = cli_subprocess(
+        "run", "--no-progress", *args2, env={"BATCHJOB_FAULT_POINT": "commit_file:2"}
+    )
+    assert killed.returncode == -9, killed.stderr
+    keys = _keys(s3, "out/over")
+    assert "_SUCCESS" not in keys and set(old) <= set(keys) and _results(keys) == len(old) + 2
+    tables = [pq.read_table(f"{BUCKET}/out/over/{n}", filesystem=s3) for n in old]
+    assert pa.concat_tables(tables).sort_by("row_id").equals(local_results)  # whole, as before
+    res = cli("run", "--no-progress", *args2)
+    assert res.exit_code == 0, res.output
+    new = json.loads(s3.open_input_stream(f"{BUCKET}/out/over/_SUCCESS").read())["files"]
+    assert sorted(_keys(s3, "out/over")) == sorted(["_SUCCESS", *new]) and not set(new) & set(old)
 
 
 def test_uri_listing_and_globs(s3, data):
@@ -225,7 +259,7 @@ def test_any_fsspec_filesystem_round_trip(s3, model, data, local_results, caplog
     assert res.exit_code == 0, res.output
     store = ObjectStore("memory")
     files = store.glob(ObjectPath(out), "*")
-    assert [f.name for f in files] == ["_SUCCESS", "results-00000.parquet"]
+    assert files[0].name == "_SUCCESS" and _results([f.name for f in files]) == 1
     assert store.read_parquet(files[1]).sort_by("row_id").equals(local_results)
     assert "assumes it is the only one writing" in caplog.text
     assert not store.exists(ObjectPath(out + ".meta/lock"))

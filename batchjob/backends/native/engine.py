@@ -45,6 +45,7 @@ from batchjob.status import STATUS_JSON_INCOMPLETE
 from batchjob.tokenize.prompts import TokenizedPrompts
 
 GiB = 1 << 30
+NATIVE_BLOCK_SIZE = 16  # engine.block_size unset: small blocks, little padding per group
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,9 @@ class Engine:
             keep_freed_memory()  # no page-fault churn on each step's activations
         # ValueError when the budget holds fewer than two blocks
         self.kv = KVLayout.from_budget(
-            kv_budget_bytes(engine, info.torch_device), engine.block_size, info.kv_bytes_per_token
+            kv_budget_bytes(engine, info.torch_device),
+            engine.block_size or NATIVE_BLOCK_SIZE,
+            info.kv_bytes_per_token,
         )
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]. Zeroed here, which faults its
         # pages in now: uninitialised (torch.empty) pages fault in during the run instead,

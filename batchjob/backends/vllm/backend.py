@@ -115,7 +115,7 @@ class VllmBackend:
         except Exception as e:
             msg = " ".join(str(e).split())
             key = _key_for(msg)
-            if key == "engine.kv_cache_bytes":
+            if key in ("engine.kv_cache_bytes", "engine.block_size"):
                 raise ConfigError(f"{key}: vLLM could not start: {msg}{hint}") from None
             raise VllmError(f"vLLM failed to start: {msg}") from e
         self.scheduler = self.engine.engine_core.engine_core.scheduler
@@ -137,9 +137,11 @@ class VllmBackend:
 
     def _check_budget(self, tokens: int, row_id: int) -> None:
         """Before vLLM starts: an explicit KV budget that cannot hold the longest request."""
-        budget, bs = self.cfg.engine.kv_cache_bytes, self.cfg.engine.block_size
+        budget = self.cfg.engine.kv_cache_bytes
         if budget is None:
             return
+        # the block size vLLM will run (vLLM's GPU default, 16, where it chooses itself)
+        bs = engine_settings(self.cfg, self.model.dtype, tokens).kwargs.get("block_size", 16)
         blocks = budget // (bs * self.model.kv_bytes_per_token)
         if cdiv(tokens, bs) > blocks:
             raise ConfigError(

