@@ -20,9 +20,26 @@ STATUS_INVALID_SETTING = {
     "top_k_column": "invalid_top_k",
     "seed_column": "invalid_seed",
     "stop_column": "invalid_stop",
+    "min_p_column": "invalid_min_p",
+    "presence_penalty_column": "invalid_presence_penalty",
+    "frequency_penalty_column": "invalid_frequency_penalty",
+    "repetition_penalty_column": "invalid_repetition_penalty",
+    "min_tokens_column": "invalid_min_tokens",
+    "logit_bias_column": "invalid_logit_bias",
+    "allowed_token_ids_column": "invalid_allowed_token_ids",
     "labels_column": "invalid_labels",
     "json_schema_column": "invalid_json_schema",
+    "regex_column": "invalid_regex",
+    "choice_column": "invalid_choice",
 }
 # set while running
 STATUS_KV_BUDGET = "kv_budget_exceeded"  # the row cannot fit the KV cache even alone
 STATUS_JSON_INCOMPLETE = "json_incomplete"  # max_tokens ended a structured output early
+STATUS_REGEX_INCOMPLETE = "regex_incomplete"  # max_tokens ended before the regex matched
+STATUS_CHOICE_INCOMPLETE = "choice_incomplete"  # max_tokens ended before a choice was complete
+# the status of an output its constraint (json, regex, choice: config.guided) left unfinished
+STATUS_INCOMPLETE = {
+    "json": STATUS_JSON_INCOMPLETE,
+    "regex": STATUS_REGEX_INCOMPLETE,
+    "choice": STATUS_CHOICE_INCOMPLETE,
+}

@@ -21,7 +21,7 @@ from batchjob.tokenize.prompts import TokenizedPrompts
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """The settings a backend runs with: four sections of the job, and the names of the two
+    """The settings a backend runs with: four sections of the job, and the names of the
     per-row input columns that change what it runs (no input, output, cluster or storage)."""
 
     model: ModelConfig
@@ -30,6 +30,15 @@ class BackendConfig:
     engine: EngineConfig
     labels_column: str | None  # input.labels_column: rows carry their own labels
     json_schema_column: str | None  # input.json_schema_column: per-row JSON schemas
+    regex_column: str | None  # input.regex_column: per-row regexes
+    choice_column: str | None  # input.choice_column: per-row choice lists
+
+    @property
+    def guided(self) -> bool:
+        """Whether any row's output may be constrained (a JSON schema, regex or choices)."""
+        s = self.sampling
+        job = s.json_schema is not None or s.regex is not None or bool(s.choice)
+        return job or bool(self.json_schema_column or self.regex_column or self.choice_column)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from typing import Any
 from batchjob.config.checks import _fail
 from batchjob.config.json_schema import XGRAMMAR_HINT
 from batchjob.config.sections import (
+    GUIDE_COLUMNS,
+    PROCESSOR_COLUMNS,
     ClusterConfig,
     EngineConfig,
     InputConfig,
@@ -58,11 +60,7 @@ class JobConfig:
         ):
             key = "input.messages_column" if self.input.messages_column else "input.system_prompt"
             _fail("model.chat_template", f"'none' cannot render chat turns ({key} is set)", "none")
-        col = self.input.json_schema_column
-        if col and (self.sampling.labels or self.input.labels_column):
-            _fail("input.json_schema_column", "cannot be combined with scoring (labels)", col)
-        if col and importlib.util.find_spec("xgrammar") is None:
-            _fail("input.json_schema_column", XGRAMMAR_HINT, col)
+        self._check_sampling()
         # checks across sections that need no device: the rest wait for the backend to open
         dev, attn = self.model.device, self.engine.attention
         if self.engine.backend != "native":
@@ -71,6 +69,31 @@ class JobConfig:
             _fail("engine.attention", f"'cpu' runs on the CPU only (model.device is {dev})", attn)
         if attn == "triton" and dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             _fail("engine.attention", "'triton' needs CUDA (model.device is cpu)", attn)
+
+    def _check_sampling(self) -> None:
+        """[sampling] against the per-row columns and the engine: constraints and logits
+        processors are for generation, not scoring; what vLLM refuses with speculative
+        decoding. (min_tokens above a row's max_tokens is no error: the row simply cannot stop
+        before max_tokens; vLLM gets min(min_tokens, max_tokens).)"""
+        s, inp = self.sampling, self.input
+        scoring = bool(s.labels or inp.labels_column)
+        for name in (*GUIDE_COLUMNS, *PROCESSOR_COLUMNS):
+            col = getattr(inp, name)
+            if col and scoring:
+                _fail(f"input.{name}", "cannot be combined with scoring (labels)", col)
+            if col and name in GUIDE_COLUMNS and importlib.util.find_spec("xgrammar") is None:
+                _fail(f"input.{name}", XGRAMMAR_HINT, col)
+        if inp.labels_column and (changed := s.processors()):
+            key = f"sampling.{changed[0]}"
+            _fail(key, "cannot be combined with scoring (input.labels_column)", inp.labels_column)
+        spec = (self.engine.vllm or {}).get("speculative_config")
+        if self.engine.backend == "vllm" and spec:  # vLLM: SamplingParams._validate_spec_decode
+            for key, on in (("min_p", s.min_p > 0), ("logit_bias", bool(s.logit_bias))):
+                col = getattr(inp, f"{key}_column")
+                if on or col:
+                    name = f"input.{key}_column" if col else f"sampling.{key}"
+                    why = "vLLM does not take it with engine.vllm.speculative_config"
+                    _fail(name, why, col or getattr(s, key))
 
     def _check_storage(self) -> None:
         """Every URI path has a filesystem under [storage]; local-only features refuse URIs."""

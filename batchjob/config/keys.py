@@ -45,6 +45,7 @@ _TYPES = {
     "tuple[int, ...]": "list of integers",
     "tuple[str, ...]": "list of text",
     "dict[str, Any]": "table",
+    "dict[int, float]": "table of token id = number",
 }
 
 

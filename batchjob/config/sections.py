@@ -6,6 +6,7 @@ Torch-free: names come from ``batchjob.backends.names``."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import re
@@ -29,6 +30,7 @@ from batchjob.config.checks import (
     _str,
     parse_bytes,
 )
+from batchjob.config.guided import check_choices, check_regex
 from batchjob.config.json_schema import XGRAMMAR_HINT, compact_json_schema
 from batchjob.errors import ConfigError
 from batchjob.storage.settings import StorageConfig as StorageConfig
@@ -74,8 +76,17 @@ class InputConfig:
     top_k_column: str | None = None  # per-row top_k, an integer
     seed_column: str | None = None  # per-row seed, an integer
     stop_column: str | None = None  # per-row stop strings, list<string>
+    min_p_column: str | None = None  # per-row min_p, a number
+    presence_penalty_column: str | None = None  # per-row presence_penalty, a number
+    frequency_penalty_column: str | None = None  # per-row frequency_penalty, a number
+    repetition_penalty_column: str | None = None  # per-row repetition_penalty, a number
+    min_tokens_column: str | None = None  # per-row min_tokens, an integer
+    logit_bias_column: str | None = None  # per-row logit bias, map<integer, number>
+    allowed_token_ids_column: str | None = None  # per-row allowed token ids, list<integer>
     labels_column: str | None = None  # per-row scoring labels, list<string>
     json_schema_column: str | None = None  # per-row JSON schema, a string (structured output)
+    regex_column: str | None = None  # per-row regex the output must match, a string
+    choice_column: str | None = None  # per-row choices the output must be one of, list<string>
 
     def __post_init__(self) -> None:
         _str("input.path", self.path if self.path is None else str(self.path))
@@ -109,8 +120,28 @@ ROW_SETTING_COLUMNS = (
     "top_k_column",
     "seed_column",
     "stop_column",
+    "min_p_column",
+    "presence_penalty_column",
+    "frequency_penalty_column",
+    "repetition_penalty_column",
+    "min_tokens_column",
+    "logit_bias_column",
+    "allowed_token_ids_column",
     "labels_column",
     "json_schema_column",
+    "regex_column",
+    "choice_column",
+)
+# the per-row columns of the output constraints, and of the logits processors
+GUIDE_COLUMNS = ("json_schema_column", "regex_column", "choice_column")
+PROCESSOR_COLUMNS = (
+    "min_p_column",
+    "presence_penalty_column",
+    "frequency_penalty_column",
+    "repetition_penalty_column",
+    "min_tokens_column",
+    "logit_bias_column",
+    "allowed_token_ids_column",
 )
 
 
@@ -149,6 +180,14 @@ class SamplingConfig:
     temperature: float = 0.0  # 0: greedy (argmax)
     top_k: int = 0  # keep the k most likely tokens; 0 (or >= vocab size): off
     top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1: off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0: off
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # x a token's count in the output so far, off its logit
+    repetition_penalty: float = 1.0  # tokens of prompt or output: logit / p if > 0, else x p
+    min_tokens: int = 0  # EOS and stop ids masked, stop strings ignored, until N tokens
+    # added to these tokens' logits ({50256 = -100}), each clamped to [-100, 100]
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] = ()  # only these ids can be generated; []: any
     seed: int = 0  # each draw hashes (seed, row_id, step): same seed, same outputs
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end a row (finish "stop") besides EOS
     stop: tuple[str, ...] = ()  # stop strings (finish "stop"); the text is cut before one
@@ -156,12 +195,26 @@ class SamplingConfig:
     logprobs: int | None = None  # per generated token: its log-prob and the top N (N <= 20)
     labels: tuple[str, ...] = ()  # scoring mode: each label's log-prob, nothing generated
     json_schema: str | None = None  # constrain output: a schema file or inline JSON "{...}"
+    regex: str | None = None  # constrain output to match this regex
+    choice: tuple[str, ...] = ()  # constrain output to one of these strings
 
     def __post_init__(self) -> None:
         _int("sampling.max_tokens", self.max_tokens, lo=1, hi=MAX_TOKENS)
         _float(self, "temperature", "sampling.temperature", 0.0, 100.0)
         _int("sampling.top_k", self.top_k, lo=0)
         _float(self, "top_p", "sampling.top_p", 0.0, 1.0, lo_open=True)
+        _float(self, "min_p", "sampling.min_p", 0.0, 1.0)
+        _float(self, "presence_penalty", "sampling.presence_penalty", -2.0, 2.0)
+        _float(self, "frequency_penalty", "sampling.frequency_penalty", -2.0, 2.0)
+        rp = self.repetition_penalty
+        if isinstance(rp, int | float) and not isinstance(rp, bool) and not 0 < rp < math.inf:
+            _fail("sampling.repetition_penalty", "must be > 0 and finite", rp)
+        _float(self, "repetition_penalty", "sampling.repetition_penalty", 0.0, 1e9, lo_open=True)
+        _int("sampling.min_tokens", self.min_tokens, lo=0, hi=MAX_TOKENS)
+        object.__setattr__(self, "logit_bias", logit_bias_table(self.logit_bias))
+        _list(self, "allowed_token_ids", "sampling.allowed_token_ids", int)
+        if any(t < 0 for t in self.allowed_token_ids):
+            _fail("sampling.allowed_token_ids", "must be >= 0", list(self.allowed_token_ids))
         _int("sampling.seed", self.seed, lo=0)
         _list(self, "stop_token_ids", "sampling.stop_token_ids", int)
         if any(t < 0 for t in self.stop_token_ids):
@@ -178,12 +231,83 @@ class SamplingConfig:
             _fail("sampling.labels", "labels must be non-empty and distinct", list(self.labels))
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", _json_schema(self.json_schema))
-        if self.json_schema is not None and self.labels:
-            _fail("sampling.json_schema", "cannot be combined with sampling.labels", self.labels)
+        if self.regex is not None:
+            _str("sampling.regex", self.regex)
+            _guided("sampling.regex", check_regex, self.regex)
+        _list(self, "choice", "sampling.choice", str)
+        if self.choice:
+            _guided("sampling.choice", check_choices, self.choice)
+        guides = [k for k in ("json_schema", "regex", "choice") if getattr(self, k)]
+        if len(guides) > 1:
+            key, other = guides[1], guides[0]
+            _fail(
+                f"sampling.{key}", f"cannot be combined with sampling.{other}", getattr(self, key)
+            )
+        if guides and self.labels:
+            key = f"sampling.{guides[0]}"
+            _fail(key, "cannot be combined with sampling.labels", list(self.labels))
+        if self.labels and (changed := self.processors()):
+            key = f"sampling.{changed[0]}"
+            _fail(key, "cannot be combined with sampling.labels (raw log-probs)", list(self.labels))
+
+    def __hash__(self) -> int:  # logit_bias is a dict: hashed as its sorted items
+        return hash(
+            tuple(
+                tuple(sorted(v.items())) if isinstance(v, dict) else v
+                for v in (getattr(self, f.name) for f in dataclasses.fields(self))
+            )
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def processors(self) -> list[str]:
+        """The logits processors this setting turns on (penalties, bias, masks, min_p), by
+        key name; [] for the defaults."""
+        on = {
+            "min_p": self.min_p > 0.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "min_tokens": self.min_tokens > 0,
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": bool(self.allowed_token_ids),
+        }
+        return [k for k, v in on.items() if v]
+
+
+LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]; so does batchjob
+
+
+def logit_bias_table(v: Any, key: str = "sampling.logit_bias") -> dict[int, float]:
+    """A token id -> bias table (TOML keys are strings: ``{"50256" = -100}``) as {int: float},
+    each bias clamped to [-100, 100]; ConfigError naming ``key`` for a bad id or bias."""
+    if not isinstance(v, dict | list | tuple):
+        raise ConfigError(f"{key}: must be a table of token id = bias, got {v!r}")
+    items = v.items() if isinstance(v, dict) else v
+    out: dict[int, float] = {}
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            _fail(key, "must be a table of token id = bias", v)
+        tok, bias = item
+        if isinstance(tok, str) and tok.strip().isdigit():
+            tok = int(tok)
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            _fail(key, "token ids must be integers >= 0", tok)
+        if not isinstance(bias, int | float) or isinstance(bias, bool) or not math.isfinite(bias):
+            _fail(key, f"token {tok}: the bias must be a finite number", bias)
+        out[tok] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(bias)))
+    return out
+
+
+def _guided(key: str, check: Any, value: Any) -> None:
+    try:
+        check(value)
+    except ImportError:
+        raise ConfigError(f"{key}: {XGRAMMAR_HINT}, got {value!r}") from None
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}, got {value!r}") from None
 
 
 def _json_schema(v: Any) -> str:
@@ -211,7 +335,7 @@ class SchedulerConfig:
     ``KVLayout`` (block count and size) beside it."""
 
     policy: str = "batchllm"  # batchllm: groups, KV admission; baseline: vLLM v1-like
-    chunk_size: int = 2048  # token budget per iteration (decode + prefill tokens)
+    chunk_size: int | None = None  # tokens per iteration; unset: 2048 native, vLLM's default
     kv_threshold: float = 0.95  # KV fraction above which no new prefill is admitted
     max_num_seqs: int = 256  # running-request cap (baseline policy only)
     enlarge: bool = True  # first-level enlargement of the plan's groups (Algo 1)
@@ -220,7 +344,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _str("scheduler.policy", self.policy, SCHEDULING_POLICIES)
-        _int("scheduler.chunk_size", self.chunk_size, lo=1)
+        _int("scheduler.chunk_size", self.chunk_size, lo=1, optional=True)
         _float(self, "kv_threshold", "scheduler.kv_threshold", 0.0, 1.0, lo_open=True)
         _int("scheduler.max_num_seqs", self.max_num_seqs, lo=1)
         _bool("scheduler.enlarge", self.enlarge)

@@ -1,11 +1,16 @@
 """Per-row settings: optional input columns that override ``[sampling]`` for one row.
 
 ``input.temperature_column``, ``top_p_column``, ``top_k_column``, ``seed_column``,
-``stop_column`` (list<string>), ``labels_column`` (list<string>, scoring mode) and
-``json_schema_column`` (string: a JSON schema, structured output) name the columns. A
+``stop_column`` (list<string>), the logits processors' ``min_p_column``,
+``presence_penalty_column``, ``frequency_penalty_column``, ``repetition_penalty_column``,
+``min_tokens_column``, ``logit_bias_column`` (map<integer, number>) and
+``allowed_token_ids_column`` (list<integer>), ``labels_column`` (list<string>, scoring mode)
+and the output constraints ``json_schema_column``, ``regex_column`` (strings) and
+``choice_column`` (list<string>; ``batchjob.inputs.row_guides``) name the columns. A
 configured column that does not exist, or has the wrong type, is a dataset error
 (exit 4); a null value takes the job's setting; a bad value rejects that row with a status
-(``invalid_temperature``, ...) and a message naming the row and column, never the job.
+(``invalid_temperature``, ...) and a message naming the row and column, never the job. Token
+ids (logit bias, allowed ids) must be below the model's vocabulary size.
 
 The settings are keyed by ``row_id`` (sorted), so they survive any row selection of the
 ``TokenizedPrompts`` that carry them. Labels (per row or ``sampling.labels``) are tokenized
@@ -24,16 +29,47 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.config import InputConfig, ModelConfig, SamplingConfig
+from batchjob.config.sections import MAX_TOKENS
 from batchjob.errors import ConfigError, InputDataError
 from batchjob.inputs.parquet import ROW_ID, RejectedRows
+from batchjob.inputs.row_guides import GUIDE_FIELDS, read_guides
 from batchjob.status import STATUS_INVALID_SETTING, STATUS_PROMPT_TOO_LONG
 
 STATUS_INVALID = STATUS_INVALID_SETTING
-_NUMERIC = ("temperature_column", "top_p_column")
-_INTEGER = ("top_k_column", "seed_column")
-_STRINGS = ("stop_column", "labels_column")
-_UNSET = -1  # top_k / seed arrays: the row takes the job's value
+# number columns: (the values allowed, the message of a value that is not)
+_NUMERIC = {
+    "temperature_column": (lambda v: (v >= 0) & (v <= 100), "must be in [0, 100]"),
+    "top_p_column": (lambda v: (v > 0) & (v <= 1), "must be in (0, 1]"),
+    "min_p_column": (lambda v: (v >= 0) & (v <= 1), "must be in [0, 1]"),
+    "presence_penalty_column": (lambda v: (v >= -2) & (v <= 2), "must be in [-2, 2]"),
+    "frequency_penalty_column": (lambda v: (v >= -2) & (v <= 2), "must be in [-2, 2]"),
+    "repetition_penalty_column": (lambda v: (v > 0) & (v <= 1e9), "must be > 0 and finite"),
+}
+_INTEGER = {"top_k_column": None, "seed_column": None, "min_tokens_column": MAX_TOKENS}
+_STRINGS = ("stop_column", "labels_column", "choice_column")
+_TEXT = ("json_schema_column", "regex_column")
+_UNSET = -1  # top_k / seed / min_tokens arrays: the row takes the job's value
 _INT63 = 2**63 - 1
+# the SamplingConfig fields a row can override, in RowSettings.key order
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+)
+_FLOATS = (
+    *("temperature", "top_p", "min_p"),
+    *("presence_penalty", "frequency_penalty", "repetition_penalty"),
+)
+_INTS = ("top_k", "seed", "min_tokens")
 
 
 @dataclass(frozen=True)
@@ -46,9 +82,19 @@ class RowSettings:
     top_k: np.ndarray | None = None  # int64 [M], -1: the job's value
     seed: np.ndarray | None = None  # int64 [M], -1: the job's value
     stop: tuple[tuple[str, ...] | None, ...] | None = None  # [M], None: the job's value
+    min_p: np.ndarray | None = None  # float64 [M], NaN: the job's value
+    presence_penalty: np.ndarray | None = None  # float64 [M], NaN: the job's value
+    frequency_penalty: np.ndarray | None = None  # float64 [M], NaN: the job's value
+    repetition_penalty: np.ndarray | None = None  # float64 [M], NaN: the job's value
+    min_tokens: np.ndarray | None = None  # int64 [M], -1: the job's value
+    # [M] (token id, bias) pairs, biases clamped to [-100, 100]; None: the job's value
+    logit_bias: tuple[tuple[tuple[int, float], ...] | None, ...] | None = None
+    allowed_token_ids: tuple[tuple[int, ...] | None, ...] | None = None  # [M], None: the job's
     labels: tuple[tuple[str, ...], ...] | None = None  # [M]: scoring mode (job labels filled)
     label_tokens: tuple[tuple[np.ndarray, ...], ...] | None = None  # [M]: int32 ids per label
     json_schema: tuple[str | None, ...] | None = None  # [M] compact JSON; None: the job's
+    regex: tuple[str | None, ...] | None = None  # [M]; None: the job's constraint
+    choice: tuple[str | None, ...] | None = None  # [M] choices as a JSON list; None: the job's
 
     def index(self, row_id: int) -> int:
         i = int(np.searchsorted(self.row_ids, row_id))
@@ -58,27 +104,28 @@ class RowSettings:
 
     @property
     def overrides_sampling(self) -> bool:
-        return any(
-            getattr(self, f) is not None for f in ("temperature", "top_p", "top_k", "seed", "stop")
-        )
+        return any(getattr(self, f) is not None for f in SAMPLING_FIELDS)
 
     def key(self, i: int) -> tuple:
-        """Row i's overrides as a hashable key (None where the job's value applies)."""
+        """Row i's overrides as a hashable key, in ``SAMPLING_FIELDS`` order (None where the
+        job's value applies)."""
 
-        def f(a: np.ndarray | None) -> float | None:
-            return None if a is None or math.isnan(a[i]) else float(a[i])
+        def one(name: str):
+            a = getattr(self, name)
+            if a is None:
+                return None
+            if name in _FLOATS:
+                return None if math.isnan(a[i]) else float(a[i])
+            if name in _INTS:
+                return None if a[i] == _UNSET else int(a[i])
+            return a[i]
 
-        def n(a: np.ndarray | None) -> int | None:
-            return None if a is None or a[i] == _UNSET else int(a[i])
-
-        stop = None if self.stop is None else self.stop[i]
-        return (f(self.temperature), f(self.top_p), n(self.top_k), n(self.seed), stop)
+        return tuple(one(name) for name in SAMPLING_FIELDS)
 
     @staticmethod
     def apply(base: SamplingConfig, key: tuple) -> SamplingConfig:
         """``base`` with a row's overrides (from ``key``)."""
-        names = ("temperature", "top_p", "top_k", "seed", "stop")
-        changes = {k: v for k, v in zip(names, key, strict=True) if v is not None}
+        changes = {k: v for k, v in zip(SAMPLING_FIELDS, key, strict=True) if v is not None}
         return dataclasses.replace(base, **changes) if changes else base
 
 
@@ -91,29 +138,39 @@ def check_columns(inp: InputConfig, schema: pa.Schema, where: str) -> None:
                 f"available columns: {', '.join(n for n in schema.names if n != ROW_ID)}"
             )
         t = schema.field(col).type
-        ok = (
-            (pa.types.is_string(t) or pa.types.is_large_string(t))
-            if name == "json_schema_column"
-            else (pa.types.is_integer(t) or pa.types.is_floating(t))
-            if name in _NUMERIC
-            else pa.types.is_integer(t)
-            if name in _INTEGER
-            else (pa.types.is_list(t) or pa.types.is_large_list(t))
-            and (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type))
-        )
+        ok, want = _type_check(name, t)
         if not ok:
-            want = {"_N": "a number", "_I": "an integer", "_S": "list<string>", "_J": "string"}[
-                "_J"
-                if name == "json_schema_column"
-                else "_N"
-                if name in _NUMERIC
-                else "_I"
-                if name in _INTEGER
-                else "_S"
-            ]
             raise InputDataError(
                 f"{where}: column {col!r} (input.{name}) has type {t}; expected {want}"
             )
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _is_list_of(t: pa.DataType, item) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and item(t.value_type)
+
+
+def _type_check(name: str, t: pa.DataType) -> tuple[bool, str]:
+    """(whether column type ``t`` suits setting column ``name``, the type it needs)."""
+    if name in _TEXT:
+        return _is_text(t), "string"
+    if name in _NUMERIC:
+        return _is_number(t), "a number"
+    if name in _INTEGER:
+        return pa.types.is_integer(t), "an integer"
+    if name == "allowed_token_ids_column":
+        return _is_list_of(t, pa.types.is_integer), "list<integer>"
+    if name == "logit_bias_column":
+        ok = pa.types.is_map(t) and pa.types.is_integer(t.key_type) and _is_number(t.item_type)
+        return ok, "map<integer, number>"
+    return _is_list_of(t, _is_text), "list<string>"
 
 
 def _configured(inp: InputConfig) -> list[tuple[str, str]]:
@@ -132,10 +189,12 @@ def read_row_settings(
     passthrough: pa.Table,
     row_ids: np.ndarray,
     encode_labels=None,
+    vocab_size: int | None = None,
 ) -> tuple[RowSettings | None, RejectedRows]:
     """Settings of the rows ``row_ids`` (sorted) from the pass-through table, and the rows
     whose values are invalid. ``encode_labels``: list[str] -> list of int32 id arrays (the
-    tokenizer, no special tokens); needed in scoring mode."""
+    tokenizer, no special tokens); needed in scoring mode. ``vocab_size``: token ids at or
+    above it are invalid (None: not checked)."""
     cols = _configured(inp)
     scoring = bool(sampling.labels) or bool(inp.labels_column)
     if not cols and not scoring:
@@ -160,34 +219,43 @@ def read_row_settings(
             reject_one(int(i), name, col, what, values[int(i)])
 
     fields: dict[str, object] = {}
+    guide_columns: dict[str, tuple[str, pa.Array]] = {}
     for name, col in cols:
         arr = _column(table, col)
         null = arr.is_null().to_numpy(zero_copy_only=False)
         if name in _NUMERIC:
             v = arr.cast(pa.float64()).fill_null(math.nan).to_numpy(zero_copy_only=False)
             v = np.asarray(v, dtype=np.float64).copy()
-            if name == "temperature_column":
-                out = ~null & ~((v >= 0) & (v <= 100))
-                reject(out, name, col, "must be in [0, 100]", v)
-            else:
-                out = ~null & ~((v > 0) & (v <= 1))
-                reject(out, name, col, "must be in (0, 1]", v)
+            allowed, what = _NUMERIC[name]
+            with np.errstate(invalid="ignore"):
+                out = ~null & ~allowed(v)
+            reject(out, name, col, what, v)
             v[null | out] = math.nan
             fields[name.removesuffix("_column")] = v
         elif name in _INTEGER:
-            big = pc.fill_null(pc.greater(arr.cast(pa.float64()), float(_INT63)), False)
+            hi = _INTEGER[name] or _INT63
+            big = pc.fill_null(pc.greater(arr.cast(pa.float64()), float(hi)), False)
             big = big.to_numpy(zero_copy_only=False)
             v = arr.cast(pa.int64(), safe=False).fill_null(_UNSET).to_numpy(zero_copy_only=False)
             v = np.asarray(v, dtype=np.int64).copy()
             out = (~null & (v < 0)) | big
-            reject(out, name, col, "must be >= 0", arr.to_pylist() if out.any() else v)
+            what = "must be >= 0" if hi == _INT63 else f"must be in [0, {hi}]"
+            reject(out, name, col, what, arr.to_pylist() if out.any() else v)
             v[null | out] = _UNSET
             fields[name.removesuffix("_column")] = v
-        elif name == "json_schema_column":
-            fields["json_schema"] = _row_schemas(
+        elif name in GUIDE_FIELDS:
+            guide_columns[name] = (col, arr)
+        elif name == "logit_bias_column":
+            fields["logit_bias"] = _row_biases(
                 arr.to_pylist(),
-                lambda i, w, v, n=name, c=col: reject_one(i, n, c, w, v),
-                vllm=backend == "vllm",
+                vocab_size,
+                lambda i, w, v, c=col: reject_one(i, "logit_bias_column", c, w, v),
+            )
+        elif name == "allowed_token_ids_column":
+            fields["allowed_token_ids"] = _row_allowed(
+                arr.to_pylist(),
+                vocab_size,
+                lambda i, w, v, c=col: reject_one(i, "allowed_token_ids_column", c, w, v),
             )
         else:
             lists = arr.to_pylist()
@@ -206,6 +274,8 @@ def read_row_settings(
                 else:
                     vals.append(t)
             fields[name.removesuffix("_column")] = tuple(vals)
+    if guide_columns:
+        fields |= read_guides(guide_columns, m, reject_one, vllm=backend == "vllm")
 
     if scoring:
         row_labels = fields.pop("labels", None)
@@ -243,41 +313,72 @@ def read_row_settings(
     return settings, rejected
 
 
-def _row_schemas(texts: list[str | None], reject, vllm: bool) -> tuple[str | None, ...]:
-    """Each distinct schema checked and compacted once; a bad one rejects its rows."""
-    from batchjob.config.json_schema import compact_json_schema
+def check_token_ids(sampling: SamplingConfig, vocab_size: int | None) -> None:
+    """The job's logit bias, allowed ids and stop ids name tokens of the model (else exit 3)."""
+    if vocab_size is None:
+        return
+    for key, ids in (
+        ("sampling.logit_bias", list(sampling.logit_bias)),
+        ("sampling.allowed_token_ids", list(sampling.allowed_token_ids)),
+        ("sampling.stop_token_ids", list(sampling.stop_token_ids)),  # vLLM refuses them too
+    ):
+        over = [t for t in ids if t >= vocab_size]
+        if over:
+            raise ConfigError(
+                f"{key}: token ids {over[:5]} are not below the model's vocab_size {vocab_size}"
+            )
 
-    done: dict[str, str | ValueError] = {}
-    out: list[str | None] = []
-    for i, t in enumerate(texts):
-        if t is None:
+
+def _row_biases(
+    values: list, vocab_size: int | None, reject
+) -> tuple[tuple[tuple[int, float], ...] | None, ...]:
+    """Each row's (token id, bias) pairs, biases clamped to [-100, 100] as vLLM does; a NaN or
+    infinite bias, or an id outside the vocabulary, rejects the row."""
+    from batchjob.config.sections import LOGIT_BIAS_LIMIT
+
+    out: list[tuple[tuple[int, float], ...] | None] = []
+    for i, pairs in enumerate(values):
+        if pairs is None:
             out.append(None)
             continue
-        c = done.get(t)
-        if c is None:
-            try:
-                c = done[t] = compact_json_schema(t, vllm)
-            except ValueError as e:
-                c = done[t] = e
-        if isinstance(c, ValueError):
-            reject(i, str(c), t if len(t) <= 80 else t[:77] + "...")
+        ids = [k for k, _ in pairs]
+        biases = [v for _, v in pairs]
+        problem = None
+        if any(k is None or k < 0 or (vocab_size is not None and k >= vocab_size) for k in ids):
+            problem = "token ids must be >= 0" + (
+                f" and below the vocab_size {vocab_size}" if vocab_size is not None else ""
+            )
+        elif any(b is None or not math.isfinite(b) for b in biases):
+            problem = "biases must be finite numbers"
+        if problem is not None:
+            reject(i, problem, dict(pairs))
             out.append(None)
-        else:
-            out.append(c)
+            continue
+        lim = LOGIT_BIAS_LIMIT
+        out.append(tuple(sorted((int(k), min(lim, max(-lim, float(b)))) for k, b in pairs)))
     return tuple(out)
 
 
-def row_json_schemas(sampling: SamplingConfig, prompts) -> list[str | None] | None:
-    """The JSON schema of each prompt position (its row's, else ``sampling.json_schema``);
-    None when no row is constrained."""
-    rs = prompts.settings
-    if rs is None or rs.json_schema is None:
-        if sampling.json_schema is None:
-            return None
-        return [sampling.json_schema] * len(prompts)
-    own = rs.json_schema
-    out = [own[rs.index(int(r))] or sampling.json_schema for r in prompts.row_ids]
-    return out if any(s is not None for s in out) else None
+def _row_allowed(
+    values: list, vocab_size: int | None, reject
+) -> tuple[tuple[int, ...] | None, ...]:
+    """Each row's allowed token ids (null: the job's); an empty list, a null id or an id
+    outside the vocabulary rejects the row."""
+    out: list[tuple[int, ...] | None] = []
+    for i, ids in enumerate(values):
+        if ids is None:
+            out.append(None)
+            continue
+        if not ids:
+            reject(i, "empty list (null: the job's sampling.allowed_token_ids)", ids)
+        elif any(k is None or k < 0 or (vocab_size is not None and k >= vocab_size) for k in ids):
+            top = f" and below the vocab_size {vocab_size}" if vocab_size is not None else ""
+            reject(i, f"token ids must be >= 0{top}", ids if len(ids) <= 10 else ids[:10])
+        else:
+            out.append(tuple(sorted({int(k) for k in ids})))
+            continue
+        out.append(None)
+    return tuple(out)
 
 
 def _encode_labels(labels: list[tuple[str, ...]], encode) -> tuple[tuple[np.ndarray, ...], ...]:
@@ -311,10 +412,12 @@ def with_row_settings(
     loaded,
     tokenizer,
     max_model_len: int | None,
+    vocab_size: int | None = None,
 ):
     """``TokenizedInput`` with its prompts carrying the rows' settings, and the rows with an
     invalid value moved to the rejected rows (``batchjob.tokenize.batched.load_prompts`` calls it).
-    Scoring: a row whose prompt + longest label exceeds ``max_model_len`` is rejected too."""
+    Scoring: a row whose prompt + longest label exceeds ``max_model_len`` is rejected too.
+    ``vocab_size``: the model's; the job's token ids at or above it are a ConfigError."""
     prompts = loaded.prompts
     encode = None
     scoring = bool(sampling.labels or inp.labels_column)
@@ -331,8 +434,9 @@ def with_row_settings(
             encs = tok.encode_batch_fast(texts, add_special_tokens=False)
             return [np.asarray(e.ids, dtype=np.int32) for e in encs]
 
+    check_token_ids(sampling, vocab_size)
     settings, bad = read_row_settings(
-        inp, sampling, backend, loaded.passthrough, prompts.row_ids, encode
+        inp, sampling, backend, loaded.passthrough, prompts.row_ids, encode, vocab_size
     )
     if settings is None:
         return loaded

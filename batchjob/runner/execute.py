@@ -155,6 +155,8 @@ def backend_config(job: JobConfig) -> BackendConfig:
         engine=job.engine,
         labels_column=job.input.labels_column,
         json_schema_column=job.input.json_schema_column,
+        regex_column=job.input.regex_column,
+        choice_column=job.input.choice_column,
     )
 
 

@@ -281,4 +281,6 @@ def load_prompts(
         vocab_size=info.vocab_size if info else None,
     )
     max_len = info.max_model_len if info else model.max_model_len
-    return with_row_settings(inp, sampling, model, backend, result, tokenizer, max_len), info
+    vocab = info.vocab_size if info else None
+    rows = with_row_settings(inp, sampling, model, backend, result, tokenizer, max_len, vocab)
+    return rows, info

@@ -111,12 +111,13 @@ def test_bad_schema_is_exit_3(setup, value):
 def test_utf8_masks_block_surrogates(setup):
     """xgrammar admits ED A0..BF (a UTF-16 surrogate, invalid UTF-8; found on the labeling
     example): after a token ending in byte ED, tokens starting with A0..BF are masked."""
-    from batchjob.backends.native.structured import JsonConstraint, _bad_utf8_pair
+    from batchjob.backends.native.structured import GrammarConstraint, _bad_utf8_pair
+    from batchjob.config.guided import Guide
 
     assert _bad_utf8_pair(b"\xed\xa0") and _bad_utf8_pair(b"\xc0") and _bad_utf8_pair(b"\xf5")
     assert not _bad_utf8_pair("é€😀".encode()) and not _bad_utf8_pair(b"\xed")
     _, model, _ = setup
-    c = JsonConstraint(model, json.dumps({"type": "string"}), 2500, [2])
+    c = GrammarConstraint(model, Guide("json", json.dumps({"type": "string"})), 2500, [2])
     vocab = c._bytes
     lead = vocab.index(b"\xed")
     for tok in (vocab.index(b'"'), lead):
@@ -126,4 +127,4 @@ def test_utf8_masks_block_surrogates(setup):
     c.mask(logits, [0])
     assert torch.isinf(logits[0, vocab.index(b"\xa0")])  # surrogate: masked
     assert not torch.isinf(logits[0, vocab.index(b"\x80")])  # U+D000..: allowed
-    assert c.problem(0) == "the JSON output is incomplete"
+    assert c.problem(0) == ("json_incomplete", "the JSON output is incomplete")

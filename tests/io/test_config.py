@@ -117,7 +117,7 @@ def test_defaults(tmp_path: Path) -> None:
     assert job.input.max_tokens_column == "max_tokens" and job.input.batch_rows == 65536
     assert job.model.path is None and job.model.dtype == "auto" and job.model.device == "auto"
     assert job.sampling.max_tokens == 128 and job.sampling.temperature == 0.0
-    assert job.scheduler.policy == "batchllm" and job.scheduler.chunk_size == 2048
+    assert job.scheduler.policy == "batchllm" and job.scheduler.chunk_size is None
     assert job.scheduler.kv_threshold == 0.95 and job.scheduler.enlarge and job.scheduler.reorder
     assert job.engine.backend == "native" and job.engine.kv_cache_bytes is None
     assert job.engine.block_size is None and job.engine.attention == "auto"

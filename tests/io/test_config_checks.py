@@ -35,6 +35,24 @@ BAD = [
     ({"sampling.seed": "-1"}, "sampling.seed"),
     ({"sampling.stop_token_ids": "[3, -1]"}, "sampling.stop_token_ids"),
     ({"sampling.stop_token_ids": '["a"]'}, "sampling.stop_token_ids"),
+    ({"sampling.presence_penalty": "2.5"}, "sampling.presence_penalty"),  # vLLM: [-2, 2]
+    ({"sampling.frequency_penalty": "-3"}, "sampling.frequency_penalty"),
+    ({"sampling.repetition_penalty": "0"}, "sampling.repetition_penalty"),  # vLLM: > 0
+    ({"sampling.repetition_penalty": "inf"}, "sampling.repetition_penalty"),
+    ({"sampling.min_p": "1.5"}, "sampling.min_p"),
+    ({"sampling.min_tokens": "-1"}, "sampling.min_tokens"),
+    ({"sampling.logit_bias": "{a = 1.0}"}, "sampling.logit_bias"),
+    ({"sampling.logit_bias": "{5 = nan}"}, "sampling.logit_bias"),
+    ({"sampling.logit_bias": "[1, 2]"}, "sampling.logit_bias"),
+    ({"sampling.allowed_token_ids": "[-1]"}, "sampling.allowed_token_ids"),
+    ({"sampling.regex": "'(a'"}, "sampling.regex"),  # xgrammar refuses it
+    ({"sampling.choice": '["a", "a"]'}, "sampling.choice"),
+    ({"sampling.choice": '["a", ""]'}, "sampling.choice"),
+    ({"sampling.regex": "a", "sampling.choice": '["a"]'}, "sampling.choice"),  # one guide
+    ({"sampling.regex": "a", "sampling.labels": '[" a"]'}, "sampling.regex"),
+    ({"sampling.min_p": "0.1", "sampling.labels": '[" a"]'}, "sampling.min_p"),
+    ({"input.regex_column": "r", "sampling.labels": '[" a"]'}, "input.regex_column"),
+    ({"input.min_tokens_column": "m", "input.labels_column": "l"}, "input.min_tokens_column"),
     ({"scheduler.policy": "fifo"}, "scheduler.policy"),  # scheduler registry
     ({"scheduler.chunk_size": "0"}, "scheduler.chunk_size"),  # SchedulerSettings
     ({"scheduler.kv_threshold": "0"}, "scheduler.kv_threshold"),

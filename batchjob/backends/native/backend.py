@@ -21,10 +21,10 @@ from batchjob.backends.base import (
 )
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
-from batchjob.backends.native.structured import JsonConstraint
+from batchjob.backends.native.structured import GrammarConstraint
 from batchjob.backends.scoring import RowScores, row_tries
 from batchjob.errors import ConfigError
-from batchjob.inputs.row_settings import row_json_schemas
+from batchjob.inputs.row_guides import row_guides
 from batchjob.model.info import ModelInfo
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
@@ -82,10 +82,14 @@ class NativeBackend:
         if prompts.settings is not None and prompts.settings.labels is not None:
             return self._score(prompts, plan, on_finish, on_iteration)
         constraint = None
-        schemas = row_json_schemas(self.cfg.sampling, prompts)  # per row, or the job's
-        if schemas is not None:
-            constraint = JsonConstraint(
-                self.info.path, schemas, self.info.vocab_size, self.info.eos_token_ids
+        guides = row_guides(self.cfg.sampling, prompts)  # per row, or the job's
+        if guides is not None:
+            constraint = GrammarConstraint(
+                self.info.path,
+                guides,
+                self.info.vocab_size,
+                self.info.eos_token_ids,
+                self.cfg.sampling.stop_token_ids,
             )
         r = self.engine.run(
             prompts,

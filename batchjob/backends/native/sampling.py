@@ -4,9 +4,14 @@ The settings, their defaults and their checks live in ``batchjob.config.Sampling
 (top_k 0 = off; stop strings non-empty); a row's own decode limit is
 ``dataclasses.replace(cfg, max_tokens=...)``.
 
+Order (vLLM v1's): the logits processors of ``logits_processors.py`` (allowed ids,
+min_tokens, logit bias, penalties), then greedy rows take the argmax; drawn rows' logits are
+divided by the temperature, softmaxed, cut by min_p (below min_p x the top probability), then
+by top-k and top-p.
+
 Reproducibility: a sampled row draws exactly one uniform number, a counter-based hash of
 (seed, row_id, step), and picks the token by inverse CDF over its (temperature-scaled,
-top-k/top-p filtered) distribution in token-id order. Nothing depends on the other rows of
+min_p/top-k/top-p filtered) distribution in token-id order. Nothing depends on the other rows of
 the batch or on the order in which rows are scheduled, so the same seed gives the same
 outputs whatever the schedule (given the same logits). top-k/top-p cut at a probability
 *value*, so ties at the cut are all kept (tie order never matters).
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchjob.backends.native.logits_processors import DecodeState, Processors, apply_processors
 from batchjob.config import SamplingConfig
 
 _MASK64 = (1 << 64) - 1
@@ -78,6 +84,7 @@ class RowParams:
     max_tokens: np.ndarray  # int64 [C]
     stop_ids: tuple[np.ndarray, ...]  # [C]: int64 ids that finish "stop" (stop ids + EOS)
     stop_strings: np.ndarray  # bool [C]: has stop strings (checked on the decoded text)
+    procs: Processors  # the logits processors (penalties, bias, masks, min_p)
 
     @classmethod
     def build(
@@ -102,6 +109,7 @@ class RowParams:
                 for c in configs
             ),
             stop_strings=arr(lambda c: bool(c.stop), bool),
+            procs=Processors.build(configs, eos_ids),
         )
 
 
@@ -130,9 +138,16 @@ def sample_batch(
     cfg: np.ndarray,  # int64 [K]: each row's settings (index into table.configs)
     row_ids: np.ndarray,  # int64 [K]: stable id of each row's request
     steps: np.ndarray,  # int64 [K]: index of the token being generated (0 = first)
+    seqs: np.ndarray | None = None,  # int64 [K]: each row's request (with ``state``)
+    state: DecodeState | None = None,  # the run's processor state (table.procs.any)
 ) -> torch.Tensor:  # int64 [K]
-    """``sample`` for a whole batch at once: greedy rows in one argmax, the drawn rows'
-    temperature/top-k/top-p/seeds as gathered arrays (no Python work per row)."""
+    """``sample`` for a whole batch at once: the logits processors batched, greedy rows in
+    one argmax, the drawn rows' temperature/min_p/top-k/top-p/seeds as gathered arrays (no
+    Python work per row)."""
+    if table.procs.any:
+        if state is None or seqs is None:
+            raise ValueError("settings with logits processors need the run's DecodeState")
+        logits = apply_processors(logits, table.procs, cfg, steps, seqs, state)
     k, v = logits.shape
     greedy = table.greedy[cfg]
     if greedy.all():
@@ -145,13 +160,7 @@ def sample_batch(
     drawn = np.flatnonzero(~greedy)
     c = cfg[drawn]
     idx = torch.from_numpy(drawn).to(dev)
-    temp = torch.from_numpy(table.temperature[c]).to(dev)
-    probs = torch.softmax(logits[idx].float() / temp[:, None], dim=-1)  # [Ks, V]
-    tk = table.top_k[c]
-    top_k = np.where((tk > 0) & (tk < v), tk, v)
-    top_p = table.top_p[c]
-    if top_k.min() < v or top_p.min() < 1.0:
-        probs = _filter_top_k_top_p(probs, top_k.tolist(), top_p.tolist())
+    probs = _drawn_probs(logits[idx], table, c)  # [Ks, V]
     cdf = probs.cumsum(dim=-1)  # [Ks, V], token-id order
     u = uniform_draws(table.seed[c], row_ids[drawn], steps[drawn]).astype(np.float32)
     u_t = torch.from_numpy(u).to(dev)
@@ -160,6 +169,42 @@ def sample_batch(
     pick = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)  # first cdf > target
     out[idx] = pick.clamp_max(v - 1)
     return out
+
+
+def _drawn_probs(logits: torch.Tensor, table: RowParams, c: np.ndarray) -> torch.Tensor:
+    """float32 [Ks, V]: the drawn rows' distribution (not renormalised), rows with settings
+    ``c``: softmax of the temperature-scaled logits, then min_p, top-k and top-p."""
+    v = logits.shape[1]
+    temp = torch.from_numpy(table.temperature[c]).to(logits.device)
+    probs = torch.softmax(logits.float() / temp[:, None], dim=-1)  # [Ks, V]
+    if table.procs.any_min_p:
+        min_p = table.procs.min_p[c]
+        if min_p.max() > 0:  # below min_p x the row's top probability: dropped
+            mp = torch.from_numpy(min_p).to(logits.device)[:, None]
+            probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * mp, 0.0)
+    tk = table.top_k[c]
+    top_k = np.where((tk > 0) & (tk < v), tk, v)
+    top_p = table.top_p[c]
+    if top_k.min() < v or top_p.min() < 1.0:
+        probs = _filter_top_k_top_p(probs, top_k.tolist(), top_p.tolist())
+    return probs
+
+
+def sampling_probs(
+    logits: torch.Tensor,  # [K, V]
+    table: RowParams,
+    cfg: np.ndarray,  # int64 [K]
+    steps: np.ndarray,  # int64 [K]
+    seqs: np.ndarray | None = None,
+    state: DecodeState | None = None,
+) -> torch.Tensor:  # float32 [K, V], rows summing to 1
+    """The distribution each (drawn) row's token is sampled from: what ``sample_batch`` draws
+    by inverse CDF, processors and filters applied."""
+    if table.procs.any:
+        assert state is not None and seqs is not None
+        logits = apply_processors(logits, table.procs, cfg, steps, seqs, state)
+    probs = _drawn_probs(logits, table, cfg)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -246,16 +291,20 @@ def check_stop(
     return None
 
 
-def truncate_at_stop(text: str, stop: Sequence[str], checked: int = 0) -> tuple[str, bool]:
+def truncate_at_stop(
+    text: str, stop: Sequence[str], checked: int = 0, min_end: int = 0
+) -> tuple[str, bool]:
     """Cut ``text`` before the earliest stop string; returns (text, stopped).
 
     ``checked``: length of the text already searched at the previous step (incremental
-    detokenization); only the tail that could hold a new match is searched.
+    detokenization); only the tail that could hold a new match is searched. ``min_end``:
+    only a match ending after this many characters counts (min_tokens: the text of the first
+    min_tokens tokens cannot stop the row, as in vLLM).
     """
     if not stop:
         return text, False
     start = max(0, checked - max(len(s) for s in stop) + 1)
-    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    hits = [i for i in (text.find(s, max(start, min_end - len(s) + 1)) for s in stop) if i >= 0]
     if not hits:
         return text, False
     return text[: min(hits)], True

@@ -1,12 +1,15 @@
-"""Structured output on the native engine: JSON-schema constrained decoding with xgrammar.
+"""Structured output on the native engine: constrained decoding with xgrammar, by a JSON
+schema, a regex or a list of choices (``batchjob.config.guided.Guide``).
 
-The schema is compiled once per distinct schema (``sampling.json_schema``, or each row's own
-from ``input.json_schema_column``) against the model's tokenizer; each running request gets
-its own ``GrammarMatcher``; rows without a schema are left free. Per sampling step the engine
-fills the token bitmask of the constrained rows, applies it to their logits (disallowed
-tokens -> -inf) before sampling, and feeds the sampled token back with ``accept``. EOS is
-allowed only once the JSON is complete; a request that reaches ``max_tokens`` before that
-finishes "length" with status ``json_incomplete``.
+Each distinct guide (``sampling.json_schema`` / ``regex`` / ``choice``, or a row's own from
+``input.json_schema_column`` / ``regex_column`` / ``choice_column``) is compiled once against
+the model's tokenizer: a schema as compact JSON, a regex with xgrammar's regex compiler, a
+choice list as the EBNF grammar vLLM builds from it. Each running request gets its own
+``GrammarMatcher``; rows without a guide are left free. Per sampling step the engine fills
+the token bitmask of the constrained rows, applies it to their logits (disallowed tokens ->
+-inf) before sampling, and feeds the sampled token back with ``accept``. EOS is allowed only
+once the output is complete; a request that reaches ``max_tokens`` before that finishes
+"length" with status ``json_incomplete``, ``regex_incomplete`` or ``choice_incomplete``.
 """
 
 from __future__ import annotations
@@ -16,20 +19,33 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from batchjob.config.guided import Guide
+from batchjob.status import STATUS_INCOMPLETE
 
-class JsonConstraint:
-    """A compiled JSON schema and the live matchers of the requests it constrains."""
+_UNFINISHED = {
+    "json": "the JSON output is incomplete",
+    "regex": "the output does not match the regex yet",
+    "choice": "the output is not one of the choices yet",
+}
+
+
+class GrammarConstraint:
+    """The compiled guides and the live matchers of the requests they constrain."""
 
     def __init__(
         self,
         model_path: str | Path,
-        schemas: str | Sequence[str | None],
+        guides: Guide | Sequence[Guide | None],
         vocab_size: int,
         eos_ids: Sequence[int],
+        stop_ids: Sequence[int] = (),
     ) -> None:
-        """``schemas``: one for every request, or one per prompt position (None: free)."""
+        """``guides``: one for every request, or one per prompt position (None: free).
+        ``stop_ids``: ``sampling.stop_token_ids``; with EOS they may end a complete output
+        (vLLM gives its grammars every stop id of the request)."""
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
@@ -39,16 +55,18 @@ class JsonConstraint:
         )
         self._xgr = xgr
         self.vocab_size = vocab_size
+        self._stops = sorted({*eos_ids, *stop_ids})
         self._compiler = xgr.GrammarCompiler(info)
-        self._schemas = schemas
-        self._compiled: dict[str, Any] = {}  # schema text -> xgrammar.CompiledGrammar
+        self._guides = guides
+        self._compiled: dict[Guide, Any] = {}  # guide -> xgrammar.CompiledGrammar
         # xgrammar's JSON strings admit raw control bytes (< 0x20), which strict JSON parsers
-        # (Python's json, jsonschema users) reject: ban every token containing one; compact
-        # JSON never needs them (escapes such as \u0004 stay possible)
-        ban = [i for i, b in enumerate(info.decoded_vocab) if any(c < 0x20 for c in b)]
+        # (Python's json, jsonschema users) reject: for JSON, ban every token containing one;
+        # compact JSON never needs them (escapes such as \u0004 stay possible)
         self._bytes: list[bytes] = list(info.decoded_vocab)
-        ban += [i for i, b in enumerate(self._bytes) if _bad_utf8_pair(b)]
+        ban = [i for i, b in enumerate(self._bytes) if _bad_utf8_pair(b)]
+        control = [i for i, b in enumerate(self._bytes) if any(c < 0x20 for c in b)]
         self._ban = torch.tensor(sorted(set(ban)), dtype=torch.long)
+        self._ban_json = torch.tensor(sorted({*ban, *control}), dtype=torch.long)
         # xgrammar admits any lead byte + continuation bytes, so surrogates (ED A0..BF) and
         # overlong/out-of-range forms slip through: after a token ending in such a lead
         # byte, ban the tokens whose first byte may not follow it
@@ -63,28 +81,43 @@ class JsonConstraint:
         self._out: dict[int, bytearray] = {}  # seq -> its output's bytes so far
         self._matchers: dict[int, Any] = {}  # xgrammar.GrammarMatcher (untyped)
 
-    def schema(self, seq: int) -> str | None:
-        return self._schemas if isinstance(self._schemas, str) else self._schemas[seq]
+    def guide(self, seq: int) -> Guide | None:
+        return self._guides if isinstance(self._guides, Guide) else self._guides[seq]
+
+    def constrained(self, n: int) -> np.ndarray:
+        """bool [n]: which of the ``n`` prompt positions have a guide."""
+        if isinstance(self._guides, Guide):
+            return np.ones(n, dtype=bool)
+        return np.fromiter((g is not None for g in self._guides), dtype=bool, count=n)
+
+    def _compile(self, guide: Guide):
+        if guide.kind == "json":  # compact JSON (no free whitespace): no padding forever
+            return self._compiler.compile_json_schema(
+                guide.spec, any_whitespace=False, separators=(",", ":")
+            )
+        if guide.kind == "regex":
+            return self._compiler.compile_regex(guide.spec)
+        return self._compiler.compile_grammar(guide.grammar())
 
     def _matcher(self, seq: int):
-        """The request's matcher; None for a request without a schema."""
+        """The request's matcher; None for a request without a guide."""
         m = self._matchers.get(seq)
         if m is None:
-            schema = self.schema(seq)
-            if schema is None:
+            guide = self.guide(seq)
+            if guide is None:
                 return None
-            compiled = self._compiled.get(schema)
+            compiled = self._compiled.get(guide)
             if compiled is None:
-                # compact JSON (no free whitespace): a weak model cannot pad forever
-                compiled = self._compiled[schema] = self._compiler.compile_json_schema(
-                    schema, any_whitespace=False, separators=(",", ":")
-                )
-            m = self._matchers[seq] = self._xgr.GrammarMatcher(compiled)
+                compiled = self._compiled[guide] = self._compile(guide)
+            m = self._matchers[seq] = self._xgr.GrammarMatcher(
+                compiled, override_stop_tokens=self._stops
+            )
         return m
 
     def mask(self, logits: torch.Tensor, seqs: Sequence[int]) -> None:
         """Set to -inf, in place, the logits of the tokens each row's grammar forbids now."""
-        rows = [j for j, s in enumerate(seqs) if self.schema(s) is not None]
+        guides = [self.guide(s) for s in seqs]
+        rows = [j for j, g in enumerate(guides) if g is not None]
         if not rows:
             return
         bitmask = self._xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
@@ -101,21 +134,23 @@ class JsonConstraint:
                 x, bitmask, vocab_size=self.vocab_size, indices=idx
             )
             logits.copy_(x.to(logits.device, logits.dtype))
-        if len(self._ban):
-            r = torch.tensor(rows, dtype=torch.long, device=logits.device)
-            logits[r[:, None], self._ban.to(logits.device)[None, :]] = float("-inf")
+        for ban, kinds in ((self._ban_json, ("json",)), (self._ban, ("regex", "choice"))):
+            sel = [j for j in rows if guides[j].kind in kinds]  # type: ignore[union-attr]
+            if sel and len(ban):
+                r = torch.tensor(sel, dtype=torch.long, device=logits.device)
+                logits[r[:, None], ban.to(logits.device)[None, :]] = float("-inf")
         for j, s in enumerate(seqs):
             lead = self._pending.get(s)
             if lead is not None:
                 logits[j, self._after[lead].to(logits.device)] = float("-inf")
 
     def accept(self, seq: int, token: int) -> bool:
-        """Feed the sampled token; True once the JSON is complete and closed by EOS."""
+        """Feed the sampled token; True once the output is complete and closed by EOS."""
         m = self._matcher(seq)
         if m is None:
             return False
         if not m.accept_token(int(token)):
-            raise RuntimeError(f"request {seq}: token {token} rejected by its JSON grammar")
+            raise RuntimeError(f"request {seq}: token {token} rejected by its grammar")
         done = m.is_terminated()
         b = self._bytes[token] if token < len(self._bytes) and not done else b""
         self._out.setdefault(seq, bytearray()).extend(b)
@@ -125,17 +160,19 @@ class JsonConstraint:
             self._pending.pop(seq, None)
         return done
 
-    def problem(self, seq: int) -> str | None:
-        """Why the request's output is not a complete, valid JSON value (None: it is)."""
-        if self.schema(seq) is None:
+    def problem(self, seq: int) -> tuple[str, str] | None:
+        """(status, why) when the request's output is not complete and valid (None: it is)."""
+        guide = self.guide(seq)
+        if guide is None:
             return None
+        status = STATUS_INCOMPLETE[guide.kind]
         m = self._matchers.get(seq)
         if m is None or not (m.is_terminated() or m.is_completed()):
-            return "the JSON output is incomplete"
+            return status, _UNFINISHED[guide.kind]
         try:
             bytes(self._out.get(seq, b"")).decode("utf-8")
         except UnicodeDecodeError as e:  # safety net: the masks above should prevent it
-            return f"the JSON output is not valid UTF-8 ({e.reason})"
+            return status, f"the output is not valid UTF-8 ({e.reason})"
         return None
 
     def release(self, seq: int) -> None:

@@ -25,7 +25,12 @@ from batchjob.backends.base import (
     RunSink,
 )
 from batchjob.backends.scoring import LabelCombiner, expand
-from batchjob.backends.vllm.engine_args import EngineSettings, engine_settings, environment
+from batchjob.backends.vllm.engine_args import (
+    EngineSettings,
+    engine_settings,
+    environment,
+    vllm_log_file,
+)
 from batchjob.backends.vllm.requests import OutputTracker, ScoreTracker, Submission, plan_order
 from batchjob.backends.vllm.scheduler import scheduler_class_path
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
@@ -40,6 +45,14 @@ class VllmError(BatchJobError):
     """vLLM failed to start or to run (a runtime failure: retrying may help)."""
 
     exit_code = EXIT_RUNTIME
+
+
+_VLLM_SEE_ABOVE = ", please check the stack trace above for the root cause"
+
+
+def _log_hint() -> str:
+    log = vllm_log_file()
+    return f" (vLLM's log: {log}; -v shows it on the terminal)" if log.exists() else ""
 
 
 def _key_for(message: str) -> str:
@@ -117,7 +130,8 @@ class VllmBackend:
             key = _key_for(msg)
             if key in ("engine.kv_cache_bytes", "engine.block_size"):
                 raise ConfigError(f"{key}: vLLM could not start: {msg}{hint}") from None
-            raise VllmError(f"vLLM failed to start: {msg}") from e
+            msg = msg.replace(_VLLM_SEE_ABOVE, "")  # the trace is in vLLM's log
+            raise VllmError(f"vLLM failed to start: {msg}{_log_hint()}") from e
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         if self.cfg.scheduler.policy == "batchllm":
             self.scheduler.bj_kv_threshold = self.cfg.scheduler.kv_threshold
@@ -257,7 +271,8 @@ class VllmBackend:
             try:
                 outputs = engine.step()
             except Exception as e:
-                raise VllmError(f"vLLM failed while running: {e}") from e
+                msg = str(e).replace(_VLLM_SEE_ABOVE, "")  # the trace is in the log
+                raise VllmError(f"vLLM failed while running: {msg}{_log_hint()}") from e
             for out in outputs:
                 done, abort = tracker.update(out, positions[out.request_id])
                 if abort:

@@ -15,7 +15,9 @@ Mapping (batchjob key -> vLLM engine argument):
 - ``engine.threads`` (CPU) -> the worker's OpenMP threads: unset binds the worker to every
   CPU this process may use (``VLLM_CPU_OMP_THREADS_BIND``, the fastest setting measured);
   N runs N unbound threads. An explicit ``VLLM_CPU_OMP_THREADS_BIND`` in the environment wins.
-- ``scheduler.chunk_size`` -> ``max_num_batched_tokens``; ``scheduler.policy`` ->
+- ``scheduler.chunk_size`` -> ``max_num_batched_tokens`` (unset: vLLM's own offline default
+  for this platform and parallel size, as ``LLM`` takes it: 4096 per CPU worker, 16384 on
+  an H100/H200); ``scheduler.policy`` ->
   ``scheduler_cls`` (``batchllm``: batchjob's scheduler class; ``baseline``: vLLM's own
   policy, capped by ``scheduler.max_num_seqs`` -> ``max_num_seqs``).
 - prefix caching is always on; token ids in and out (``skip_tokenizer_init``).
@@ -29,9 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from batchjob.backends.base import BackendConfig
@@ -129,6 +135,17 @@ def choose_block_size(requested: int | None, accepted: list[Any] | None) -> int 
     return min(at_least_16) if at_least_16 else max(fits)
 
 
+def default_token_budget(extra: dict[str, Any]) -> int:
+    """vLLM's own ``max_num_batched_tokens`` for offline use (``LLM``) on this platform and
+    parallel size: what a user running vLLM alone gets."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    world = int(extra.get("tensor_parallel_size", 1)) * int(extra.get("pipeline_parallel_size", 1))
+    tokens, _ = EngineArgs.get_batch_defaults(world)
+    return int(tokens.get(UsageContext.LLM_CLASS, 8192))
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -182,7 +199,8 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
     on_cpu = _on_cpu()
     _check_device(cfg, on_cpu)
     batchllm = s.policy == "batchllm"
-    structured = cfg.sampling.json_schema is not None or bool(cfg.json_schema_column)
+    budget = s.chunk_size or default_token_budget(extra)
+    structured = cfg.guided  # a JSON schema, regex or choices: vLLM needs the tokenizer
     kw: dict[str, Any] = {
         "model": str(cfg.model.path),
         "dtype": dtype,
@@ -191,9 +209,9 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         "skip_tokenizer_init": not structured,
         "seed": cfg.sampling.seed,
         "max_model_len": cfg.model.max_model_len or longest_request,
-        "max_num_batched_tokens": s.chunk_size,
+        "max_num_batched_tokens": budget,
         # batchllm admits by KV memory (the scheduler class); vLLM needs runner slots <= budget
-        "max_num_seqs": min(BATCHLLM_MAX_SEQS, s.chunk_size) if batchllm else s.max_num_seqs,
+        "max_num_seqs": min(BATCHLLM_MAX_SEQS, budget) if batchllm else s.max_num_seqs,
         "disable_log_stats": True,
     }
     block_size = choose_block_size(e.block_size, accepted_block_sizes(on_cpu))
@@ -201,7 +219,7 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         kw["block_size"] = block_size
     if structured:  # compact JSON, as the native engine writes
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
-    env: dict[str, str | None] = {}
+    env: dict[str, str | None] = quiet_log_env()
     if e.kv_cache_bytes is not None:
         kw["kv_cache_memory_bytes"] = e.kv_cache_bytes
     elif on_cpu:
@@ -216,6 +234,42 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         kw["distributed_executor_backend"] = "mp"
     kw |= extra
     return EngineSettings(kwargs=kw, env=env, on_cpu=on_cpu)
+
+
+def vllm_log_file() -> Path:
+    """Where vLLM's own log goes unless batchjob runs with -v: one file per batchjob process."""
+    return Path(tempfile.gettempdir()) / f"batchjob-vllm-{os.getpid()}.log"
+
+
+def quiet_log_env() -> dict[str, str | None]:
+    """vLLM's log (its engine and worker processes) into ``vllm_log_file()`` instead of the
+    terminal, so a failure reads as batchjob's one ``error:`` line; with ``-v`` (batchjob's
+    logger at INFO or lower) or the user's own ``VLLM_LOGGING_CONFIG_PATH``, it stays as is."""
+    if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or logging.getLogger("batchjob").isEnabledFor(
+        logging.INFO
+    ):
+        return {}
+    log = vllm_log_file()
+    fmt = "%(asctime)s %(process)d %(levelname)s %(message)s"
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": fmt}},
+        "handlers": {
+            "file": {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain"}
+        },
+        "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
+    }
+    path = log.with_suffix(".json")
+    path.write_text(json.dumps(config))
+    # this process imported vllm already (its logger writes to stderr): point it there too
+    vllm_logger = logging.getLogger("vllm")
+    if not any(isinstance(h, logging.FileHandler) for h in vllm_logger.handlers):
+        handler = logging.FileHandler(log)
+        handler.setFormatter(logging.Formatter(fmt))
+        vllm_logger.handlers = [handler]
+        vllm_logger.propagate = False
+    return {"VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_CONFIG_PATH": str(path)}
 
 
 @contextlib.contextmanager

@@ -5,7 +5,15 @@ included; ``finish_reason`` "stop" when a stop token, EOS or stop string ended t
 (also on the last allowed token, where vLLM says "length"); with stop strings, ``text`` cut
 before the earliest one. EOS ids come from the model folder (vLLM without a tokenizer knows
 none) and go in ``stop_token_ids``; ``ignore_eos`` leaves them out. Stop strings are checked
-here, token by token, on the caller's detokenization, and a stopped request is aborted.
+here, token by token, on the caller's detokenization (none ending within the first
+``min_tokens`` tokens' text, as vLLM's detokenizer), and a stopped request is aborted.
+
+Each row's sampling settings become its ``SamplingParams``: penalties, ``min_p``,
+``min_tokens`` (at most the row's ``max_tokens``, which vLLM requires), ``logit_bias``,
+``allowed_token_ids``, and its guide as ``StructuredOutputsParams`` (``json``, ``regex`` or
+``choice``). A finished constrained output is checked on its text (JSON parses, the regex
+matches in full by xgrammar's own matcher, the text is one of the choices); one that is not
+gets the guide's ``*_incomplete`` status.
 """
 
 from __future__ import annotations
@@ -13,18 +21,26 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from batchjob.backends.base import Detokenize, FinishedRequest, TokenLogprobs
 from batchjob.backends.vllm.scheduler import EXTRA_KEY
 from batchjob.config import SamplingConfig
-from batchjob.inputs.row_settings import RowSettings, row_json_schemas
+from batchjob.config.guided import Guide
+from batchjob.inputs.row_guides import row_guides
+from batchjob.inputs.row_settings import RowSettings
 from batchjob.plan.plan import Plan
-from batchjob.status import STATUS_JSON_INCOMPLETE
+from batchjob.status import STATUS_INCOMPLETE
 from batchjob.tokenize.prompts import TokenizedPrompts
 
 _MASK63 = (1 << 63) - 1
+_UNFINISHED = {
+    "json": "the JSON output is incomplete",
+    "regex": "the output does not match the regex",
+    "choice": "the output is not one of the choices",
+}
 
 
 def _splitmix64(x: int) -> int:
@@ -55,6 +71,30 @@ def row_sampling(sampling: SamplingConfig, prompts: TokenizedPrompts, pos: int) 
     if rs is None or not rs.overrides_sampling:
         return sampling
     return RowSettings.apply(sampling, rs.key(rs.index(int(prompts.row_ids[pos]))))
+
+
+def guided_params(guide: Guide):
+    """vLLM's ``StructuredOutputsParams`` for a guide (compact JSON, as the native engine)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if guide.kind == "json":
+        return StructuredOutputsParams(json=guide.spec, disable_any_whitespace=True)
+    if guide.kind == "regex":
+        return StructuredOutputsParams(regex=guide.spec)
+    return StructuredOutputsParams(choice=guide.choices)
+
+
+def processor_params(s: SamplingConfig, max_tokens: int) -> dict:
+    """The ``SamplingParams`` fields of the logits processors (vLLM's defaults when unset)."""
+    return {
+        "min_p": s.min_p,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "repetition_penalty": s.repetition_penalty,
+        "min_tokens": min(s.min_tokens, max_tokens),
+        "logit_bias": dict(s.logit_bias) or None,
+        "allowed_token_ids": list(s.allowed_token_ids) or None,
+    }
 
 
 def has_stop_strings(sampling: SamplingConfig, prompts: TokenizedPrompts) -> bool:
@@ -106,10 +146,10 @@ def plan_order(
     returning the raw log-probs of exactly these tokens (vLLM's ``logprob_token_ids``).
     """
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import RequestOutputKind
 
-    schemas = row_json_schemas(sampling, prompts)  # per row (input.json_schema_column) or job's
-    structured: dict[str, StructuredOutputsParams] = {}  # one per distinct schema
+    guides = row_guides(sampling, prompts)  # per row (input.*_column) or the job's
+    structured: dict[Guide, Any] = {}  # one StructuredOutputsParams per distinct guide
 
     stops = stop_ids(sampling, eos_ids)
     delta = has_stop_strings(sampling, prompts)
@@ -124,11 +164,9 @@ def plan_order(
             row_id = int(prompts.row_ids[m])
             s = row_sampling(sampling, prompts, m)
             greedy = s.temperature == 0.0
-            schema = schemas[m] if schemas is not None else None
-            if schema is not None and schema not in structured:  # compact, as on native
-                structured[schema] = StructuredOutputsParams(
-                    json=schema, disable_any_whitespace=True
-                )
+            guide = guides[m] if guides is not None else None
+            if guide is not None and guide not in structured:
+                structured[guide] = guided_params(guide)
             if score_targets is not None:
                 params = SamplingParams(
                     temperature=0.0,
@@ -141,19 +179,21 @@ def plan_order(
                 )
                 subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist()))
                 continue
+            max_tokens = int(prompts.max_tokens[m])
             params = SamplingParams(
                 temperature=s.temperature,
                 top_k=s.top_k,
                 top_p=s.top_p,
                 seed=request_seed(s.seed, row_id) if seeded and not greedy else None,
                 logprobs=sampling.logprobs,
-                max_tokens=int(prompts.max_tokens[m]),
+                max_tokens=max_tokens,
                 stop_token_ids=stops,
                 ignore_eos=True,  # EOS stops through stop_token_ids (above)
                 detokenize=False,
                 output_kind=kind,
                 extra_args={EXTRA_KEY: info},
-                structured_outputs=structured[schema] if schema is not None else None,
+                structured_outputs=structured[guide] if guide is not None else None,
+                **processor_params(s, max_tokens),
             )
             subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist()))
         yield subs
@@ -167,6 +207,29 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+class GuideCheck:
+    """Whether a finished output's text satisfies its guide: JSON that parses, one of the
+    choices, or a full match of the regex by xgrammar (the grammar vLLM decoded with)."""
+
+    def __init__(self) -> None:
+        self._regex: dict[str, Any] = {}  # pattern -> xgrammar.CompiledGrammar
+
+    def __call__(self, guide: Guide, text: str) -> bool:
+        if guide.kind == "json":
+            return _is_json(text)
+        if guide.kind == "choice":
+            return text in guide.choices
+        import xgrammar as xgr
+
+        compiled = self._regex.get(guide.spec)
+        if compiled is None:
+            compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
+            grammar = xgr.Grammar.from_regex(guide.spec)
+            compiled = self._regex[guide.spec] = compiler.compile_grammar(grammar)
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return bool(matcher.accept_string(text)) and bool(matcher.is_terminated())
 
 
 def target_logprobs(out, targets: np.ndarray) -> np.ndarray:
@@ -209,13 +272,15 @@ class OutputTracker:
     ) -> None:
         self.prompts = prompts
         self.sampling = sampling
-        self.schemas = row_json_schemas(sampling, prompts)
+        self.guides = row_guides(sampling, prompts)
+        self.check = GuideCheck()
         self.delta = has_stop_strings(sampling, prompts)  # DELTA outputs, checked per token
         self.top_n = sampling.logprobs
         self.logprobs: dict[str, list] = {}  # streamed logprob entries (DELTA, logprobs on)
         self.stop_set = frozenset(stop_ids(sampling, eos_ids))
         self.detokenize = detokenize
         self.tokens: dict[str, list[int]] = {}  # streamed tokens (stop strings only)
+        self.floors: dict[str, int] = {}  # min_tokens: the text a stop string must end past
         self.cached_tokens = 0  # sum of num_cached_tokens (prefix-cache hits)
 
     def _finished(
@@ -228,12 +293,13 @@ class OutputTracker:
         if self.top_n is not None:
             lps = token_logprobs(entries or out.outputs[0].logprobs, toks, self.top_n)
         status = message = None
-        if self.schemas is not None and self.schemas[position] is not None:
+        guide = self.guides[position] if self.guides is not None else None
+        if guide is not None:
             body = [t for t in toks if t not in self.stop_set]
-            if not _is_json(text if text is not None else self.detokenize(body)):
-                status = STATUS_JSON_INCOMPLETE
+            if not self.check(guide, text if text is not None else self.detokenize(body)):
+                status = STATUS_INCOMPLETE[guide.kind]
                 row = int(self.prompts.row_ids[position])
-                message = f"row {row}: the JSON output is incomplete (finish {reason})"
+                message = f"row {row}: {_UNFINISHED[guide.kind]} (finish {reason})"
         return FinishedRequest(
             position=position,
             row_id=int(self.prompts.row_ids[position]),
@@ -255,23 +321,29 @@ class OutputTracker:
         rid = out.request_id
         toks = self.tokens.setdefault(rid, [])
         entries = self.logprobs.setdefault(rid, []) if self.top_n is not None else None
-        stop = row_sampling(self.sampling, self.prompts, position).stop
+        row = row_sampling(self.sampling, self.prompts, position)
+        stop, min_tokens = row.stop, row.min_tokens
         for j, t in enumerate(new):  # DELTA outputs: token by token, as the native engine checks
             toks.append(t)
             if entries is not None:
                 entries.append(out.outputs[0].logprobs[j])
-            if not stop:
+            if not stop or len(toks) <= min_tokens:
                 continue
+            floor = self.floors.get(rid)
+            if floor is None:  # vLLM: no stop string ends within the first min_tokens tokens
+                floor = self.floors[rid] = len(self.detokenize(toks[:min_tokens]))
             text = self.detokenize(toks)
-            cut = [i for i in (text.find(s) for s in stop) if i >= 0]
+            cut = [i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in stop) if i >= 0]
             if cut:
                 del self.tokens[rid]
                 self.logprobs.pop(rid, None)
+                self.floors.pop(rid, None)
                 stopped = self._finished(out, position, toks, "stop", text[: min(cut)], entries)
                 return stopped, not out.finished
         if not out.finished:
             return None, False
         del self.tokens[rid]
         self.logprobs.pop(rid, None)
+        self.floors.pop(rid, None)
         reason = out.outputs[0].finish_reason
         return self._finished(out, position, toks, reason, None, entries), False

@@ -231,6 +231,6 @@ def load_prompts_on_cluster(
         tokenizer = job_tokenizer(job.model, job.sampling, True)
     backend = job.engine.backend
     rows = with_row_settings(
-        job.input, job.sampling, job.model, backend, loaded, tokenizer, max_len
+        job.input, job.sampling, job.model, backend, loaded, tokenizer, max_len, vocab
     )
     return rows, info

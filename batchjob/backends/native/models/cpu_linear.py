@@ -39,7 +39,7 @@ from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 log = logging.getLogger(__name__)
 
 BUCKETS = (16, 64, 128, 256, 512, 1024, 2048)  # batch rows: a batch takes the decision of
-# the first bucket >= its rows (the last is engine.chunk_size's default)
+# the first bucket >= its rows (the last is scheduler.chunk_size's native default)
 CALIB_COLS = 2048  # output columns a calibration measures at most
 REPS, REPS_LARGE = 7, 3  # timed calls per side; LARGE above 256 rows (tens of ms each)
 FLUSH_MIN, FLUSH_MAX = 32 << 20, 512 << 20  # bytes read before each timed call (flush_bytes)

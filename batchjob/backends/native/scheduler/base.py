@@ -60,6 +60,8 @@ from batchjob.tokenize.prompts import TokenizedPrompts
 # scoring: per request, its steps (base, path int32, nodes int64), ``batchjob.backends.scoring``
 LabelSteps = SequenceOf[tuple[tuple[int, np.ndarray, np.ndarray], ...]]
 
+NATIVE_CHUNK_SIZE = 2048  # scheduler.chunk_size unset: the budget tuned on 2-core CPUs
+
 
 @dataclass
 class _Counters:
@@ -131,6 +133,7 @@ class Scheduler(ABC):
         label_steps: LabelSteps | None = None,
     ) -> None:
         self.cfg = cfg
+        self.chunk_size = cfg.chunk_size or NATIVE_CHUNK_SIZE  # tokens per iteration
         self._label_steps = label_steps  # scoring: per request, its teacher-forced steps
         self.block_size = kv.block_size
         self.kv_cap_blocks = cfg.kv_cap_blocks(kv.num_blocks)  # no new prefill above it

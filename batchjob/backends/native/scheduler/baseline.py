@@ -66,7 +66,7 @@ class BaselineScheduler(Scheduler):
         return req
 
     def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
-        budget = self.cfg.chunk_size
+        budget = self.chunk_size
         chunks: list[ScheduledChunk] = []
         for req in list(self._running.values()):
             if budget == 0:

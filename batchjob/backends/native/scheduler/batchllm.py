@@ -222,7 +222,7 @@ class BatchLLMScheduler(Scheduler):
     # --- one iteration ----------------------------------------------------------------------
     def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
         chunks: list[ScheduledChunk] = []
-        budget = self._schedule_decodes(chunks, self.cfg.chunk_size)
+        budget = self._schedule_decodes(chunks, self.chunk_size)
         allow_new = not self._preempted_now
         self._schedule_prefill(chunks, budget, self.kv_cap_blocks, allow_new, False)
         if chunks:

