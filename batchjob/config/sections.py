@@ -114,24 +114,6 @@ REQUEST_COLUMNS = {
     "seed_column": "seed",
     "stop_column": "stop",
 }
-ROW_SETTING_COLUMNS = (
-    "temperature_column",
-    "top_p_column",
-    "top_k_column",
-    "seed_column",
-    "stop_column",
-    "min_p_column",
-    "presence_penalty_column",
-    "frequency_penalty_column",
-    "repetition_penalty_column",
-    "min_tokens_column",
-    "logit_bias_column",
-    "allowed_token_ids_column",
-    "labels_column",
-    "json_schema_column",
-    "regex_column",
-    "choice_column",
-)
 # the per-row columns of the output constraints, and of the logits processors
 GUIDE_COLUMNS = ("json_schema_column", "regex_column", "choice_column")
 PROCESSOR_COLUMNS = (
@@ -142,6 +124,12 @@ PROCESSOR_COLUMNS = (
     "min_tokens_column",
     "logit_bias_column",
     "allowed_token_ids_column",
+)
+ROW_SETTING_COLUMNS = (
+    *("temperature_column", "top_p_column", "top_k_column", "seed_column", "stop_column"),
+    *PROCESSOR_COLUMNS,
+    "labels_column",
+    *GUIDE_COLUMNS,
 )
 
 

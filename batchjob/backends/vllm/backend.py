@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from batchjob.backends.base import (
@@ -29,6 +30,7 @@ from batchjob.backends.vllm.engine_args import (
     EngineSettings,
     engine_settings,
     environment,
+    route_vllm_log,
     vllm_log_file,
 )
 from batchjob.backends.vllm.requests import OutputTracker, ScoreTracker, Submission, plan_order
@@ -94,8 +96,10 @@ class VllmBackend:
         engine_settings(cfg, self.model.dtype, 2)
 
     # --- start-up ---------------------------------------------------------------------
-    def _start(self, longest: int, longest_row: int) -> None:
-        s = engine_settings(self.cfg, self.model.dtype, longest)
+    def _start(self, s: EngineSettings, longest: int, longest_row: int) -> None:
+        log_config = s.env.get("VLLM_LOGGING_CONFIG_PATH")
+        if log_config is not None:
+            route_vllm_log(Path(log_config))
         with environment(s.env):
             self._start_engine(s, longest, longest_row)
         self.device = "cpu" if s.on_cpu else "cuda:0"
@@ -149,13 +153,13 @@ class VllmBackend:
         kv = self.scheduler.kv_cache_config
         return sum(t.size for t in kv.kv_cache_tensors) // max(kv.num_blocks, 1)
 
-    def _check_budget(self, tokens: int, row_id: int) -> None:
+    def _check_budget(self, s: EngineSettings, tokens: int, row_id: int) -> None:
         """Before vLLM starts: an explicit KV budget that cannot hold the longest request."""
         budget = self.cfg.engine.kv_cache_bytes
         if budget is None:
             return
         # the block size vLLM will run (vLLM's GPU default, 16, where it chooses itself)
-        bs = engine_settings(self.cfg, self.model.dtype, tokens).kwargs.get("block_size", 16)
+        bs = s.kwargs.get("block_size", 16)
         blocks = budget // (bs * self.model.kv_bytes_per_token)
         if cdiv(tokens, bs) > blocks:
             raise ConfigError(
@@ -169,8 +173,10 @@ class VllmBackend:
         need = prompts.lengths + prompts.max_tokens
         i = int(need.argmax())
         if self.engine is None:
-            self._check_budget(int(need[i]), int(prompts.row_ids[i]))
-            self._start(int(need[i]), int(prompts.row_ids[i]))
+            longest, row = int(need[i]), int(prompts.row_ids[i])
+            s = engine_settings(self.cfg, self.model.dtype, longest)
+            self._check_budget(s, longest, row)
+            self._start(s, longest, row)
         max_len = self.engine.vllm_config.model_config.max_model_len
         blocks = -(-int(need[i]) // self.block_size)
         problem = None

@@ -241,35 +241,42 @@ def vllm_log_file() -> Path:
     return Path(tempfile.gettempdir()) / f"batchjob-vllm-{os.getpid()}.log"
 
 
+_LOG_FORMAT = "%(asctime)s %(process)d %(levelname)s %(message)s"
+
+
 def quiet_log_env() -> dict[str, str | None]:
     """vLLM's log (its engine and worker processes) into ``vllm_log_file()`` instead of the
     terminal, so a failure reads as batchjob's one ``error:`` line; with ``-v`` (batchjob's
-    logger at INFO or lower) or the user's own ``VLLM_LOGGING_CONFIG_PATH``, it stays as is."""
+    logger at INFO or lower) or the user's own ``VLLM_LOGGING_CONFIG_PATH``, it stays as is.
+    Only names the files: ``route_vllm_log`` writes the config when the engine starts."""
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or logging.getLogger("batchjob").isEnabledFor(
         logging.INFO
     ):
         return {}
+    path = vllm_log_file().with_suffix(".json")
+    return {"VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_CONFIG_PATH": str(path)}
+
+
+def route_vllm_log(config_path: Path) -> None:
+    """Write the logging config ``quiet_log_env`` named (the engine's processes read it) and
+    point this process's vllm logger, configured when vllm was imported, at the same file."""
     log = vllm_log_file()
-    fmt = "%(asctime)s %(process)d %(levelname)s %(message)s"
     config = {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": fmt}},
+        "formatters": {"plain": {"format": _LOG_FORMAT}},
         "handlers": {
             "file": {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain"}
         },
         "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
     }
-    path = log.with_suffix(".json")
-    path.write_text(json.dumps(config))
-    # this process imported vllm already (its logger writes to stderr): point it there too
+    config_path.write_text(json.dumps(config))
     vllm_logger = logging.getLogger("vllm")
     if not any(isinstance(h, logging.FileHandler) for h in vllm_logger.handlers):
         handler = logging.FileHandler(log)
-        handler.setFormatter(logging.Formatter(fmt))
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
         vllm_logger.handlers = [handler]
         vllm_logger.propagate = False
-    return {"VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_CONFIG_PATH": str(path)}
 
 
 @contextlib.contextmanager
