@@ -211,7 +211,8 @@ class Generator:
         self._backend: Backend | None = None
 
     def generate(self, data: Any) -> pa.Table:
-        """One result row per row of ``data`` (row_id 0..N-1), in input order."""
+        """One result row per row of ``data`` (row_id 0..N-1), in input order; with
+        ``sampling.n``, one per sample (``sample_index``), samples of a row together."""
         return self._run(as_table(data, self.job.input.prompt_column), row_base=0)
 
     def generate_batches(self, data: Any) -> Iterator[pa.Table]:
@@ -236,7 +237,14 @@ class Generator:
         from batchjob.outputs.memory import MemorySink
         from batchjob.outputs.score_columns import job_columns
         from batchjob.plan.build import build_plan
-        from batchjob.runner.execute import backend_config, execute, open_job_backend, rows_to_run
+        from batchjob.runner.execute import (
+            backend_config,
+            execute,
+            expected_results,
+            job_samples,
+            open_job_backend,
+            rows_to_run,
+        )
         from batchjob.tokenize.batched import load_prompts
 
         job = self.job
@@ -246,7 +254,8 @@ class Generator:
         loaded, info = load_prompts(
             job.input, job.model, job.sampling, job.engine.backend, tokenizer, dataset=dataset
         )
-        prompts = rows_to_run(loaded, info, sink)  # rejected rows go to the sink here
+        samples = job_samples(job.sampling, job.input)
+        prompts = rows_to_run(loaded, info, sink, samples=samples)  # rejected rows: to the sink
         if len(prompts):
             plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
             cfg = backend_config(job)
@@ -262,7 +271,7 @@ class Generator:
                 backend=self._backend,
                 progress=self.progress,
             )
-        return sink.table(loaded.passthrough)
+        return sink.table(loaded.passthrough, expected_results(loaded, samples))
 
     def _tokenizer_once(self, text: bool) -> PromptTokenizer | None:
         """The model's tokenizer, loaded once; None for token-id prompts when the folder has

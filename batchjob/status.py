@@ -31,6 +31,7 @@ STATUS_INVALID_SETTING = {
     "json_schema_column": "invalid_json_schema",
     "regex_column": "invalid_regex",
     "choice_column": "invalid_choice",
+    "n_column": "invalid_n",
 }
 # set while running
 STATUS_KV_BUDGET = "kv_budget_exceeded"  # the row cannot fit the KV cache even alone

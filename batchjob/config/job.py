@@ -83,6 +83,10 @@ class JobConfig:
                 _fail(f"input.{name}", "cannot be combined with scoring (labels)", col)
             if col and name in GUIDE_COLUMNS and importlib.util.find_spec("xgrammar") is None:
                 _fail(f"input.{name}", XGRAMMAR_HINT, col)
+        if scoring and inp.n_column:
+            _fail("input.n_column", "cannot be combined with scoring (labels)", inp.n_column)
+        if inp.labels_column and s.n != 1:
+            _fail("sampling.n", "must be 1 with input.labels_column (scoring draws nothing)", s.n)
         if inp.labels_column and (changed := s.processors()):
             key = f"sampling.{changed[0]}"
             _fail(key, "cannot be combined with scoring (input.labels_column)", inp.labels_column)

@@ -87,6 +87,7 @@ class InputConfig:
     json_schema_column: str | None = None  # per-row JSON schema, a string (structured output)
     regex_column: str | None = None  # per-row regex the output must match, a string
     choice_column: str | None = None  # per-row choices the output must be one of, list<string>
+    n_column: str | None = None  # per-row number of samples, an integer in [1, 65536]
 
     def __post_init__(self) -> None:
         _str("input.path", self.path if self.path is None else str(self.path))
@@ -113,6 +114,7 @@ REQUEST_COLUMNS = {
     "top_k_column": "top_k",
     "seed_column": "seed",
     "stop_column": "stop",
+    "n_column": "n",
 }
 # the per-row columns of the output constraints, and of the logits processors
 GUIDE_COLUMNS = ("json_schema_column", "regex_column", "choice_column")
@@ -130,6 +132,7 @@ ROW_SETTING_COLUMNS = (
     *PROCESSOR_COLUMNS,
     "labels_column",
     *GUIDE_COLUMNS,
+    "n_column",
 )
 
 
@@ -156,6 +159,7 @@ class ModelConfig:
 
 
 MAX_LOGPROBS = 20
+MAX_SAMPLES = 2**16  # sampling.n and a row's n: a result is keyed by row_id * 2**16 + sample
 MAX_TOKENS = 2**31 - 1  # per-row limits are int32 (a row's max_tokens column: the same bound)
 
 
@@ -165,6 +169,7 @@ class SamplingConfig:
     (per row, ``dataclasses.replace(cfg, max_tokens=row_limit)``)."""
 
     max_tokens: int = 128  # output limit where the row has none (finish "length")
+    n: int = 1  # samples per prompt, one result row each (sample_index); they share the prompt
     temperature: float = 0.0  # 0: greedy (argmax)
     top_k: int = 0  # keep the k most likely tokens; 0 (or >= vocab size): off
     top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1: off
@@ -188,6 +193,7 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         _int("sampling.max_tokens", self.max_tokens, lo=1, hi=MAX_TOKENS)
+        _int("sampling.n", self.n, lo=1, hi=MAX_SAMPLES)
         _float(self, "temperature", "sampling.temperature", 0.0, 100.0)
         _int("sampling.top_k", self.top_k, lo=0)
         _float(self, "top_p", "sampling.top_p", 0.0, 1.0, lo_open=True)
@@ -234,6 +240,8 @@ class SamplingConfig:
         if guides and self.labels:
             key = f"sampling.{guides[0]}"
             _fail(key, "cannot be combined with sampling.labels", list(self.labels))
+        if self.labels and self.n != 1:
+            _fail("sampling.n", "must be 1 with sampling.labels (scoring draws nothing)", self.n)
         if self.labels and (changed := self.processors()):
             key = f"sampling.{changed[0]}"
             _fail(key, "cannot be combined with sampling.labels (raw log-probs)", list(self.labels))

@@ -6,7 +6,7 @@ one url for the whole file (as the Batch API requires). Lines become rows of an 
 in line order (row_id = request index): ``custom_id``, ``line``, ``url``, ``model``,
 ``messages`` (list<struct<role, content>>) or ``prompt``, and one column per honoured body
 field: ``max_tokens`` (``max_completion_tokens`` too), ``temperature``, ``top_p``, ``top_k``,
-``seed``, ``stop`` (the per-row settings, ``input.*_column``, which a .jsonl input names
+``seed``, ``stop``, ``n`` (the per-row settings, ``input.*_column``, which a .jsonl input names
 itself), ``logprobs`` and ``top_logprobs`` (checked against ``sampling.logprobs``, written
 by the output side), ``json_schema`` (from ``response_format``; runs through
 ``input.json_schema_column``). Chat messages go through the model's chat template
@@ -14,10 +14,11 @@ by the output side), ``json_schema`` (from ``response_format``; runs through
 whatever the chat settings.
 
 A line that is not valid JSON or not a valid request, or that asks for anything this job
-does not honour (a penalty, ``n`` > 1, ``logit_bias``, tools, more log-probs than
+does not honour (a penalty, ``best_of`` > 1, ``logit_bias``, tools, more log-probs than
 ``sampling.logprobs``, ...), becomes a row with status ``invalid_request`` and a message naming
 the line and the field (its result row and its error line are still written). A field set to
-null, or to the value that changes nothing (``n: 1``, ``frequency_penalty: 0``), is fine.
+null, or to the value that changes nothing (``best_of: 1``, ``frequency_penalty: 0``), is
+fine.
 
 Responses (``output.format = "openai-jsonl"``, ``batchjob.outputs.openai_batch``): written
 from the committed Parquet results (the source of truth for resume), keyed by ``custom_id``.
@@ -50,14 +51,13 @@ _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"([^"\\]+)"')
 # body fields read into columns, per endpoint; "model", "user" and "metadata" identify the
 # request and change nothing in its output
 _HONOURED = {"model", "user", "metadata", "max_tokens", "max_completion_tokens", "temperature"}
-_HONOURED |= {"top_p", "top_k", "seed", "stop", "logprobs"}
+_HONOURED |= {"top_p", "top_k", "seed", "stop", "logprobs", "n"}
 _FIELDS = {
     CHAT_URL: _HONOURED | {"messages", "top_logprobs", "response_format"},
     COMPLETIONS_URL: _HONOURED | {"prompt"},
 }
 # fields not honoured, fine at the value that changes nothing; anything else: invalid_request
 _NO_EFFECT: dict[str, tuple[Any, str]] = {
-    "n": (1, "one choice per request"),
     "best_of": (1, "one choice per request"),
     "stream": (False, "a batch is not streamed"),
     "echo": (False, "the prompt is not echoed"),
@@ -196,7 +196,11 @@ def _request(obj: Any) -> dict[str, Any]:
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
         raise _Bad(f"body.stop must be a string or a list of strings, got {stop!r}")
+    n = body.get("n")
+    if n is not None and not _int64(n):
+        raise _Bad(f"body.n must be an integer, got {n!r}")
     row.update(seed=seed, stop=stop, top_k=0 if top_k == -1 else top_k)  # vLLM's -1: off
+    row["n"] = n  # choices: one sample each (sampling.n, through input.n_column)
     row["logprobs"], row["top_logprobs"] = _logprobs(url, body)
     row["json_schema"] = _json_schema(body)
     return row
@@ -261,6 +265,7 @@ def read_requests(path: str) -> tuple[pa.Table, str]:
         "top_p": pa.array([r.get("top_p") for r in rows], pa.float64()),
         "top_k": pa.array([r.get("top_k") for r in rows], pa.int64()),
         "seed": pa.array([r.get("seed") for r in rows], pa.int64()),
+        "n": pa.array([r.get("n") for r in rows], pa.int64()),
         "stop": pa.array([r.get("stop") for r in rows], pa.list_(pa.string())),
         "logprobs": pa.array([r.get("logprobs") for r in rows], pa.bool_()),
         "top_logprobs": pa.array([r.get("top_logprobs") for r in rows], pa.int64()),

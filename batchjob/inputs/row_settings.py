@@ -6,7 +6,8 @@
 ``min_tokens_column``, ``logit_bias_column`` (map<integer, number>) and
 ``allowed_token_ids_column`` (list<integer>), ``labels_column`` (list<string>, scoring mode)
 and the output constraints ``json_schema_column``, ``regex_column`` (strings) and
-``choice_column`` (list<string>; ``batchjob.inputs.row_guides``) name the columns. A
+``choice_column`` (list<string>; ``batchjob.inputs.row_guides``) and the number of samples
+``n_column`` (an integer) name the columns. A
 configured column that does not exist, or has the wrong type, is a dataset error
 (exit 4); a null value takes the job's setting; a bad value rejects that row with a status
 (``invalid_temperature``, ...) and a message naming the row and column, never the job. Token
@@ -29,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.config import InputConfig, ModelConfig, SamplingConfig
-from batchjob.config.sections import MAX_TOKENS
+from batchjob.config.sections import MAX_SAMPLES, MAX_TOKENS
 from batchjob.errors import ConfigError, InputDataError
 from batchjob.inputs.parquet import ROW_ID, RejectedRows
 from batchjob.inputs.row_guides import GUIDE_FIELDS, read_guides
@@ -45,11 +46,17 @@ _NUMERIC = {
     "frequency_penalty_column": (lambda v: (v >= -2) & (v <= 2), "must be in [-2, 2]"),
     "repetition_penalty_column": (lambda v: (v > 0) & (v <= 1e9), "must be > 0 and finite"),
 }
-_INTEGER = {"top_k_column": None, "seed_column": None, "min_tokens_column": MAX_TOKENS}
+_INT63 = 2**63 - 1
+# integer columns: the values allowed, [lo, hi]
+_INTEGER = {
+    "top_k_column": (0, _INT63),
+    "seed_column": (0, _INT63),
+    "min_tokens_column": (0, MAX_TOKENS),
+    "n_column": (1, MAX_SAMPLES),
+}
 _STRINGS = ("stop_column", "labels_column", "choice_column")
 _TEXT = ("json_schema_column", "regex_column")
-_UNSET = -1  # top_k / seed / min_tokens arrays: the row takes the job's value
-_INT63 = 2**63 - 1
+_UNSET = -1  # top_k / seed / min_tokens / n arrays: the row takes the job's value
 # the SamplingConfig fields a row can override, in RowSettings.key order
 SAMPLING_FIELDS = (
     "temperature",
@@ -95,6 +102,7 @@ class RowSettings:
     json_schema: tuple[str | None, ...] | None = None  # [M] compact JSON; None: the job's
     regex: tuple[str | None, ...] | None = None  # [M]; None: the job's constraint
     choice: tuple[str | None, ...] | None = None  # [M] choices as a JSON list; None: the job's
+    n: np.ndarray | None = None  # int64 [M] samples of the row, -1: the job's sampling.n
 
     def index(self, row_id: int) -> int:
         i = int(np.searchsorted(self.row_ids, row_id))
@@ -233,13 +241,13 @@ def read_row_settings(
             v[null | out] = math.nan
             fields[name.removesuffix("_column")] = v
         elif name in _INTEGER:
-            hi = _INTEGER[name] or _INT63
+            lo, hi = _INTEGER[name]
             big = pc.fill_null(pc.greater(arr.cast(pa.float64()), float(hi)), False)
             big = big.to_numpy(zero_copy_only=False)
             v = arr.cast(pa.int64(), safe=False).fill_null(_UNSET).to_numpy(zero_copy_only=False)
             v = np.asarray(v, dtype=np.int64).copy()
-            out = (~null & (v < 0)) | big
-            what = "must be >= 0" if hi == _INT63 else f"must be in [0, {hi}]"
+            out = (~null & (v < lo)) | big
+            what = f"must be >= {lo}" if hi == _INT63 else f"must be in [{lo}, {hi}]"
             reject(out, name, col, what, arr.to_pylist() if out.any() else v)
             v[null | out] = _UNSET
             fields[name.removesuffix("_column")] = v

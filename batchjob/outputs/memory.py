@@ -8,7 +8,13 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.inputs.parquet import ROW_ID
-from batchjob.outputs.results import ResultRow, result_schema, rows_table, with_passthrough
+from batchjob.outputs.results import (
+    ResultRow,
+    result_keys,
+    result_schema,
+    rows_table,
+    with_passthrough,
+)
 
 
 class MemorySink:
@@ -30,16 +36,25 @@ class MemorySink:
             self._tables.append(rows_table(self._buffer, self.schema))
             self._buffer = []
 
-    def table(self, passthrough: pa.Table) -> pa.Table:
-        """Every row's result with its pass-through columns, in row_id order; RuntimeError
-        unless each row of ``passthrough`` has exactly one result."""
+    def table(self, passthrough: pa.Table, expected: int | None = None) -> pa.Table:
+        """Every row's result with its pass-through columns, in row_id order (then
+        sample_index); RuntimeError unless each row of ``passthrough`` has a result, and
+        there are ``expected`` (default: one per row), none twice."""
         self.flush()
         results = pa.concat_tables(self._tables) if self._tables else self.schema.empty_table()
         self._tables = []
-        ids = results[ROW_ID].to_numpy()
+        keys = result_keys(results)
         want = passthrough[ROW_ID].to_numpy()
-        if len(ids) != len(want) or not np.array_equal(np.sort(ids), np.sort(want)):
+        expected = len(want) if expected is None else expected
+        rows = np.unique(results[ROW_ID].to_numpy())
+        distinct = len(np.unique(keys))
+        if (
+            len(keys) != expected
+            or distinct != expected
+            or not np.array_equal(rows, np.unique(want))
+        ):
             raise RuntimeError(
-                f"{len(ids)} results ({len(np.unique(ids))} distinct) for {len(want)} input rows"
+                f"{len(keys)} results ({distinct} distinct) for {len(want)} input rows, "
+                f"{expected} expected"
             )
         return with_passthrough(results, passthrough).combine_chunks()

@@ -2,19 +2,19 @@
 committed results, keyed by ``custom_id``, in the Batch output-line format. The results stay
 the source of truth for resume; a kill before this file is written redoes it on rerun.
 
-``choices[0].logprobs`` is filled from the results' ``output_logprobs`` (``sampling.logprobs``)
-for the rows whose request asks for log-probs (``logprobs``, ``top_logprobs``; a Parquet
-input's rows, or requests that say nothing: whenever the job computes them), in OpenAI's
-format: chat ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``,
-completions ``{tokens, token_logprobs, top_logprobs, text_offset}``. Token strings are each id
-decoded alone with the model's tokenizer."""
+``choices[k]`` holds sample k (the request's ``n``); its ``logprobs`` is filled from the
+results' ``output_logprobs`` (``sampling.logprobs``) for the rows whose request asks for
+log-probs (``logprobs``, ``top_logprobs``; a Parquet input's rows, or requests that say
+nothing: whenever the job computes them), in OpenAI's format: chat ``{"content": [{token,
+logprob, bytes, top_logprobs}], "refusal": null}``, completions ``{tokens, token_logprobs,
+top_logprobs, text_offset}``. Token strings are each id decoded alone with the model's tokenizer."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,39 +78,51 @@ def _logprobs(r: dict[str, Any], chat: bool, decode: Decode | None) -> dict[str,
 
 
 def _line(
-    r: dict[str, Any], url: str, model: str, created: int, decode: Decode | None = None
+    rows: list[dict[str, Any]],
+    url: str,
+    model: str,
+    created: int,
+    decode: Decode | None = None,
 ) -> dict[str, Any]:
+    """One request's output line from its result rows (one per sample, ``choices[k]``); any
+    sample not ``ok`` makes the line that sample's error."""
+    r = rows[0]
     rid = f"batch_req_{r['row_id']:012d}"
     cid = r.get("custom_id") or f"row-{r['row_id']}"
-    if r["status"] != "ok":
+    bad = next((x for x in rows if x["status"] != "ok"), None)
+    if bad is not None:
         return {
             "id": rid,
             "custom_id": cid,
             "response": None,
-            "error": {"code": r["status"], "message": r["message"]},
+            "error": {"code": bad["status"], "message": bad["message"]},
         }
     chat = url == CHAT_URL
-    text = r["output_text"] or ""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": _logprobs(r, chat, decode),
-        "finish_reason": r["finish_reason"],
-    }
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    choices = []
+    for k, x in enumerate(rows):
+        text = x["output_text"] or ""
+        choice: dict[str, Any] = {
+            "index": k,
+            "logprobs": _logprobs(x, chat, decode),
+            "finish_reason": x["finish_reason"],
+        }
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
+    completion = sum(x["num_output_tokens"] for x in rows)
     usage = {
         "prompt_tokens": r["num_prompt_tokens"],
-        "completion_tokens": r["num_output_tokens"],
-        "total_tokens": r["num_prompt_tokens"] + r["num_output_tokens"],
+        "completion_tokens": completion,
+        "total_tokens": r["num_prompt_tokens"] + completion,
     }
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{r['row_id']}",
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,  # the model that answered (the request's is in the results)
-        "choices": [choice],
+        "choices": choices,
         "usage": usage,
     }
     return {
@@ -119,6 +131,18 @@ def _line(
         "response": {"status_code": 200, "request_id": f"req_{r['row_id']:012d}", "body": body},
         "error": None,
     }
+
+
+def _requests(batch_rows: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """Result rows (sorted by row_id, then sample) grouped per request."""
+    group: list[dict[str, Any]] = []
+    for r in batch_rows:
+        if group and r["row_id"] != group[0]["row_id"]:
+            yield group
+            group = []
+        group.append(r)
+    if group:
+        yield group
 
 
 def write_responses(
@@ -130,7 +154,10 @@ def write_responses(
     from batchjob.outputs.layout import committed_files  # the commit's files, no other
 
     table = pa.concat_tables([pq.read_table(f) for f in committed_files(results_path)])
-    table = table.sort_by("row_id")
+    order = [("row_id", "ascending")]
+    if "sample_index" in table.column_names:
+        order.append(("sample_index", "ascending"))
+    table = table.sort_by(order)
     names = set(table.column_names)
     if "custom_id" not in names and inp.id_column in names:
         table = table.append_column("custom_id", table.column(inp.id_column).cast(pa.string()))
@@ -157,12 +184,12 @@ def write_responses(
         if c in table.column_names
     ]
     decode = _decoder(model_cfg) if "output_logprobs" in table.column_names else None
+    rows = (r for b in table.select(keep).to_batches(max_chunksize=8192) for r in b.to_pylist())
     with atomic_open(out, "w") as f:
-        for batch in table.select(keep).to_batches(max_chunksize=8192):
-            for r in batch.to_pylist():
-                url = r.get("url") or default_url
-                line = _line(r, url, model, created, decode)
-                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        for request in _requests(rows):
+            url = request[0].get("url") or default_url
+            line = _line(request, url, model, created, decode)
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
     return out
 
 

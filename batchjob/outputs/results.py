@@ -42,10 +42,11 @@ from uuid import uuid4
 import numpy as np
 import pyarrow as pa
 
+from batchjob.config.sections import MAX_SAMPLES
 from batchjob.inputs.parquet import ROW_ID
 from batchjob.outputs.layout import COMMITTER, SUCCESS, OutputLayout, result_name
 from batchjob.outputs.manifest import write_manifest
-from batchjob.outputs.score_columns import OPTIONAL_COLUMNS, optional_columns
+from batchjob.outputs.score_columns import OPTIONAL_COLUMNS, SAMPLE_INDEX, optional_columns
 from batchjob.storage.atomic import (
     fsync_dir,
     rename_exchange,
@@ -55,6 +56,7 @@ from batchjob.storage.atomic import (
 )
 from batchjob.storage.faults import fault_point
 from batchjob.storage.stores import ObjectPath
+from batchjob.tokenize.prompts import request_keys
 
 RESULT_SCHEMA = pa.schema(
     [
@@ -71,13 +73,28 @@ RESULT_SCHEMA = pa.schema(
 
 
 def result_schema(extra_columns: tuple[str, ...] = ()) -> pa.Schema:
-    """RESULT_SCHEMA plus the optional columns a job asks for (``score_columns``)."""
-    return pa.schema(list(RESULT_SCHEMA) + [(c, OPTIONAL_COLUMNS[c]) for c in extra_columns])
+    """RESULT_SCHEMA plus the optional columns a job asks for (``score_columns``);
+    ``sample_index`` (``sampling.n``) comes right after row_id, the key it completes."""
+    fields = list(RESULT_SCHEMA)
+    if SAMPLE_INDEX in extra_columns:
+        fields.insert(1, pa.field(SAMPLE_INDEX, OPTIONAL_COLUMNS[SAMPLE_INDEX]))
+    rest = [(c, OPTIONAL_COLUMNS[c]) for c in extra_columns if c != SAMPLE_INDEX]
+    return pa.schema(fields + rest)
+
+
+def result_keys(table: pa.Table) -> np.ndarray:
+    """int64: the (row, sample) key of each result row (``request_keys``; a null or absent
+    sample_index counts as sample 0)."""
+    rows = table[ROW_ID].to_numpy()
+    if SAMPLE_INDEX not in table.column_names:
+        return request_keys(rows)
+    samples = table[SAMPLE_INDEX].fill_null(0).to_numpy(zero_copy_only=False)
+    return request_keys(rows, samples)
 
 
 @dataclass(frozen=True)
 class ResultRow:
-    """The outcome of one input row."""
+    """The outcome of one request: an input row, or one sample of it (``sampling.n``)."""
 
     row_id: int
     output_text: str | None
@@ -91,6 +108,7 @@ class ResultRow:
     output_logprobs: Any = None  # TokenLogprobs | None
     label_logprobs: np.ndarray | None = None  # float32 [L]
     label: str | None = None
+    sample_index: int | None = None  # which sample of the row; None: the row was not sampled
 
 
 class RowSink(Protocol):
@@ -108,6 +126,11 @@ def rows_table(rows: list[ResultRow], schema: pa.Schema) -> pa.Table:
     return pa.table(
         {
             ROW_ID: [r.row_id for r in rows],
+            **(
+                {SAMPLE_INDEX: pa.array([r.sample_index for r in rows], pa.int32())}
+                if SAMPLE_INDEX in schema.names
+                else {}
+            ),
             "output_text": [r.output_text for r in rows],
             "output_token_ids": [
                 None if r.output_token_ids is None else r.output_token_ids.tolist() for r in rows
@@ -124,15 +147,19 @@ def rows_table(rows: list[ResultRow], schema: pa.Schema) -> pa.Table:
 
 
 def with_passthrough(results: pa.Table, passthrough: pa.Table) -> pa.Table:
-    """``results`` (one row per row_id) sorted by row_id, the input's pass-through columns
-    appended; an input column named like a result column is kept as ``input_<name>``."""
+    """``results`` (one row per row_id, or per sample) sorted by row_id (then sample_index),
+    the input's pass-through columns appended (repeated for each sample of a row); an input
+    column named like a result column is kept as ``input_<name>``."""
     extra = [c for c in passthrough.column_names if c != ROW_ID]
     clash = [c for c in extra if c in results.column_names]
     if clash:
         passthrough = passthrough.rename_columns(
             [f"input_{c}" if c in clash else c for c in passthrough.column_names]
         )
-    results = results.sort_by(ROW_ID)
+    keys = [(ROW_ID, "ascending")]
+    if SAMPLE_INDEX in results.column_names:
+        keys.append((SAMPLE_INDEX, "ascending"))
+    results = results.sort_by(keys)
     if extra:
         # align pass-through rows to results by row_id (Arrow's join can't carry lists)
         pt_ids = passthrough[ROW_ID].to_numpy()
@@ -191,13 +218,15 @@ class ResultSink:
         existing = layout.part_files()
         self._next_part = 1 + max((int(p.stem.split("-")[1]) for p in existing), default=-1)
 
-    def done_row_ids(self) -> np.ndarray:
-        """row_ids already written by earlier (interrupted) runs of the same job."""
+    def done_keys(self) -> np.ndarray:
+        """The result keys (``result_keys``) already written by earlier (interrupted) runs of
+        the same job."""
         parts = self.layout.part_files()
         if not parts:
             return np.zeros(0, dtype=np.int64)
-        cols = [self.store.read_parquet(p, columns=[ROW_ID])[ROW_ID].to_numpy() for p in parts]
-        return np.unique(np.concatenate(cols).astype(np.int64))
+        cols = [ROW_ID] + ([SAMPLE_INDEX] if SAMPLE_INDEX in self.schema.names else [])
+        keys = [result_keys(self.store.read_parquet(p, columns=cols)) for p in parts]
+        return np.unique(np.concatenate(keys))
 
     def add(self, row: ResultRow) -> None:
         self._buffer.append(row)
@@ -222,6 +251,7 @@ class ResultSink:
         self._last_flush = time.monotonic()
 
     def finalize(self, passthrough: pa.Table, expected_rows: int) -> Path | ObjectPath:
+        # expected_rows: result rows the job has (``execute.expected_results``)
         """Join parts with pass-through columns, then commit: the new results replace the old
         ones in one step where the layout allows it (see the module doc)."""
         self.flush()
@@ -242,14 +272,13 @@ class ResultSink:
         parts = self.layout.part_files()
         tables = [self.store.read_parquet(p, schema=self.schema) for p in parts]
         results = pa.concat_tables(tables) if parts else self.schema.empty_table()
-        ids = results[ROW_ID].to_numpy()
-        if len(np.unique(ids)) != len(ids):
+        keys = result_keys(results)
+        if len(np.unique(keys)) != len(keys):
             results = _drop_dead_runs_copies(results, parts, tables, self.parts_dir)
-            ids = results[ROW_ID].to_numpy()
-        if len(ids) != expected_rows:
+        if results.num_rows != expected_rows:
             raise RuntimeError(
-                f"results hold {len(ids)} rows for {expected_rows} input rows; parts kept in "
-                f"{self.parts_dir}"
+                f"results hold {results.num_rows} rows for {expected_rows} expected; parts kept "
+                f"in {self.parts_dir}"
             )
         return with_passthrough(results, passthrough)
 
@@ -419,7 +448,7 @@ def _drop_dead_runs_copies(
         else np.zeros(0, dtype=np.int64)
     )
     run_of_part = [_part_run(p) for p in parts]
-    ids = results[ROW_ID].to_numpy()
+    ids = result_keys(results)
     order = np.lexsort((runs, ids))
     sids, sparts = ids[order], runs[order]
     dup = np.flatnonzero(sids[1:] == sids[:-1]) + 1
@@ -427,8 +456,9 @@ def _drop_dead_runs_copies(
         a, b = run_of_part[sparts[i - 1]], run_of_part[sparts[i]]
         if not a or a == b:
             raise RuntimeError(
-                f"row {int(sids[i])} is in two part files of one run ({parts[sparts[i - 1]].name}, "
-                f"{parts[sparts[i]].name}); parts kept in {parts_dir}"
+                f"row {int(sids[i]) // MAX_SAMPLES} is in two part files of one run "
+                f"({parts[sparts[i - 1]].name}, {parts[sparts[i]].name}); parts kept in "
+                f"{parts_dir}"
             )
     keep = np.ones(len(ids), dtype=bool)
     keep[order[dup]] = False

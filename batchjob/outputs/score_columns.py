@@ -1,6 +1,7 @@
-"""The optional result columns: ``output_logprobs`` (``sampling.logprobs``),
-``label_logprobs`` and ``label`` (scoring mode), built as Arrow arrays without a Python
-object per token. ``batchjob.outputs.results`` adds the ones a job asks for to its schema."""
+"""The optional result columns: ``sample_index`` (``sampling.n``), ``output_logprobs``
+(``sampling.logprobs``), ``label_logprobs`` and ``label`` (scoring mode), built as Arrow
+arrays without a Python object per token. ``batchjob.outputs.results`` adds the ones a job
+asks for to its schema."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from batchjob.config import InputConfig, SamplingConfig
 
 _TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 _STEP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32()), ("top", pa.list_(_TOP))])
+SAMPLE_INDEX = "sample_index"
 OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
+    SAMPLE_INDEX: pa.int32(),
     "output_logprobs": pa.list_(_STEP),
     "label_logprobs": pa.list_(pa.float32()),
     "label": pa.string(),
@@ -24,6 +27,8 @@ OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
 def job_columns(sampling: SamplingConfig, inp: InputConfig) -> tuple[str, ...]:
     """The optional columns a job with these settings writes."""
     cols: list[str] = []
+    if sampling.n > 1 or inp.n_column:
+        cols.append(SAMPLE_INDEX)
     if sampling.logprobs is not None:
         cols.append("output_logprobs")
     if sampling.labels or inp.labels_column:

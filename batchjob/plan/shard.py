@@ -132,17 +132,7 @@ def split(
     for s in range(sharding.num_shards):
         rows = by_shard[row_start[s] : row_start[s + 1]]
         groups = groups_by_shard[group_start[s] : group_start[s + 1]]
-        sub_len = lengths[rows]
-        tok_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(sub_len, out=tok_offsets[1:])
-        sub = TokenizedPrompts(
-            row_ids=prompts.row_ids[rows],
-            tokens=prompts.tokens[_ranges(prompts.offsets[rows], sub_len)],
-            offsets=tok_offsets,
-            max_tokens=prompts.max_tokens[rows],
-            settings=prompts.settings,
-        )
-        yield sub, _sub_plan(plan, groups, sub_len, lambda pos: local[pos])
+        yield prompts.take(rows), _sub_plan(plan, groups, lengths[rows], lambda pos: local[pos])
 
 
 def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -181,14 +171,5 @@ def take_groups(
     keep = np.zeros(len(prompts), dtype=bool)
     keep[plan.members[_ranges(plan.group_offsets[:-1][groups], sizes)]] = True
     new_pos = np.cumsum(keep) - 1  # old position -> position among the kept prompts
-    lengths = prompts.lengths[keep]
-    tok_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=tok_offsets[1:])
-    sub = TokenizedPrompts(
-        row_ids=prompts.row_ids[keep],
-        tokens=prompts.tokens[np.repeat(keep, prompts.lengths)],
-        offsets=tok_offsets,
-        max_tokens=prompts.max_tokens[keep],
-        settings=prompts.settings,  # keyed by row_id: valid for any selection
-    )
-    return sub, _sub_plan(plan, groups, lengths, lambda pos: new_pos[pos])
+    sub = prompts.take(keep)  # settings keyed by row_id: valid for any selection
+    return sub, _sub_plan(plan, groups, sub.lengths, lambda pos: new_pos[pos])

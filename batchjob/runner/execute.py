@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from batchjob.backends import open_backend
 from batchjob.backends.base import Backend, BackendConfig, BackendRun, FinishedRequest, RunSink
-from batchjob.config import JobConfig, ModelConfig, SamplingConfig
+from batchjob.config import InputConfig, JobConfig, ModelConfig, SamplingConfig
 from batchjob.errors import ConfigError, ModelError
 from batchjob.model.info import ModelInfo
 from batchjob.outputs.results import ResultRow, RowSink
@@ -31,7 +31,8 @@ from batchjob.runner.heartbeat import Heartbeat
 from batchjob.status import STATUS_KV_BUDGET, STATUS_OK
 from batchjob.storage.atomic import Target
 from batchjob.tokenize.batched import TokenizedInput
-from batchjob.tokenize.prompts import TokenizedPrompts
+from batchjob.tokenize.prompts import TokenizedPrompts, request_keys
+from batchjob.tokenize.samples import expand_samples, sample_counts
 from batchjob.tokenize.tokenizer import PromptTokenizer, detokenize, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,17 +75,7 @@ def decode(tokenizer: PromptTokenizer | None, ids) -> str | None:
 
 def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts:
     """The prompts whose ``keep`` flag is set (bool [N]), tokens compacted."""
-    lengths = prompts.lengths[keep]
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    token_mask = np.repeat(keep, prompts.lengths)
-    return TokenizedPrompts(
-        row_ids=prompts.row_ids[keep],
-        tokens=prompts.tokens[token_mask],
-        offsets=offsets,
-        max_tokens=prompts.max_tokens[keep],
-        settings=prompts.settings,  # keyed by row_id: valid for any selection
-    )
+    return prompts.take(np.asarray(keep, dtype=bool))
 
 
 def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPrompts:
@@ -101,22 +92,38 @@ def rows_to_run(
     model: ModelInfo | None,
     sink: RowSink,
     done: np.ndarray | None = None,
+    samples: tuple[int, bool] = (1, False),
 ) -> TokenizedPrompts:
-    """The prompts still to run (not in ``done``, the row_ids written by an earlier run),
-    max_tokens capped to the model's context; every rejected row not done goes to ``sink``
-    as its result row. The step between reading and planning of every job and of
-    ``batchjob.generate``."""
-    prompts = loaded.prompts
+    """The requests still to run: every row's samples (``samples``: the job's ``sampling.n``,
+    whether rows set their own), less the ones in ``done`` (result keys written by an earlier
+    run, ``request_keys``), max_tokens capped to the model's context; every rejected row not
+    done goes to ``sink`` as its one result row. The step between reading and planning of
+    every job and of ``batchjob.generate``."""
+    prompts = expand_samples(loaded.prompts, *samples)
     if done is not None and len(done):
-        prompts = select_rows(prompts, ~np.isin(prompts.row_ids, done))
+        prompts = select_rows(prompts, ~np.isin(prompts.keys, done))
     if model is not None:
         prompts = cap_to_context(prompts, model.max_model_len)
     rejected = loaded.rejected
-    todo = np.ones(len(rejected), dtype=bool) if done is None else ~np.isin(rejected.row_ids, done)
+    todo = np.ones(len(rejected), dtype=bool)
+    if done is not None:
+        todo = ~np.isin(request_keys(rejected.row_ids), done)
     for i in np.flatnonzero(todo):
         rid = int(rejected.row_ids[i])
         sink.add(ResultRow(rid, None, None, 0, 0, None, rejected.status[i], rejected.message[i]))
     return prompts
+
+
+def expected_results(loaded: TokenizedInput, samples: tuple[int, bool] = (1, False)) -> int:
+    """How many result rows a job of ``loaded`` has: one per sample of every valid row, one
+    per rejected row."""
+    counts = sample_counts(loaded.prompts, samples[0]) if samples != (1, False) else None
+    return len(loaded.rejected) + (len(loaded.prompts) if counts is None else int(counts.sum()))
+
+
+def job_samples(sampling: SamplingConfig, inp: InputConfig) -> tuple[int, bool]:
+    """(sampling.n, whether rows set their own n): what ``rows_to_run`` expands."""
+    return sampling.n, inp.n_column is not None
 
 
 def _rows_over_budget(backend, prompts: TokenizedPrompts, plan) -> np.ndarray:
@@ -135,7 +142,12 @@ def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> R
         f"the KV cache (engine.kv_cache_bytes = {budget}) even alone; give the engine more "
         "KV memory or lower the row's max_tokens"
     )
-    return ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
+    row = ResultRow(int(prompts.row_ids[i]), None, None, n, 0, None, STATUS_KV_BUDGET, msg)
+    return dataclasses.replace(row, sample_index=_sample_of(prompts, i))
+
+
+def _sample_of(prompts: TokenizedPrompts, i: int) -> int | None:
+    return None if prompts.sample_index is None else int(prompts.sample_index[i])
 
 
 def open_job_backend(
@@ -220,6 +232,7 @@ def execute(
                 output_logprobs=o.logprobs,
                 label_logprobs=o.label_logprobs,
                 label=o.label,
+                sample_index=_sample_of(prompts, o.position),
             )
         )
         bar.update(1)

@@ -28,7 +28,14 @@ from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan_io import write_plan
-from batchjob.runner.execute import backend_config, execute, job_tokenizer, rows_to_run
+from batchjob.runner.execute import (
+    backend_config,
+    execute,
+    expected_results,
+    job_samples,
+    job_tokenizer,
+    rows_to_run,
+)
 from batchjob.runner.execute import cap_to_context as cap_to_context
 from batchjob.storage.faults import fault_point
 from batchjob.storage.lock import output_lock
@@ -172,8 +179,11 @@ def _run_locked(
         rows_per_file=job.output.rows_per_file,
         extra_columns=job_columns(job.sampling, job.input),
     )
-    done = sink.done_row_ids()
-    prompts = rows_to_run(loaded, model, sink, done)  # rejected rows go to the sink here
+    done = sink.done_keys()
+    samples = job_samples(job.sampling, job.input)
+    prompts = rows_to_run(loaded, model, sink, done, samples)  # rejected rows: to the sink
+    expected = expected_results(loaded, samples)  # result rows: one per sample or rejected row
+    each = f" x {job.sampling.n} samples" if job.sampling.n > 1 else ""
 
     t0 = time.perf_counter()
     plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
@@ -192,7 +202,7 @@ def _run_locked(
             progress=progress,
             heartbeat_s=heartbeat_s,
             headline=lambda to_run, n_over: (
-                f"{loaded.num_rows} rows: {to_run} to run, {len(done)} done earlier, "
+                f"{loaded.num_rows} rows{each}: {to_run} to run, {len(done)} done earlier, "
                 f"{len(loaded.rejected) + n_over} rejected -> {layout.output}"
             ),
         )
@@ -209,7 +219,7 @@ def _run_locked(
     log.info("stage run done in %.2f s", stage["run_s"])
 
     t0 = time.perf_counter()
-    results_path = sink.finalize(loaded.passthrough, expected_rows=loaded.num_rows)
+    results_path = sink.finalize(loaded.passthrough, expected_rows=expected)
     stage["write_s"] = time.perf_counter() - t0
     log.info("stage write done in %.2f s", stage["write_s"])
     summary = summarize(
@@ -218,8 +228,8 @@ def _run_locked(
         generated_tokens=ex.generated_tokens,
         requests_run=ex.requests_run,
         rows={
-            "total": loaded.num_rows,
-            "ok": len(loaded.prompts) - n_over,
+            "total": expected,
+            "ok": expected - len(loaded.rejected) - n_over,
             "rejected": len(loaded.rejected) + n_over,
             "skipped": len(done),
         },

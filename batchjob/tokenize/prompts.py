@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from batchjob.config.sections import MAX_SAMPLES
+
 if TYPE_CHECKING:
     from batchjob.inputs.row_settings import RowSettings
 
@@ -28,9 +30,13 @@ class TokenizedPrompts:
     offsets: np.ndarray  # int64 [N + 1]: row i is tokens[offsets[i]:offsets[i+1]]
     max_tokens: np.ndarray  # int32 [N]: decode limit per row (the job default where unset)
     settings: RowSettings | None = None  # per-row sampling/labels, keyed by row_id
+    # int32 [N]: which sample of its row each prompt is (sampling.n); None: one sample per row
+    sample_index: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.row_ids)
+        if self.sample_index is not None and self.sample_index.shape != (n,):
+            raise ValueError(f"sample_index must have shape ({n},), got {self.sample_index.shape}")
         if self.offsets.shape != (n + 1,):
             raise ValueError(f"offsets must have shape ({n + 1},), got {self.offsets.shape}")
         if self.max_tokens.shape != (n,):
@@ -49,6 +55,37 @@ class TokenizedPrompts:
     def row(self, i: int) -> np.ndarray:
         """Tokens of the i-th prompt (a view, not a copy)."""
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def samples(self) -> np.ndarray:
+        """int32 [N]: the sample index of each prompt (all 0 with one sample per row)."""
+        if self.sample_index is None:
+            return np.zeros(len(self), dtype=np.int32)
+        return self.sample_index
+
+    @property
+    def keys(self) -> np.ndarray:
+        """int64 [N]: each prompt's result key (``request_keys``): unique per (row, sample)."""
+        return request_keys(self.row_ids, self.samples)
+
+    def take(self, which: np.ndarray) -> TokenizedPrompts:
+        """The prompts at positions ``which`` (int, in that order, repeats allowed) or whose
+        flag is set (bool [N]); tokens copied compactly, settings kept (keyed by row_id)."""
+        which = np.asarray(which)
+        pos = np.flatnonzero(which) if which.dtype == bool else which.astype(np.int64)
+        lengths = self.lengths[pos]
+        offsets = np.zeros(len(pos) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        seg = np.repeat(offsets[:-1], lengths)
+        src = np.repeat(self.offsets[:-1][pos], lengths) + (np.arange(offsets[-1]) - seg)
+        return TokenizedPrompts(
+            row_ids=self.row_ids[pos],
+            tokens=self.tokens[src],
+            offsets=offsets,
+            max_tokens=self.max_tokens[pos],
+            settings=self.settings,
+            sample_index=None if self.sample_index is None else self.sample_index[pos],
+        )
 
     @classmethod
     def from_lists(
@@ -69,6 +106,15 @@ class TokenizedPrompts:
         ids = np.arange(len(seqs), dtype=np.int64) if row_ids is None else np.asarray(row_ids)
         mt = np.broadcast_to(np.asarray(max_tokens, dtype=np.int32), (len(seqs),)).copy()
         return cls(row_ids=ids, tokens=tokens.astype(np.int32), offsets=offsets, max_tokens=mt)
+
+
+def request_keys(row_ids: np.ndarray, sample_index: np.ndarray | None = None) -> np.ndarray:
+    """int64 [N]: the key of each (row, sample) result, ``row_id * MAX_SAMPLES + sample``: what
+    resume and the one-result-per-request checks compare (row ids below 2**47)."""
+    keys = np.asarray(row_ids, dtype=np.int64) * MAX_SAMPLES
+    if sample_index is not None:
+        keys = keys + np.asarray(sample_index, dtype=np.int64)
+    return keys
 
 
 class _Growing:

@@ -31,7 +31,9 @@ CHAT_CASES: list[tuple[str, dict, str, str]] = [
     ("lp-not-bool", {"logprobs": "yes"}, "invalid_request", "body.logprobs"),
     ("freq-penalty", {"frequency_penalty": 0.5}, "invalid_request", "frequency_penalty"),
     ("pres-penalty-0", {"presence_penalty": 0}, "ok", ""),
-    ("n2", {"n": 2}, "invalid_request", "body.n"),
+    ("n2", {"n": 2, "temperature": 1.0, "seed": 4}, "ok", ""),
+    ("n0", {"n": 0}, "invalid_n", "input.n_column"),
+    ("n-text", {"n": "2"}, "invalid_request", "body.n"),
     ("logit-bias", {"logit_bias": {"5": 10}}, "invalid_request", "logit_bias"),
     ("tools", {"tools": [{"type": "function"}]}, "invalid_request", "body.tools"),
     ("stream-false", {"stream": False, "user": "u1", "metadata": {"k": "v"}}, "ok", ""),
@@ -87,7 +89,8 @@ def _run(tmp: Path, requests: Path, model: Path, *sets: str) -> tuple[list[dict]
 
 def _check_statuses(cases, rows, lines) -> dict[str, tuple[dict, dict]]:
     by_id = {}
-    for (cid, _, status, word), row, line in zip(cases, rows, lines, strict=True):
+    firsts = [r for r in rows if not r.get("sample_index")]  # a request's first sample
+    for (cid, _, status, word), row, line in zip(cases, firsts, lines, strict=True):
         assert row["custom_id"] == line["custom_id"] == cid
         if status == "json":  # constrained: complete JSON, or cut by max_tokens
             assert row["status"] in ("ok", "json_incomplete"), row
@@ -137,6 +140,13 @@ def test_chat_fields(tmp_path: Path, run_model: Path) -> None:
     # a request that says nothing gets the job's log-probs (sampling.logprobs = 3)
     plain = by_id["plain"][1]["response"]["body"]["choices"][0]["logprobs"]
     assert all(len(c["top_logprobs"]) == 3 for c in plain["content"])
+    # n: one result row per sample, the samples as choices[0..n-1] of one line
+    n2 = [r for r in rows if r["custom_id"] == "n2"]
+    assert [r["sample_index"] for r in n2] == [0, 1]
+    body = by_id["n2"][1]["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in body["choices"]] == [r["output_text"] for r in n2]
+    assert body["usage"]["completion_tokens"] == sum(r["num_output_tokens"] for r in n2)
     msg = by_id["lp-too-many"][1]["error"]["message"]
     assert "body.top_logprobs = 5 is more than this job's sampling.logprobs = 3" in msg
     assert "line 5" in msg

@@ -40,7 +40,7 @@ def test_rows_and_per_line_rejections(tmp_path: Path) -> None:
         "{not json",
         "",  # blank lines are not requests
         _req(2, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}]),
-        _req(3, n=2),
+        _req(3, best_of=2),
         json.dumps({"custom_id": "c4", "url": CHAT}),  # no body
         _req(0),  # custom_id repeats line 1
         _req(6, max_tokens="5"),
@@ -55,13 +55,15 @@ def test_rows_and_per_line_rejections(tmp_path: Path) -> None:
     assert (first["max_tokens"], first["temperature"], first["top_p"]) == (5, 0.5, 0.9)
     assert (first["seed"], first["stop"], first["model"]) == (7, ["x"], "m")
     assert first["messages"] == [{"role": "user", "content": "alpha river 0"}]
+    n_row = read_requests(str(_write(tmp_path, [_req(0, n=3)])))[0].to_pylist()[0]
+    assert n_row["n"] == 3 and not n_row["_request_error"]  # samples: input.n_column = "n"
     assert (
         rows[2]["messages"] == [{"role": "user", "content": "a"}] and not rows[2]["_request_error"]
     )
     errors = {r["line"]: r["_request_error"] for r in rows if r["_request_error"]}
     assert set(errors) == {2, 5, 6, 7, 8, 9}
     assert errors[2].startswith(f"{STATUS_INVALID_REQUEST}\tline 2: invalid JSON")
-    assert "body.n = 2 is not honoured" in errors[5] and "body must be" in errors[6]
+    assert "body.best_of = 2 is not honoured" in errors[5] and "body must be" in errors[6]
     assert "repeats line 1" in errors[7] and "body.max_tokens must be an integer" in errors[8]
     assert "text parts" in errors[9]
 

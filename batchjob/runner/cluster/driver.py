@@ -27,6 +27,7 @@ from batchjob.config import ClusterConfig, JobConfig
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
 from batchjob.outputs.layout import OutputLayout
 from batchjob.outputs.results import ResultSink
+from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.build import build_plan
 from batchjob.plan.plan import Plan
 from batchjob.plan.shard import shard_plan, split
@@ -162,8 +163,10 @@ class _Driver:
 
     def _left_over(self, work: _Work) -> _Work | None:
         """The rows of ``work`` that no part file holds, planned again (None: all written)."""
-        done = ResultSink(self.layout, self.manifest).done_row_ids()
-        rest = select_rows(work.prompts, ~np.isin(work.prompts.row_ids, done))
+        job = self.job
+        columns = job_columns(job.sampling, job.input)
+        done = ResultSink(self.layout, self.manifest, extra_columns=columns).done_keys()
+        rest = select_rows(work.prompts, ~np.isin(work.prompts.keys, done))
         if not len(rest):
             return None
         sched = self.job.scheduler
