@@ -61,6 +61,8 @@ class FinishedRequest:
     finish_reason: str  # "stop" | "length" | "score" (scoring mode: nothing generated)
     text: str | None  # set when a stop string cut the text; else the caller detokenizes
     logprobs: TokenLogprobs | None = None  # sampling.logprobs: aligned with token_ids
+    # sampling.prompt_logprobs: aligned with the prompt's tokens (entry 0: NaN, it has none)
+    prompt_logprobs: TokenLogprobs | None = None
     label_logprobs: np.ndarray | None = None  # float32 [L]: scoring mode, one per label
     label: str | None = None  # scoring mode: the most likely label
     target_logprobs: np.ndarray | None = None  # float32: engine-internal scoring targets

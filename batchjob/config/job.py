@@ -85,6 +85,13 @@ class JobConfig:
                 _fail(f"input.{name}", XGRAMMAR_HINT, col)
         if scoring and inp.n_column:
             _fail("input.n_column", "cannot be combined with scoring (labels)", inp.n_column)
+        if inp.labels_column and s.prompt_logprobs is not None:
+            why = "cannot be combined with scoring (input.labels_column)"
+            _fail("sampling.prompt_logprobs", why, s.prompt_logprobs)
+        native = self.engine.backend == "native"
+        if s.prompt_logprobs is not None and native and self.scheduler.policy != "batchllm":
+            why = "on the native engine needs scheduler.policy = batchllm (the baseline reuses "
+            _fail("sampling.prompt_logprobs", why + "cached KV it never reads)", s.prompt_logprobs)
         if inp.labels_column and s.n != 1:
             _fail("sampling.n", "must be 1 with input.labels_column (scoring draws nothing)", s.n)
         if inp.labels_column and (changed := s.processors()):

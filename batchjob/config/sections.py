@@ -186,6 +186,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()  # stop strings (finish "stop"); the text is cut before one
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     logprobs: int | None = None  # per generated token: its log-prob and the top N (N <= 20)
+    prompt_logprobs: int | None = None  # per prompt token: its log-prob and the top N (N <= 20)
     labels: tuple[str, ...] = ()  # scoring mode: each label's log-prob, nothing generated
     json_schema: str | None = None  # constrain output: a schema file or inline JSON "{...}"
     regex: str | None = None  # constrain output to match this regex
@@ -220,6 +221,17 @@ class SamplingConfig:
         _int("sampling.logprobs", self.logprobs, lo=0, optional=True)
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             _fail("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _int("sampling.prompt_logprobs", self.prompt_logprobs, lo=0, optional=True)
+        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
+            _fail(
+                "sampling.prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.prompt_logprobs
+            )
+        if self.labels and self.prompt_logprobs is not None:
+            _fail(
+                "sampling.prompt_logprobs",
+                "cannot be combined with sampling.labels",
+                self.prompt_logprobs,
+            )
         _list(self, "labels", "sampling.labels", str)
         if not all(self.labels) or len(set(self.labels)) != len(self.labels):
             _fail("sampling.labels", "labels must be non-empty and distinct", list(self.labels))

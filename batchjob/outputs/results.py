@@ -106,6 +106,7 @@ class ResultRow:
     message: str | None
     # optional columns (batchjob.outputs.score_columns), written when the job asks for them
     output_logprobs: Any = None  # TokenLogprobs | None
+    prompt_logprobs: Any = None  # (prompt token ids, TokenLogprobs) | None
     label_logprobs: np.ndarray | None = None  # float32 [L]
     label: str | None = None
     sample_index: int | None = None  # which sample of the row; None: the row was not sampled

@@ -1,7 +1,7 @@
 """The optional result columns: ``sample_index`` (``sampling.n``), ``output_logprobs``
-(``sampling.logprobs``), ``label_logprobs`` and ``label`` (scoring mode), built as Arrow
-arrays without a Python object per token. ``batchjob.outputs.results`` adds the ones a job
-asks for to its schema."""
+(``sampling.logprobs``), ``prompt_logprobs`` (``sampling.prompt_logprobs``),
+``label_logprobs`` and ``label`` (scoring mode), built as Arrow arrays without a Python
+object per token. ``batchjob.outputs.results`` adds the ones a job asks for to its schema."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ SAMPLE_INDEX = "sample_index"
 OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
     SAMPLE_INDEX: pa.int32(),
     "output_logprobs": pa.list_(_STEP),
+    "prompt_logprobs": pa.list_(_STEP),
     "label_logprobs": pa.list_(pa.float32()),
     "label": pa.string(),
 }
@@ -31,6 +32,8 @@ def job_columns(sampling: SamplingConfig, inp: InputConfig) -> tuple[str, ...]:
         cols.append(SAMPLE_INDEX)
     if sampling.logprobs is not None:
         cols.append("output_logprobs")
+    if sampling.prompt_logprobs is not None:
+        cols.append("prompt_logprobs")
     if sampling.labels or inp.labels_column:
         cols += ["label_logprobs", "label"]
     return tuple(cols)
@@ -47,9 +50,13 @@ def _mask(valid: np.ndarray) -> pa.Array | None:
 
 
 def logprobs_array(
-    token_ids: Sequence[np.ndarray | None], logprobs: Sequence[TokenLogprobs | None]
+    token_ids: Sequence[np.ndarray | None],
+    logprobs: Sequence[TokenLogprobs | None],
+    first_null: bool = False,
 ) -> pa.Array:
-    """One ``output_logprobs`` value per row (null where the row has none)."""
+    """One ``output_logprobs`` value per row (null where the row has none); ``first_null``
+    (``prompt_logprobs``): each list's first entry is null (the first prompt token has no
+    log-prob, as in vLLM)."""
     valid = np.array([lp is not None for lp in logprobs], dtype=bool)
     rows = [(t, lp) for t, lp in zip(token_ids, logprobs, strict=True) if lp is not None]
     lengths = np.array([len(lp.logprob) for lp in logprobs if lp is not None], dtype=np.int64)
@@ -68,8 +75,16 @@ def logprobs_array(
         [pa.array(top_ids, pa.int32()), pa.array(top_lp, pa.float32())], fields=list(_TOP)
     )
     top_lists = pa.ListArray.from_arrays(pa.array(np.arange(len(ids) + 1) * n, pa.int32()), top)
+    mask = None
+    if first_null and len(ids):
+        starts = _offsets(lengths)[:-1]
+        null = np.zeros(len(ids), dtype=bool)
+        null[starts[lengths > 0]] = True
+        mask = pa.array(null)
     steps = pa.StructArray.from_arrays(
-        [pa.array(ids, pa.int32()), pa.array(lp, pa.float32()), top_lists], fields=list(_STEP)
+        [pa.array(ids, pa.int32()), pa.array(lp, pa.float32()), top_lists],
+        fields=list(_STEP),
+        mask=mask,
     )
     return pa.ListArray.from_arrays(
         pa.array(_offsets(all_lengths), pa.int32()), steps, mask=_mask(valid)
@@ -92,6 +107,13 @@ def optional_columns(rows: Sequence, schema: pa.Schema) -> dict[str, pa.Array]:
     if "output_logprobs" in schema.names:
         out["output_logprobs"] = logprobs_array(
             [r.output_token_ids for r in rows], [r.output_logprobs for r in rows]
+        )
+    if "prompt_logprobs" in schema.names:
+        prompt = [r.prompt_logprobs for r in rows]  # (prompt ids, TokenLogprobs) or None
+        out["prompt_logprobs"] = logprobs_array(
+            [None if p is None else p[0] for p in prompt],
+            [None if p is None else p[1] for p in prompt],
+            first_null=True,
         )
     if "label_logprobs" in schema.names:
         out["label_logprobs"] = label_logprobs_array([r.label_logprobs for r in rows])

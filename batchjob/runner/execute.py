@@ -230,6 +230,11 @@ def execute(
                 o.status or STATUS_OK,
                 o.message,
                 output_logprobs=o.logprobs,
+                prompt_logprobs=(
+                    None
+                    if o.prompt_logprobs is None
+                    else (prompts.row(o.position), o.prompt_logprobs)
+                ),
                 label_logprobs=o.label_logprobs,
                 label=o.label,
                 sample_index=_sample_of(prompts, o.position),

@@ -103,20 +103,33 @@ def has_stop_strings(sampling: SamplingConfig, prompts: TokenizedPrompts) -> boo
     )
 
 
-def token_logprobs(entries, toks: Sequence[int], top_n: int) -> TokenLogprobs:
+def token_logprobs(
+    entries, toks: Sequence[int], top_n: int, first_none: bool = False
+) -> TokenLogprobs:
     """vLLM's per-position {token_id: Logprob} dicts (the top-N by rank plus the sampled
-    token; raw log-probs, vLLM's default logprobs_mode) as ``TokenLogprobs``."""
+    token; raw log-probs, vLLM's default logprobs_mode) as ``TokenLogprobs``
+    (``first_none``: position 0 has no entry)."""
     k = len(toks)
     lp = np.zeros(k, dtype=np.float32)
     ids = np.zeros((k, top_n), dtype=np.int32)
     vals = np.full((k, top_n), -np.inf, dtype=np.float32)
     for s, tok in enumerate(toks):
         d = entries[s]
+        if first_none and s == 0:
+            continue
         lp[s] = d[tok].logprob
         ranked = sorted((v.rank, t, v.logprob) for t, v in d.items() if v.rank is not None)
         for j, (_, t, v) in enumerate(ranked[:top_n]):
             ids[s, j], vals[s, j] = t, v
     return TokenLogprobs(lp, ids, vals)
+
+
+def prompt_token_logprobs(entries, prompt: Sequence[int], top_n: int) -> TokenLogprobs:
+    """vLLM's ``prompt_logprobs`` (None for the first token, then {token_id: Logprob} dicts)
+    as ``TokenLogprobs`` aligned with the prompt (entry 0: NaN)."""
+    out = token_logprobs(entries, [-1, *prompt[1:]], top_n, first_none=True)
+    out.logprob[0] = np.nan
+    return out
 
 
 def stop_ids(sampling: SamplingConfig, eos_ids: Sequence[int]) -> list[int]:
@@ -191,6 +204,7 @@ def plan_order(
                     else None
                 ),
                 logprobs=sampling.logprobs,
+                prompt_logprobs=sampling.prompt_logprobs,
                 max_tokens=max_tokens,
                 stop_token_ids=stops,
                 ignore_eos=True,  # EOS stops through stop_token_ids (above)
@@ -282,6 +296,8 @@ class OutputTracker:
         self.delta = has_stop_strings(sampling, prompts)  # DELTA outputs, checked per token
         self.top_n = sampling.logprobs
         self.logprobs: dict[str, list] = {}  # streamed logprob entries (DELTA, logprobs on)
+        self.prompt_n = sampling.prompt_logprobs
+        self.prompt_entries: dict[str, list] = {}  # DELTA: sent once, at the end of prefill
         self.stop_set = frozenset(stop_ids(sampling, eos_ids))
         self.detokenize = detokenize
         self.tokens: dict[str, list[int]] = {}  # streamed tokens (stop strings only)
@@ -297,6 +313,11 @@ class OutputTracker:
         lps = None
         if self.top_n is not None:
             lps = token_logprobs(entries or out.outputs[0].logprobs, toks, self.top_n)
+        plps = None
+        if self.prompt_n is not None:
+            entries = self.prompt_entries.pop(out.request_id, None) or out.prompt_logprobs
+            prompt = self.prompts.row(position).tolist()
+            plps = prompt_token_logprobs(entries, prompt, self.prompt_n)
         status = message = None
         guide = self.guides[position] if self.guides is not None else None
         if guide is not None:
@@ -312,6 +333,7 @@ class OutputTracker:
             finish_reason=reason,
             text=text,
             logprobs=lps,
+            prompt_logprobs=plps,
             status=status,
             message=message,
         )
@@ -319,6 +341,8 @@ class OutputTracker:
     def update(self, out, position: int) -> tuple[FinishedRequest | None, bool]:
         """(finished request or None, whether vLLM must abort it: a stop string hit)."""
         new = list(out.outputs[0].token_ids)
+        if self.prompt_n is not None and self.delta and out.prompt_logprobs:
+            self.prompt_entries.setdefault(out.request_id, []).extend(out.prompt_logprobs)
         if not self.delta:  # FINAL_ONLY outputs: one per request, when it finishes
             if not out.finished:
                 return None, False
