@@ -13,6 +13,7 @@ Stages (names passed to ``on_stage`` when each one ends, for benchmarks):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
@@ -55,9 +56,14 @@ def build_plan(
     algorithm: Algorithm = "optimal",
     on_stage: Callable[[str], None] | None = None,
 ) -> Plan:
-    """Plan the prompts: prefix-sharing groups in execution order."""
+    """Plan the prompts: prefix-sharing groups in execution order. Samples of one row
+    (``prompts.sample_index``, adjacent) are planned as their row, then stand in its place
+    side by side: they share its group's prefix, and all but the first copy the first's KV
+    of their own prompt part (``sibling_saving``)."""
     if algorithm not in ("optimal", "paper"):
         raise ValueError(f"algorithm must be 'optimal' or 'paper', got {algorithm!r}")
+    if prompts.sample_index is not None:
+        return _plan_samples(prompts, enlarge, order, algorithm, on_stage)
     stage = on_stage or _noop
     lengths = prompts.lengths
     srt = sort_sequences(prompts.tokens, prompts.offsets)
@@ -101,3 +107,49 @@ def build_plan(
     )
     stage("stats")
     return plan
+
+
+def _plan_samples(
+    prompts: TokenizedPrompts,
+    enlarge: bool,
+    order: bool,
+    algorithm: Algorithm,
+    on_stage: Callable[[str], None] | None,
+) -> Plan:
+    """``build_plan`` of the rows (the first sample of each run of one row_id), each row's
+    member then replaced by all its samples, in place."""
+    ids = prompts.row_ids
+    first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if len(ids) else ids[:0]
+    count = np.diff(np.r_[first, len(ids)])
+    rows = dataclasses.replace(prompts.take(first), sample_index=None)
+    plan = build_plan(rows, enlarge=enlarge, order=order, algorithm=algorithm, on_stage=on_stage)
+    per = count[plan.members]  # samples of each plan member
+    members = np.repeat(first[plan.members], per) + _within(per)
+    sizes = np.add.reduceat(per, plan.group_offsets[:-1]) if len(per) else per
+    offsets = np.zeros(plan.num_groups + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    lengths = prompts.lengths
+    prefix_each = np.repeat(plan.group_prefix_len, np.diff(plan.group_offsets))
+    sibling = int(((per - 1) * (lengths[first[plan.members]] - prefix_each - 1)).sum())
+    stats = plan_stats(
+        lengths,
+        plan.group_prefix_len,
+        offsets,
+        plan.stats.multi_level_prefill_tokens + int(((per - 1) * 1).sum()),
+        sibling_saving=sibling,
+    )
+    return Plan(
+        group_prefix_len=plan.group_prefix_len,
+        group_offsets=offsets,
+        members=members,
+        row_ids=np.asarray(ids, dtype=np.int64)[members],
+        decode_estimate=prompts.max_tokens.astype(np.int32)[members],
+        stats=stats,
+    )
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """int64: 0 .. c-1 for each count c, concatenated."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )

@@ -6,7 +6,8 @@ Eq. 2: R = 1 - processed_prefill_tokens / logical_prefill_tokens, with
   invariant (a prompt identical to, or a prefix of, another still needs one token of its
   own), so it is an upper bound;
 - single-level (this plan): processed = sum over groups of prefix_len + sum of every
-  member's distinct length (its length minus its group's prefix_len).
+  member's distinct length (its length minus its group's prefix_len); a row's further samples
+  (``sampling.n``) count one token each (they copy the rest from the first).
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ def plan_stats(
     group_prefix_len: np.ndarray,
     group_offsets: np.ndarray,
     multi_level_tokens: int,
+    sibling_saving: int = 0,
 ) -> PlanStats:
-    """PlanStats of a grouping; lengths by prompt position."""
+    """PlanStats of a grouping; lengths by prompt position. ``sibling_saving``: own prompt
+    tokens the samples of a row copy from its first sample instead of computing."""
     logical = int(lengths.sum())
     sizes = np.diff(group_offsets)
-    single = logical - int(((sizes - 1) * group_prefix_len).sum())
+    single = logical - int(((sizes - 1) * group_prefix_len).sum()) - sibling_saving
     return PlanStats(
         num_requests=len(lengths),
         num_groups=len(group_prefix_len),

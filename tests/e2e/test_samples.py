@@ -66,13 +66,16 @@ def test_greedy_samples_share_the_prompt_and_equal_n1(tmp_path, run_model, run_d
     grouped_as_n1 = rep1["computed_prefill_tokens"] + 7 * int(own.sum())
     row_groups = rep1["prompt_tokens"] + 7 * rows
     assert rep8["computed_prefill_tokens"] <= min(grouped_as_n1, row_groups)
+    # in fact the rows' plan, each further sample computing only its last prompt token (it
+    # copies the rest of its own prompt KV from the row's first sample)
+    assert rep8["computed_prefill_tokens"] == rep1["computed_prefill_tokens"] + 7 * rows
 
 
 def test_distinct_prompts_are_computed_once_for_all_samples(tmp_path, run_model):
     data = tmp_path / "distinct.parquet"
     rng = np.random.default_rng(0)
-    prompts = [
-        [1, *rng.integers(3, 2000, size=int(rng.integers(5, 40))).tolist()] for _ in range(12)
+    prompts = [  # no two share a first token: nothing to share but within a row
+        [10 + i, *rng.integers(3, 2000, size=int(rng.integers(5, 40))).tolist()] for i in range(12)
     ]
     pq.write_table(pa.table({"prompt": pa.array(prompts, pa.list_(pa.int32()))}), data)
     _, rep = _run(tmp_path, run_model, data, "d", "sampling.n=5")

@@ -174,6 +174,8 @@ class Engine:
             finished: set[int] = set()
             seqs = batch.sample_seqs
             ids = seqs.tolist()
+            if out.kv_copies is not None:  # samples of a row: the first one's prompt KV
+                self._copy_blocks(*out.kv_copies)
             if out.chunks:  # a prefill-only iteration runs the forward with nothing to sample
                 index = batch.logits_index
                 extra = prompt_lp.select(out.chunks) if prompt_lp is not None else None
@@ -314,6 +316,13 @@ class Engine:
             t0 = time.perf_counter()
             out = sched.schedule()
             yield t0, out, build_batch(out, self.kv.block_size, self.info.torch_device)
+
+    def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """KV blocks ``src`` copied into ``dst`` (every layer, K and V), before the forward."""
+        dev = self.kv_cache.device
+        s = torch.from_numpy(src.astype(np.int64)).to(dev)
+        d = torch.from_numpy(dst.astype(np.int64)).to(dev)
+        self.kv_cache[:, :, d] = self.kv_cache[:, :, s]
 
     def _record(
         self,

@@ -9,7 +9,8 @@ rows are read in the prefill chunks that compute those positions anyway:
   predicts each member's first distinct token (one log-softmax row, each member's token
   gathered from it);
 - a member's distinct chunk: positions ``P .. L-2`` (the last prompt position is the
-  sampling row, read as always).
+  sampling row, read as always). The samples of a row (``sampling.n``) share one buffer:
+  all but the first copy the first's KV instead of computing those positions.
 
 So a shared prefix's log-probs cost one logits row per prefix position, not one per member
 (``rows``: the rows read, checked by the tests). A position computed again after a
@@ -38,6 +39,12 @@ class _Buffer:
         self.ids = np.zeros((n, k), dtype=np.int32)
         self.top = np.zeros((n, k), dtype=np.float32)
 
+    @staticmethod
+    def copy(b: _Buffer) -> _Buffer:
+        out = _Buffer(0, 0)
+        out.lp, out.ids, out.top = b.lp.copy(), b.ids.copy(), b.top.copy()
+        return out
+
 
 class PromptLogprobs:
     """Collects every request's prompt log-probs over a run (see the module doc)."""
@@ -59,7 +66,9 @@ class PromptLogprobs:
             self.prefix_of[plan.members] = np.repeat(plan.group_prefix_len, sizes)
             self._left = sizes.copy()  # members of each group not finished yet
             self._members, self._offsets = plan.members, plan.group_offsets
-        self._own: dict[int, _Buffer] = {}
+        self._own: dict[int, _Buffer] = {}  # by row_id: a row's samples share one prompt
+        rows, counts = np.unique(prompts.row_ids, return_counts=True)
+        self._row_left = dict(zip(rows.tolist(), counts.tolist(), strict=True))
         self._prefix: dict[int, _Buffer] = {}
         self.rows = 0  # logits rows read for prompt log-probs
 
@@ -145,17 +154,23 @@ class PromptLogprobs:
         return self._members[self._offsets[g] : self._offsets[g + 1]]
 
     def _own_buffer(self, seq: int) -> _Buffer:
-        buf = self._own.get(seq)
+        row = int(self.prompts.row_ids[seq])
+        buf = self._own.get(row)
         if buf is None:
             length = int(self.prompts.offsets[seq + 1] - self.prompts.offsets[seq])
-            buf = self._own[seq] = _Buffer(length, self.k)
+            buf = self._own[row] = _Buffer(length, self.k)
         return buf
 
     def finish(self, seq: int) -> TokenLogprobs:
         """Request ``seq``'s prompt log-probs (entry 0: NaN, the first token has none); its
         group's prefix rows are dropped with its last member."""
         buf = self._own_buffer(seq)
-        del self._own[seq]
+        row = int(self.prompts.row_ids[seq])
+        self._row_left[row] -= 1
+        if self._row_left[row]:  # samples of the row still running: they read the same rows
+            buf = _Buffer.copy(buf)
+        else:
+            del self._own[row]
         g, size = int(self.group_of[seq]), int(self.prefix_of[seq])
         if size:
             pre = self._prefix[g]

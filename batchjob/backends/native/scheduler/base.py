@@ -76,6 +76,7 @@ class _Counters:
     prefixes_computed: int = 0
     peak_blocks: int = 0
     threshold_lifted_iterations: int = 0
+    copied_tokens: int = 0
 
 
 def request_prefix_len(plan: Plan | None, num_requests: int) -> np.ndarray:
@@ -201,6 +202,7 @@ class Scheduler(ABC):
             preempted=tuple(self._preempted_now),
             iteration=c.iterations,
             threshold_lifted=lifted,
+            kv_copies=self._take_copies(),
         )
         self._samplers = samplers
         c.iterations += 1
@@ -263,6 +265,10 @@ class Scheduler(ABC):
 
     def _on_finish(self, req: Sequence) -> None:  # noqa: B027 (optional hook)
         pass
+
+    def _take_copies(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """KV block copies this pass scheduled (src, dst), then forgotten; None: none."""
+        return None
 
     def _on_preempt(self, req: Sequence) -> None:  # noqa: B027 (optional hook)
         pass

@@ -66,6 +66,7 @@ from batchjob.backends.native.scheduler.base import (
 from batchjob.backends.native.scheduler.output import (
     ScheduledChunk,
     ScheduledPrefix,
+    SchedulerOutput,
     prefix_group,
     prefix_seq_id,
 )
@@ -74,6 +75,8 @@ from batchjob.config import SchedulerConfig
 from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
+
+_NONE: tuple[None, bool] = (None, False)
 
 
 class _Group:
@@ -165,6 +168,13 @@ class BatchLLMScheduler(Scheduler):
         self._queued = np.ones(num_groups, dtype=bool)  # group is in the prefix queue
         self._held: dict[int, _Group] = {}  # groups holding prefix blocks
         self._next_group_stamp = 0
+        # samples of a row (sampling.n): one prefills its own prompt part, the others copy
+        # that KV and compute only their last prompt token (``_sibling``)
+        self._samples = prompts.sample_index is not None
+        self._row_seqs: dict[int, list[Sequence]] = {}  # live sequences of each sampled row
+        self._parked: dict[int, list[Sequence]] = {}  # by the sibling whose prompt they await
+        self._copies: list[tuple[list[int], list[int]]] = []  # this pass's (src, dst) blocks
+        self._prefilled_now: set[int] = set()  # requests with prompt/recompute chunks this pass
 
     def _group(self, g: int) -> _Group:
         """Live group ``g``, created (with its members' sequences) on first use."""
@@ -181,6 +191,8 @@ class BatchLLMScheduler(Scheduler):
         ms: dict[int, Sequence] = {}
         for m in members:
             ms[m] = self._new_request(m, prompts.row(m), int(prompts.max_tokens[m]), pl, g, cg)
+            if self._samples:
+                self._row_seqs.setdefault(int(prompts.row_ids[m]), []).append(ms[m])
         # a prefix never samples: max_tokens 0
         first = next(iter(ms.values()))
         prefix = Sequence(prefix_seq_id(g), first.prompt[:pl], 0, group=g) if pl else None
@@ -195,6 +207,12 @@ class BatchLLMScheduler(Scheduler):
         self._groups[req.group].num_running -= 1
 
     def _on_finish(self, req: Sequence) -> None:
+        if self._samples:
+            row = int(self._prompts.row_ids[req.seq_id])
+            seqs = self._row_seqs[row]
+            seqs.remove(req)
+            if not seqs:
+                del self._row_seqs[row]
         grp = self._groups[req.group]
         grp.num_running -= 1
         del grp.members[req.seq_id]
@@ -221,6 +239,7 @@ class BatchLLMScheduler(Scheduler):
 
     # --- one iteration ----------------------------------------------------------------------
     def _schedule(self) -> tuple[list[ScheduledChunk], bool]:
+        self._prefilled_now.clear()
         chunks: list[ScheduledChunk] = []
         budget = self._schedule_decodes(chunks, self.chunk_size)
         allow_new = not self._preempted_now
@@ -274,6 +293,7 @@ class BatchLLMScheduler(Scheduler):
             n = self._reserve(req, left, budget, cap)
             if n == 0:
                 return
+            self._prefilled_now.add(req.seq_id)
             chunks.append(self._emit(req, n))
             budget -= n
             if one:
@@ -285,14 +305,25 @@ class BatchLLMScheduler(Scheduler):
         while budget > 0:
             if self._waiting:  # distinct queue, waiting part
                 req = self._waiting[0]
+                # a sample not started yet may take a sibling's prompt KV (a preempted one
+                # recomputes its prompt and outputs itself)
+                donor, ready = self._sibling(req) if self._samples and not req.outputs else _NONE
+                if donor is not None and not ready:  # its prompt is under way: wait for it
+                    self._waiting.popleft()
+                    self._parked.setdefault(donor.seq_id, []).append(req)
+                    continue
                 if growth is not None and not growth.admit(req, 0, cap):
                     return
-                n = self._reserve(req, req.num_tokens, budget, cap)
+                if donor is not None:  # copy the sibling's own prompt KV, compute one token
+                    n = self._copy_prompt(req, donor, budget, cap)
+                else:
+                    n = self._reserve(req, req.num_tokens, budget, cap)
                 if n == 0:
                     return
                 self._waiting.popleft()
                 self._admit(req)
                 self._groups[req.group].num_running += 1
+                self._prefilled_now.add(req.seq_id)
                 chunks.append(self._emit(req, n))
                 budget -= n
                 if one:
@@ -329,6 +360,59 @@ class BatchLLMScheduler(Scheduler):
             cap -= sum(self._prompt_blocks(m) for m in grp.members.values())
             if one:
                 return
+
+    # --- samples of a row ---------------------------------------------------------------------
+    def _sibling(self, req: Sequence) -> tuple[Sequence | None, bool]:
+        """A running sample of ``req``'s row to copy from: one whose own prompt KV is in the
+        cache (it has sampled, and no prompt or recompute chunk of it is pending or in this
+        pass) first (True), else one still prefilling (False: ``req`` waits for it); None:
+        ``req`` prefills itself."""
+        prefilling = None
+        for sib in self._row_seqs.get(int(self._prompts.row_ids[req.seq_id]), ()):
+            if sib is req or sib.state != RUNNING:
+                continue
+            sid = sib.seq_id
+            if sib.outputs and sid not in self._partial and sid not in self._prefilled_now:
+                return sib, True
+            prefilling = sib
+        return prefilling, False
+
+    def _copy_prompt(self, req: Sequence, donor: Sequence, budget: int, cap: int) -> int:
+        """Admit-side of a copy: ``req`` holds blocks for its whole own prompt, the first
+        ``own - 1`` tokens' KV copied from ``donor`` before the forward; returns the tokens
+        to emit (1: the last prompt token, whose logits ``req`` samples from) or 0."""
+        own = req.num_tokens  # a new request: its own prompt, nothing sampled yet
+        k = own - 1
+        req.computed = k
+        n = self._reserve(req, 1, budget, cap)
+        if n <= 0:
+            req.computed = 0
+            return 0
+        nb = cdiv(k, self.block_size)
+        if nb:
+            self._copies.append((donor.blocks[:nb], req.blocks[:nb]))
+        req.high_water = max(req.high_water, k)
+        self._c.copied_tokens += k
+        return n
+
+    def _take_copies(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self._copies:
+            return None
+        src = np.concatenate([np.asarray(s, dtype=np.int32) for s, _ in self._copies])
+        dst = np.concatenate([np.asarray(d, dtype=np.int32) for _, d in self._copies])
+        self._copies = []
+        return src, dst
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[int, int], finished: set[int]
+    ) -> dict[int, list[int]]:
+        done = super().update(out, sampled, finished)
+        for sid in list(self._parked):  # waiting for a sibling that has sampled, or stopped
+            sib = self._live.get(sid)
+            if sib is None or sib.state != RUNNING or (sib.outputs and sid not in self._partial):
+                for req in reversed(self._parked.pop(sid)):
+                    self._waiting.appendleft(req)
+        return done
 
     # --- memory -----------------------------------------------------------------------------
     def _fit(self, seq: Sequence, left: int, budget: int, cap: int) -> int:
@@ -391,6 +475,9 @@ class BatchLLMScheduler(Scheduler):
         grp.stamp = -1
         ids = grp.members
         self._waiting = deque(r for r in self._waiting if r.seq_id not in ids)
+        for sid in [s for s in self._parked if s in ids]:  # their sibling went with the group
+            for req in self._parked.pop(sid):
+                req.state = NEW
         for m in grp.members.values():
             if m.state == WAITING:
                 m.state = NEW  # waits for the prefix again

@@ -68,6 +68,9 @@ class SchedulerOutput:
     preempted: tuple[int, ...]  # seq_ids preempted (recompute) in this call; -(g+1): group g
     iteration: int  # 0-based index of this schedule() call
     threshold_lifted: bool  # nothing fit under kv_threshold, so this batch used all blocks
+    # KV blocks to copy before the forward (src, dst; int32 each): a row's further samples
+    # take its first sample's own prompt KV (``sampling.n``)
+    kv_copies: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,3 +92,4 @@ class SchedulerStats:
     prefixes_computed: int  # group prefixes completed (batchllm)
     peak_blocks: int  # most KV blocks in use after any schedule() call
     threshold_lifted_iterations: int  # iterations that had to ignore kv_threshold to progress
+    copied_tokens: int  # own prompt KV tokens a sample copied from its row's first (batchllm)
