@@ -115,6 +115,12 @@ REQUEST_COLUMNS = {
     "seed_column": "seed",
     "stop_column": "stop",
     "n_column": "n",
+    "presence_penalty_column": "presence_penalty",
+    "frequency_penalty_column": "frequency_penalty",
+    "repetition_penalty_column": "repetition_penalty",
+    "min_p_column": "min_p",
+    "min_tokens_column": "min_tokens",
+    "logit_bias_column": "logit_bias",
 }
 # the per-row columns of the output constraints, and of the logits processors
 GUIDE_COLUMNS = ("json_schema_column", "regex_column", "choice_column")

@@ -5,20 +5,20 @@ Requests: one JSON object a line, ``{"custom_id", "method": "POST", "url":
 one url for the whole file (as the Batch API requires). Lines become rows of an Arrow table,
 in line order (row_id = request index): ``custom_id``, ``line``, ``url``, ``model``,
 ``messages`` (list<struct<role, content>>) or ``prompt``, and one column per honoured body
-field: ``max_tokens`` (``max_completion_tokens`` too), ``temperature``, ``top_p``, ``top_k``,
-``seed``, ``stop``, ``n`` (the per-row settings, ``input.*_column``, which a .jsonl input names
-itself), ``logprobs`` and ``top_logprobs`` (checked against ``sampling.logprobs``, written
-by the output side), ``json_schema`` (from ``response_format``; runs through
-``input.json_schema_column``). Chat messages go through the model's chat template
-(``inputs.prompt_builder``); a ``/v1/completions`` prompt reaches the model as raw text,
-whatever the chat settings.
+field: ``max_tokens`` (``max_completion_tokens`` too), ``temperature``, ``top_p``,
+``top_k``, ``seed``, ``stop``, ``n``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias`` and vLLM's ``repetition_penalty``, ``min_p``, ``min_tokens`` (the per-row
+settings, ``input.*_column``, which a .jsonl input names itself), ``logprobs`` and
+``top_logprobs`` (checked against ``sampling.logprobs``, written by the output side),
+``json_schema`` (from ``response_format``; runs through ``input.json_schema_column``). Chat
+messages go through the model's chat template (``inputs.prompt_builder``); a
+``/v1/completions`` prompt reaches the model as raw text, whatever the chat settings.
 
 A line that is not valid JSON or not a valid request, or that asks for anything this job
-does not honour (a penalty, ``best_of`` > 1, ``logit_bias``, tools, more log-probs than
+does not honour (``best_of`` > 1, tools, ``echo``, ``suffix``, more log-probs than
 ``sampling.logprobs``, ...), becomes a row with status ``invalid_request`` and a message naming
 the line and the field (its result row and its error line are still written). A field set to
-null, or to the value that changes nothing (``best_of: 1``, ``frequency_penalty: 0``), is
-fine.
+null, or to the value that changes nothing (``best_of: 1``, ``stream: false``), is fine.
 
 Responses (``output.format = "openai-jsonl"``, ``batchjob.outputs.openai_batch``): written
 from the committed Parquet results (the source of truth for resume), keyed by ``custom_id``.
@@ -52,6 +52,9 @@ _CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"([^"\\]+)"')
 # request and change nothing in its output
 _HONOURED = {"model", "user", "metadata", "max_tokens", "max_completion_tokens", "temperature"}
 _HONOURED |= {"top_p", "top_k", "seed", "stop", "logprobs", "n"}
+# OpenAI's penalties and logit_bias, and the sampling fields vLLM's server takes besides
+_PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_HONOURED |= {*_PROCESSOR_FIELDS, "min_tokens", "logit_bias"}
 _FIELDS = {
     CHAT_URL: _HONOURED | {"messages", "top_logprobs", "response_format"},
     COMPLETIONS_URL: _HONOURED | {"prompt"},
@@ -61,9 +64,6 @@ _NO_EFFECT: dict[str, tuple[Any, str]] = {
     "best_of": (1, "one choice per request"),
     "stream": (False, "a batch is not streamed"),
     "echo": (False, "the prompt is not echoed"),
-    "frequency_penalty": (0, "penalties are not implemented"),
-    "presence_penalty": (0, "penalties are not implemented"),
-    "logit_bias": ({}, "logit_bias is not implemented"),
     "suffix": ("", "suffix is not implemented"),
     "parallel_tool_calls": (False, "tools are not implemented"),
 }
@@ -89,6 +89,23 @@ def _number(body: dict, key: str) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise _Bad(f"body.{key} must be a number, got {v!r}")
     return float(v)
+
+
+def _logit_bias(v: Any) -> list[tuple[int, float]] | None:
+    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs; ids and biases checked
+    against the model later, with the row's other settings."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _Bad(f"body.logit_bias must be an object of token id: bias, got {v!r}")
+    pairs = []
+    for k, b in v.items():
+        if not re.fullmatch(r"[0-9]+", str(k)) or int(k) >= 2**31:
+            raise _Bad(f"body.logit_bias key {k!r} is not a token id")
+        if isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b):
+            raise _Bad(f"body.logit_bias[{k!r}] must be a number, got {b!r}")
+        pairs.append((int(k), float(b)))
+    return pairs
 
 
 def _int64(v: Any) -> bool:
@@ -196,9 +213,15 @@ def _request(obj: Any) -> dict[str, Any]:
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
         raise _Bad(f"body.stop must be a string or a list of strings, got {stop!r}")
-    n = body.get("n")
+    n, min_tokens = body.get("n"), body.get("min_tokens")
     if n is not None and not _int64(n):
         raise _Bad(f"body.n must be an integer, got {n!r}")
+    if min_tokens is not None and not _int64(min_tokens):
+        raise _Bad(f"body.min_tokens must be an integer, got {min_tokens!r}")
+    for key in _PROCESSOR_FIELDS:
+        row[key] = _number(body, key)
+    row["min_tokens"] = min_tokens
+    row["logit_bias"] = _logit_bias(body.get("logit_bias"))
     row.update(seed=seed, stop=stop, top_k=0 if top_k == -1 else top_k)  # vLLM's -1: off
     row["n"] = n  # choices: one sample each (sampling.n, through input.n_column)
     row["logprobs"], row["top_logprobs"] = _logprobs(url, body)
@@ -266,6 +289,11 @@ def read_requests(path: str) -> tuple[pa.Table, str]:
         "top_k": pa.array([r.get("top_k") for r in rows], pa.int64()),
         "seed": pa.array([r.get("seed") for r in rows], pa.int64()),
         "n": pa.array([r.get("n") for r in rows], pa.int64()),
+        **{k: pa.array([r.get(k) for r in rows], pa.float64()) for k in _PROCESSOR_FIELDS},
+        "min_tokens": pa.array([r.get("min_tokens") for r in rows], pa.int64()),
+        "logit_bias": pa.array(
+            [r.get("logit_bias") for r in rows], pa.map_(pa.int32(), pa.float64())
+        ),
         "stop": pa.array([r.get("stop") for r in rows], pa.list_(pa.string())),
         "logprobs": pa.array([r.get("logprobs") for r in rows], pa.bool_()),
         "top_logprobs": pa.array([r.get("top_logprobs") for r in rows], pa.int64()),

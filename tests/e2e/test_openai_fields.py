@@ -29,12 +29,15 @@ CHAT_CASES: list[tuple[str, dict, str, str]] = [
     ("lp-too-many", {"logprobs": True, "top_logprobs": 5}, "invalid_request", "top_logprobs"),
     ("lp-top-alone", {"top_logprobs": 1}, "invalid_request", "top_logprobs"),
     ("lp-not-bool", {"logprobs": "yes"}, "invalid_request", "body.logprobs"),
-    ("freq-penalty", {"frequency_penalty": 0.5}, "invalid_request", "frequency_penalty"),
+    ("freq-penalty", {"frequency_penalty": 0.5, "presence_penalty": 0.3}, "ok", ""),
+    ("bad-penalty", {"presence_penalty": 3}, "invalid_presence_penalty", "presence_penalty"),
+    ("vllm-extras", {"repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 2}, "ok", ""),
+    ("bias-key", {"logit_bias": {"x": 1}}, "invalid_request", "logit_bias"),
     ("pres-penalty-0", {"presence_penalty": 0}, "ok", ""),
     ("n2", {"n": 2, "temperature": 1.0, "seed": 4}, "ok", ""),
     ("n0", {"n": 0}, "invalid_n", "input.n_column"),
     ("n-text", {"n": "2"}, "invalid_request", "body.n"),
-    ("logit-bias", {"logit_bias": {"5": 10}}, "invalid_request", "logit_bias"),
+    ("logit-bias", {"logit_bias": {"5": 100}}, "ok", ""),
     ("tools", {"tools": [{"type": "function"}]}, "invalid_request", "body.tools"),
     ("stream-false", {"stream": False, "user": "u1", "metadata": {"k": "v"}}, "ok", ""),
     ("json-object", {"response_format": {"type": "json_object"}}, "json", ""),
@@ -140,6 +143,9 @@ def test_chat_fields(tmp_path: Path, run_model: Path) -> None:
     # a request that says nothing gets the job's log-probs (sampling.logprobs = 3)
     plain = by_id["plain"][1]["response"]["body"]["choices"][0]["logprobs"]
     assert all(len(c["top_logprobs"]) == 3 for c in plain["content"])
+    # penalties and logit_bias: the row's own settings (a +100 bias: that token every step)
+    biased = by_id["logit-bias"][0]
+    assert biased["output_token_ids"] == [5] * biased["num_output_tokens"]
     # n: one result row per sample, the samples as choices[0..n-1] of one line
     n2 = [r for r in rows if r["custom_id"] == "n2"]
     assert [r["sample_index"] for r in n2] == [0, 1]
