@@ -17,6 +17,7 @@ from batchjob.config.json_schema import XGRAMMAR_HINT
 from batchjob.config.sections import (
     GUIDE_COLUMNS,
     PROCESSOR_COLUMNS,
+    VLLM_MAX_TEMPERATURE,
     ClusterConfig,
     EngineConfig,
     InputConfig,
@@ -97,6 +98,9 @@ class JobConfig:
         if inp.labels_column and (changed := s.processors()):
             key = f"sampling.{changed[0]}"
             _fail(key, "cannot be combined with scoring (input.labels_column)", inp.labels_column)
+        if self.engine.backend == "vllm" and s.temperature > VLLM_MAX_TEMPERATURE:
+            why = f"vLLM takes [0, {VLLM_MAX_TEMPERATURE:g}] (engine.backend = vllm)"
+            _fail("sampling.temperature", why, s.temperature)
         spec = (self.engine.vllm or {}).get("speculative_config")
         if self.engine.backend == "vllm" and spec:  # vLLM: SamplingParams._validate_spec_decode
             for key, on in (("min_p", s.min_p > 0), ("logit_bias", bool(s.logit_bias))):

@@ -165,6 +165,7 @@ class ModelConfig:
 
 
 MAX_LOGPROBS = 20
+VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more (the native engine takes 100)
 MAX_SAMPLES = 2**16  # sampling.n and a row's n: a result is keyed by row_id * 2**16 + sample
 MAX_TOKENS = 2**31 - 1  # per-row limits are int32 (a row's max_tokens column: the same bound)
 

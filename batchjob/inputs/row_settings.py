@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.config import InputConfig, ModelConfig, SamplingConfig
-from batchjob.config.sections import MAX_SAMPLES, MAX_TOKENS
+from batchjob.config.sections import MAX_SAMPLES, MAX_TOKENS, VLLM_MAX_TEMPERATURE
 from batchjob.errors import ConfigError, InputDataError
 from batchjob.inputs.parquet import ROW_ID, RejectedRows
 from batchjob.inputs.row_guides import GUIDE_FIELDS, read_guides
@@ -48,6 +48,10 @@ _NUMERIC = {
     "repetition_penalty_column": (lambda v: (v > 0) & (v <= 1e9), "must be > 0 and finite"),
 }
 _INT63 = 2**63 - 1
+_VLLM_TEMPERATURE = (
+    lambda v: (v >= 0) & (v <= VLLM_MAX_TEMPERATURE),
+    f"must be in [0, {VLLM_MAX_TEMPERATURE:g}] on engine.backend = vllm",
+)
 # integer columns: the values allowed, [lo, hi]
 _INTEGER = {
     "top_k_column": (0, _INT63),
@@ -236,6 +240,8 @@ def read_row_settings(
             v = arr.cast(pa.float64()).fill_null(math.nan).to_numpy(zero_copy_only=False)
             v = np.asarray(v, dtype=np.float64).copy()
             allowed, what = _NUMERIC[name]
+            if name == "temperature_column" and backend == "vllm":  # vLLM's own bound
+                allowed, what = _VLLM_TEMPERATURE
             with np.errstate(invalid="ignore"):
                 out = ~null & ~allowed(v)
             reject(out, name, col, what, v)
