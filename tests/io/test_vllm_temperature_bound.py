@@ -25,7 +25,7 @@ def test_job_wide_temperature_above_2_is_refused_on_vllm_only():
 def test_row_temperature_above_2_rejects_the_row_on_vllm(backend, bad):
     table = pa.table({ROW_ID: np.arange(3), "t": [1.0, 2.0, 2.5]})
     inp = InputConfig(path="x.parquet", temperature_column="t")
-    settings, rejected = read_row_settings(inp, SamplingConfig(), backend, table, np.arange(3))
+    _, rejected = read_row_settings(inp, SamplingConfig(), backend, table, np.arange(3))
     assert rejected.row_ids.tolist() == bad
     if bad:
         assert rejected.status[0] == "invalid_temperature"
