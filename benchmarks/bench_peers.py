@@ -18,15 +18,21 @@ lexicographic order; "vLLM best" is the faster of the two), ``batchjob-vllm`` an
 ``batchjob-vllm-order`` (batchjob's vLLM backend, benchmarks/peers/batchjob_vllm_peer.py: plan
 order with batchjob's scheduler class / with vLLM's own scheduler; one engine per system for
 all its runs) and optionally ``hf`` (benchmarks/peers/hf_peer.py).
-All vLLM runs (every workload, both orders, every repeat) go through ONE ``vllm_peer.py
---plan`` process after the other systems: one 60-100 s engine start-up instead of one per
-run, the prefix cache reset between runs. A vLLM run's ``end_to_end_s`` is that process's
-ready time (spawn, imports, start-up) + its own generate_s: what it would cost alone.
-``--interleave``: that process starts (and is waited for) after the first batchjob run (whose
-kernel build and first-use calibration then see a quiet machine: vLLM's idle worker spins
-for ~20 s after start-up), then idles between its runs, each released right after the
-batchjob run of the same workload and repeat, so a drift of the machine's speed lasting
-minutes reaches both sides of a ratio.
+Default order: the batchjob/baseline/hf runs first; then all vLLM runs (every workload, both
+orders, every repeat) through ONE ``vllm_peer.py --plan`` process (one 60-100 s engine
+start-up instead of one per run, the prefix cache reset between runs); then each
+batchjob-vllm system's runs through one ``batchjob_vllm_peer.py --plan`` process. A vLLM run's
+``end_to_end_s`` is that process's ready time (spawn, imports, start-up) + its own
+generate_s: what it would cost alone.
+``--interleave``: every run is a fresh process with its own engine (vLLM-family systems: a
+one-run plan), in the order ``interleaved_schedule`` gives: per workload, per repeat, one run
+of each chosen system, the systems' order rotated by one each repeat (two systems, three
+repeats: A1 B1 B2 A2 A3 B3), so a drift of the machine's speed lasting minutes reaches both
+sides of a ratio, and neither system always runs first. Nothing runs beside a timed run (no
+idle engine of another system); each pays its own start-up, which stays outside run_s for
+every system as in the default order (run_s: vLLM ``generate``, batchjob-vllm plan +
+``VllmBackend.run``, both after their engine's start-up and one warm-up request), and inside
+end_to_end_s. Match fractions are filled in once the repeat's batchjob run is done.
 EOS: every system decodes exactly max_tokens tokens and EOS may be sampled (batchjob
 ``ignore_eos``; vllm_peer ``--no-min-tokens``), so outputs compare token by token.
 Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF generate_s.
@@ -34,9 +40,9 @@ Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF gen
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -181,12 +187,27 @@ def write_workload(
 
 def run_child(cmd: list[str], log: Path) -> tuple[float, float, float]:
     """Run ``cmd``; stdout to ``log``, stderr to ``log``.err. Returns the child's (wall s,
-    max RSS MiB, CPU s)."""
+    max RSS MiB, CPU s). The child runs in its own process group: if this process is
+    interrupted (Ctrl-C) or the child fails, the whole group goes (vLLM's engine and worker
+    processes too), so no engine is left running beside the next run."""
     t0 = time.perf_counter()
     with open(log, "w") as f, open(log.with_suffix(".err"), "w") as e:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=e, cwd=ROOT)
-        rss, cpu = reap(proc, cmd, log)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=e, cwd=ROOT, start_new_session=True)
+        try:
+            rss, cpu = reap(proc, cmd, log)
+        except BaseException:
+            kill_group(proc)
+            raise
     return time.perf_counter() - t0, rss, cpu
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (it leads one: start_new_session) and reap ``proc``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode is None:
+        with contextlib.suppress(ChildProcessError):
+            proc.wait()
 
 
 def reap(proc: subprocess.Popen, cmd: list[str], log: Path) -> tuple[float, float]:
@@ -352,24 +373,20 @@ def vllm_plan_cmd(
     chunk_size: int | None,
     max_model_len: int | None,
     dtype: str,
-    gated: bool = False,
+    plan_dir: Path | None = None,
 ) -> tuple[list[dict], list[str]]:
-    """PLAN.json for the pending (workload, system, repeat, data) vLLM runs, and the
-    vllm_peer.py --plan command; ``gated``: each run waits for its go file (see release)."""
+    """PLAN.json (in ``plan_dir``, default WORK/vllm-plan) for the pending (workload, system,
+    repeat, data) vLLM runs, and the vllm_peer.py --plan command."""
     plan = []
-    d = work / "vllm-plan"
+    d = plan_dir or work / "vllm-plan"
     d.mkdir(parents=True, exist_ok=True)
-    for k, (name, system, rep, data) in enumerate(pending):
+    for name, system, rep, data in pending:
         out = work / f"{name}-{system}-{rep}" / "peer.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.unlink(missing_ok=True)  # only this process's JSONs are read back below
         plan.append(
             {"input": str(data), "sort_prompts": system == "vllm-sorted", "output_json": str(out)}
         )
-        if gated:
-            go = d / f"go-{k}"
-            go.unlink(missing_ok=True)
-            plan[-1]["wait_for"] = str(go)
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     (d / "plan.json.ready").unlink(missing_ok=True)
     cmd = [str(VLLM_PY), str(ROOT / "benchmarks/peers/vllm_peer.py"), "--omp-bind", "0-1"]
@@ -409,69 +426,19 @@ def run_vllm_plan(
     chunk_size: int | None = None,
     max_model_len: int | None = None,
     dtype: str = "float32",
+    plan_dir: Path | None = None,
 ) -> tuple[list[RunResult], Exception | None]:
     """Every pending (workload, system, repeat, data) vLLM run in ONE vllm_peer.py --plan
     process. Returns the runs it finished (all, unless it failed: then also the error)."""
-    plan, cmd = vllm_plan_cmd(pending, model, work, kv_gib, chunk_size, max_model_len, dtype)
+    d = plan_dir or work / "vllm-plan"
+    plan, cmd = vllm_plan_cmd(pending, model, work, kv_gib, chunk_size, max_model_len, dtype, d)
     err, rss, cpu = None, float("nan"), float("nan")
     try:
-        wall, rss, cpu = run_child(cmd, work / "vllm-plan" / "log.txt")
+        wall, rss, cpu = run_child(cmd, d / "log.txt")
         print(f"  vLLM plan: {len(plan)} runs in one process, {wall:.1f} s", flush=True)
     except RuntimeError as e:  # keep the runs it finished (--resume skips them)
         err = e
     return vllm_results(pending, plan, rss, cpu, ours_by), err
-
-
-class InterleavedVllm:
-    """--interleave: the vllm_peer.py --plan process starts (and is waited for) after the first
-    batchjob run, then each of its runs is released right after the batchjob run of the same
-    workload and repeat, so a drift of the machine's speed that lasts minutes reaches both
-    systems instead of one (without it, all batchjob repeats run before all vLLM ones)."""
-
-    def __init__(self, pending: list[tuple[str, str, int, Path]], work: Path, plan_args: tuple):
-        self.pending = pending
-        self.plan, self.cmd = vllm_plan_cmd(pending, *plan_args, gated=True)
-        d = work / "vllm-plan"
-        self.log, ready = d / "log.txt", d / "plan.json.ready"
-        with open(self.log, "w") as f, open(self.log.with_suffix(".err"), "w") as e:
-            # its own process group: close() takes vLLM's engine and worker processes too
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=f, stderr=e, cwd=ROOT, start_new_session=True
-            )
-        try:
-            self._wait(ready.exists, "start-up")
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        """Stop the process group if it still runs (a batchjob run failed, Ctrl-C): it would
-        otherwise wait for its go files forever, holding its memory."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def _wait(self, done, what: str) -> None:
-        while not done():
-            if self.proc.poll() is not None:
-                tail = self.log.with_suffix(".err").read_text()[-3000:]
-                raise RuntimeError(f"vllm_peer.py --plan exited during {what}:\n{tail}")
-            time.sleep(0.05)
-
-    def release(self, name: str, rep: int) -> None:
-        """Run the plan's runs of (name, rep) now, one after another; return when done."""
-        for k, (n, system, r, _) in enumerate(self.pending):
-            if (n, r) == (name, rep):
-                Path(self.plan[k]["wait_for"]).touch()
-                out = Path(self.plan[k]["output_json"])
-                self._wait(out.exists, f"{n} {system} repeat {r}")
-
-    def finish(self, ours_by) -> list[RunResult]:
-        for p in self.plan:  # any run not released yet: let the process run it and exit
-            Path(p["wait_for"]).touch()
-        rss, cpu = reap(self.proc, self.cmd, self.log)
-        return vllm_results(self.pending, self.plan, rss, cpu, ours_by)
 
 
 def run_backend_plan(
@@ -483,15 +450,17 @@ def run_backend_plan(
     chunk_size: int,
     ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
     max_model_len: int | None = None,
+    plan_dir: Path | None = None,
 ) -> list[RunResult]:
-    """Every pending (workload, repeat, data) run of a batchjob-vllm system in ONE process."""
+    """Every pending (workload, repeat, data) run of a batchjob-vllm system in ONE process
+    (its plan and log in ``plan_dir``, default WORK/SYSTEM-plan)."""
     plan = []
     for name, rep, data in pending:
         out = work / f"{name}-{system}-{rep}" / "peer.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.unlink(missing_ok=True)
         plan.append({"input": str(data), "output_json": str(out)})
-    d = work / f"{system}-plan"
+    d = plan_dir or work / f"{system}-plan"
     d.mkdir(parents=True, exist_ok=True)
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     cmd = [PY, str(ROOT / "benchmarks/peers/batchjob_vllm_peer.py"), "--model", str(model)]
@@ -508,6 +477,64 @@ def run_backend_plan(
         r = peer_result(name, system, rep, j, e2e, rss, cpu, ours_by[(name, rep)])
         results.append(replace(r, saving_ratio_planned=j["saving_ratio_planned"]))
     return results
+
+
+def interleaved_schedule(
+    workloads: list[str], systems: list[str], repeats: int
+) -> list[tuple[str, int, str]]:
+    """--interleave's run order, as (workload, repeat, system): per workload, per repeat, one
+    run of each system; repeat 0 in ``systems`` order with batchjob's native engine first, each
+    later repeat rotated by one more (A B, B A, A B; A B C, B C A, C A B), so every system
+    holds every position equally often and a slow drift of the machine's speed reaches all."""
+    order = sorted(dict.fromkeys(systems), key=lambda s: s != "batchjob")
+    runs = []
+    for name in workloads:
+        for rep in range(repeats):
+            k = rep % max(len(order), 1)
+            runs += [(name, rep, s) for s in order[k:] + order[:k]]
+    return runs
+
+
+def run_fresh(
+    system: str,
+    name: str,
+    rep: int,
+    data: Path,
+    max_tokens: int,
+    *,
+    model: Path,
+    work: Path,
+    kv_gib: float,
+    chunk_size: int,
+    vllm_chunk: int | None,
+    max_model_len: int | None,
+    dtype: str,
+) -> tuple[RunResult, dict[int, list[int]] | None]:
+    """One run of ``system`` in a fresh process with its own engine (--interleave); its plan,
+    log and outputs in WORK/NAME-SYSTEM-REP. Returns the run (match fraction nan: the caller
+    fills it in) and, for batchjob's runs, the outputs by row."""
+    kv_bytes = int(kv_gib * (1 << 30))
+    if system in ("batchjob", "baseline"):
+        policy = "batchllm" if system == "batchjob" else "baseline"
+        return run_batchjob(
+            name, policy, rep, data, model, work, max_tokens, kv_bytes, chunk_size, None, dtype
+        )
+    if system == "hf":
+        return run_hf(name, rep, data, model, work, None), None
+    d = work / f"{name}-{system}-{rep}"
+    if system in BACKEND_POLICY:
+        (r,) = run_backend_plan(
+            system, [(name, rep, data)], model, work, kv_bytes, chunk_size, {(name, rep): None},
+            max_model_len, plan_dir=d,
+        )  # fmt: skip
+        return r, None
+    finished, err = run_vllm_plan(
+        [(name, system, rep, data)], {(name, rep): None}, model, work, kv_gib, vllm_chunk,
+        max_model_len, dtype, plan_dir=d,
+    )  # fmt: skip
+    if err is not None:
+        raise err
+    return finished[0], None
 
 
 def median(runs: list[RunResult], field: str) -> float:
@@ -723,9 +750,10 @@ def profile_split(stats_path: Path) -> dict[str, float]:
 @click.option(
     "--interleave",
     is_flag=True,
-    help="Alternate: each batchjob run, then vLLM's runs of the same workload and repeat "
-    "(vLLM's process starts after batchjob's first run; default: all batchjob runs, then all "
-    "vLLM runs of a head dim).",
+    help="Alternate the systems' runs: per workload and repeat one run of each system, the "
+    "order rotated each repeat (A1 B1 B2 A2 A3 B3), every run a fresh process with its own "
+    "engine (start-up outside run_s, as always). Default: all batchjob runs, then all vLLM "
+    "runs of a head dim in one process, then each batchjob-vllm system's in one process.",
 )
 @click.option("--smoke", is_flag=True, help="Tiny model and workload; vLLM only with --with-vllm.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_peers")
@@ -833,6 +861,37 @@ def main(
                 f"systems {chosen}",
                 flush=True,
             )
+        if interleave:  # every run a fresh process, the systems alternating (see the docstring)
+            sched = interleaved_schedule(list(scales), chosen, repeats)
+            print(f"d{hd}: {len(sched)} runs interleaved, each in a fresh process", flush=True)
+            for (name, rep), block in itertools.groupby(sched, key=lambda x: x[:2]):
+                ours, fresh = None, []
+                for _, _, system in block:
+                    if (name, system, rep, hd) in done:  # --resume: reuse, re-check below
+                        if system == "batchjob":
+                            ours = outputs_by_row(
+                                runs_dir / f"{name}-batchllm-{rep}" / "results.parquet"
+                            )
+                        continue
+                    print(f"  d{hd} {name} rep {rep}: {system} ...", flush=True)
+                    r, outs = run_fresh(
+                        system, name, rep, datas[name], scales[name][2], model=model,
+                        work=runs_dir, kv_gib=kv_gib, chunk_size=chunk_size,
+                        vllm_chunk=chunk_size if vllm_budget else None,
+                        max_model_len=max_model_len, dtype=dtype,
+                    )  # fmt: skip
+                    ours = outs if system == "batchjob" else ours
+                    fresh.append(r)
+                # match fractions against this repeat's batchjob outputs, whenever it ran
+                runs = [
+                    recheck(r, runs_dir, ours)
+                    if (r.workload, r.repeat, r.head_dim) == (name, rep, hd)
+                    else r
+                    for r in runs
+                ]
+                for r in fresh:
+                    record(recheck(r, runs_dir, ours), hd)
+            continue
         # per repeat, each workload in file order then sorted: slow drift spreads over all
         pending = [
             (name, system, rep, datas[name])
@@ -843,10 +902,6 @@ def main(
         ]
         plan_args = (model, runs_dir, kv_gib, chunk_size if vllm_budget else None)
         plan_args += (max_model_len, dtype)
-        paired = None
-        if interleave and pending:  # in the order the loop below releases them
-            pending.sort(key=lambda p: (list(scales).index(p[0]), p[2]))
-            print(f"d{hd} vLLM: {len(pending)} runs, interleaved with batchjob's", flush=True)
         for name, (_, _, mt) in scales.items():
             data = datas[name]
             for rep in range(repeats):
@@ -890,15 +945,7 @@ def main(
                         r = run_hf(name, rep, data, model, runs_dir, ours)
                     record(r, hd)
                 ours_by[(name, rep)] = ours
-                if interleave and pending:
-                    if paired is None:  # after batchjob's first run, which calibrates quietly
-                        paired = InterleavedVllm(pending, runs_dir, plan_args)
-                        atexit.register(paired.close)  # a failed run, Ctrl-C: no orphan left
-                    paired.release(name, rep)
-        if paired is not None:
-            for r in paired.finish(ours_by):
-                record(r, hd)
-        elif pending:
+        if pending:
             print(f"d{hd} vLLM: {len(pending)} runs in one vllm_peer.py --plan process", flush=True)
             finished, err = run_vllm_plan(pending, ours_by, *plan_args)
             for r in finished:

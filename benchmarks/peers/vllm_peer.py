@@ -10,9 +10,10 @@ Runs INSIDE ``.venv-vllm`` (see benchmarks/peers/setup_vllm_venv.sh), never in t
 "output_json": out.json}``, all on ONE engine (one start-up), the prefix cache reset before
 each; each run's JSON is the single-run JSON (start-up fields copied into every one), except
 that its peak memory covers that run only (``peak_window``: "run" vs "process"). A run may
-name ``"wait_for": path``: it starts only once that file exists (bench_peers.py --interleave
-releases each vLLM run after the batchjob run it pairs with), and the process writes
-``PLAN.json.ready`` once its engine is up, so the caller runs nothing beside the start-up.
+name ``"wait_for": path``: it starts only once that file exists (a caller can release runs
+one by one), and the process writes ``PLAN.json.ready`` once its engine is up, so a caller
+can run nothing beside the start-up. (bench_peers.py --interleave gives each run a fresh
+one-run plan process instead.)
 
 Input: a ``prompt`` column (list<int>, token ids), a ``max_tokens`` column, and optionally a
 ``row_id`` column (else the file row index). Every row decodes exactly ``max_tokens`` tokens

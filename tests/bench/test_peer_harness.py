@@ -7,6 +7,7 @@ in .venv), as bench_peers.py does; skipped when neither has vllm.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -190,3 +191,163 @@ def test_bench_models_per_head_dim_and_kv_heads(tmp_path: Path) -> None:
     assert bp.model_dir(32, 4).name == "bench-peer-d32-kv4"
     cfg = json.loads((bp.build_model(tmp_path / "m", False, 32, 2) / "config.json").read_text())
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (8, 2, 32)
+
+
+def _fake_run(name: str, system: str, rep: int, bp: ModuleType):
+    return bp.RunResult(name, system, rep, 10, 1000, 100, 2.0, 5.0, 0.5, float("nan"), 100.0,
+                        4.0, 0.1, float("nan"))  # fmt: skip
+
+
+def _bench_with_stub_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str):
+    """bench_peers' main with batchjob-vllm and vllm-sorted, 3 repeats, its two peer launchers
+    stubbed: the launcher calls in order, each (system, [(workload, repeat)], plan folder), and
+    the runs table it wrote."""
+    from click.testing import CliRunner
+
+    bp = _load("bench_peers", ROOT / "benchmarks")
+    calls: list[tuple[str, list[tuple[str, int]], Path | None]] = []
+
+    def vllm_plan(pending, ours_by, *args, plan_dir=None):
+        calls.append(("vllm-sorted", [(n, r) for n, _, r, _ in pending], plan_dir))
+        return [_fake_run(n, s, r, bp) for n, s, r, _ in pending], None
+
+    def backend_plan(system, pending, *args, plan_dir=None):
+        calls.append((system, [(n, r) for n, r, _ in pending], plan_dir))
+        return [_fake_run(n, system, r, bp) for n, r, _ in pending]
+
+    def model(path, smoke, head_dim=128, kv_heads=8):
+        (tmp_path / "m").mkdir(exist_ok=True)
+        (tmp_path / "m" / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+        return tmp_path / "m"
+
+    monkeypatch.setattr(bp, "run_vllm_plan", vllm_plan)
+    monkeypatch.setattr(bp, "run_backend_plan", backend_plan)
+    monkeypatch.setattr(bp, "build_model", model)
+    monkeypatch.setattr(bp, "plot", lambda rows, path: None)
+    monkeypatch.setattr(bp, "HAVE_VLLM", True)
+    monkeypatch.setattr(bp, "VLLM_PY", Path(sys.executable))
+    args = ["--systems", "batchjob-vllm,vllm-sorted", "--repeats", "3", "--out", str(tmp_path)]
+    args += ["--workloads", "micro-2000-200-s16", "--scale", "0.02", "--len-scale", "0.05"]
+    res = CliRunner().invoke(bp.main, [*args, *flags], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return calls, pq.read_table(tmp_path / "peers_runs.parquet")
+
+
+def test_interleaved_schedule_alternates_and_rotates() -> None:
+    bp = _load("bench_peers", ROOT / "benchmarks")
+    a, b = "batchjob-vllm", "vllm-sorted"
+    assert bp.interleaved_schedule(["w"], [a, b], 3) == [
+        ("w", 0, a), ("w", 0, b), ("w", 1, b), ("w", 1, a), ("w", 2, a), ("w", 2, b)
+    ]  # fmt: skip
+    # batchjob's native engine opens repeat 0 (its outputs are the match reference); every
+    # system holds every position once in three repeats; workloads one after another
+    sched = bp.interleaved_schedule(["w", "v"], ["vllm-sorted", "batchjob", "hf"], 3)
+    assert [s for n, r, s in sched if n == "w"] == [
+        "batchjob", "vllm-sorted", "hf", "vllm-sorted", "hf", "batchjob",
+        "hf", "batchjob", "vllm-sorted",
+    ]  # fmt: skip
+    assert [(n, r) for n, r, _ in sched] == [(n, r) for n in "wv" for r in range(3) for _ in "abc"]
+
+
+def test_interleave_runs_alternate_each_in_a_fresh_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--interleave: batchjob-vllm and vLLM alternate repeat by repeat, one launcher call (a
+    fresh process and engine) per run, each in its own run folder; the runs table keeps its
+    schema (one row per system and repeat)."""
+    calls, runs = _bench_with_stub_peers(tmp_path, monkeypatch, "--interleave")
+    w, a, b = "micro-2000-200-s16", "batchjob-vllm", "vllm-sorted"
+    order = [(s, r) for s, r, _ in calls]
+    assert order == [
+        (a, [(w, 0)]), (b, [(w, 0)]), (b, [(w, 1)]), (a, [(w, 1)]), (a, [(w, 2)]), (b, [(w, 2)])
+    ]  # fmt: skip
+    d = tmp_path / "runs" / "d128"
+    assert [p for *_, p in calls] == [d / f"{w}-{s}-{r[0][1]}" for s, r in order]
+    bp = sys.modules["bench_peers"]
+    assert runs.column_names == [f.name for f in dataclasses.fields(bp.RunResult)]
+    got = zip(runs["system"].to_pylist(), runs["repeat"].to_pylist(), strict=True)
+    assert sorted(got) == sorted((s, r) for s in (a, b) for r in range(3))
+
+
+def test_default_order_runs_each_system_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --interleave: all vLLM repeats in one process, then all batchjob-vllm ones."""
+    calls, runs = _bench_with_stub_peers(tmp_path, monkeypatch)
+    w = "micro-2000-200-s16"
+    assert [(s, r) for s, r, _ in calls] == [
+        ("vllm-sorted", [(w, 0), (w, 1), (w, 2)]),
+        ("batchjob-vllm", [(w, 0), (w, 1), (w, 2)]),
+    ]
+    assert runs.num_rows == 6
+
+
+def _smoke_interleaved(out: Path, systems: str, repeats: int) -> list[str]:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--smoke", "--with-vllm"]
+    return [
+        *cmd,
+        "--systems",
+        systems,
+        "--interleave",
+        "--repeats",
+        str(repeats),
+        "--out",
+        str(out),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_VLLM, reason="no vllm in .venv-vllm or this venv")
+def test_interleave_with_vllm_alternates_fresh_processes(tmp_path: Path) -> None:
+    """The real thing on the tiny model: batchjob, vLLM, vLLM, batchjob, in that order in
+    time; each vLLM run its own one-run plan, process and log; outputs equal batchjob's."""
+    cmd = _smoke_interleaved(tmp_path, "batchjob,vllm-sorted", repeats=2)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    runs = pq.read_table(tmp_path / "peers_runs.parquet").to_pylist()
+    assert sorted((r["system"], r["repeat"]) for r in runs) == [
+        ("batchjob", 0), ("batchjob", 1), ("vllm-sorted", 0), ("vllm-sorted", 1)
+    ]  # fmt: skip
+    assert all(r["match_frac"] == 1.0 for r in runs if r["system"] == "vllm-sorted")
+    d, name = tmp_path / "runs" / "d32", "micro-2000-200-s4"
+    done = [
+        d / f"{name}-batchllm-0" / "results.parquet",
+        d / f"{name}-vllm-sorted-0" / "peer.json",
+        d / f"{name}-vllm-sorted-1" / "peer.json",
+        d / f"{name}-batchllm-1" / "results.parquet",
+    ]
+    times = [p.stat().st_mtime for p in done]
+    assert times == sorted(times)
+    for rep in (0, 1):
+        run = d / f"{name}-vllm-sorted-{rep}"
+        assert len(json.loads((run / "plan.json").read_text())) == 1
+        assert (run / "log.txt").exists() and (run / "plan.json.ready").exists()
+    assert not (d / "vllm-plan").exists()  # no shared process for all vLLM runs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_VLLM, reason="no vllm in .venv-vllm or this venv")
+def test_interleave_ctrl_c_leaves_no_engine_process(tmp_path: Path) -> None:
+    """Ctrl-C while a run's vLLM engine is up: that run's whole process group goes too."""
+    import signal
+    import time
+
+    psutil = pytest.importorskip("psutil")
+    cmd = _smoke_interleaved(tmp_path, "vllm-sorted", repeats=2)
+    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    with (tmp_path / "log.txt").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=restore_sigint)  # fmt: skip
+        ready = tmp_path / "runs" / "d32" / "micro-2000-200-s4-vllm-sorted-0" / "plan.json.ready"
+        deadline = time.monotonic() + 600
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "vLLM never got ready"
+            time.sleep(0.2)
+        peer = [c for c in psutil.Process(proc.pid).children() if "vllm_peer.py" in c.cmdline()[1]]
+        assert len(peer) == 1
+        tree = [peer[0], *peer[0].children(recursive=True)]  # with vLLM's engine and worker
+        assert len(tree) >= 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) != 0
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert alive == []
