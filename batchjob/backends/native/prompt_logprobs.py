@@ -24,6 +24,7 @@ import torch
 
 from batchjob.backends.base import TokenLogprobs
 from batchjob.backends.native.sampling import token_logprobs
+from batchjob.backends.native.scheduler.base import request_prefix_len
 from batchjob.backends.native.scheduler.output import ScheduledChunk
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
@@ -52,9 +53,10 @@ class PromptLogprobs:
     def __init__(self, prompts: TokenizedPrompts, plan: Plan | None, k: int) -> None:
         n = len(prompts)
         self.prompts, self.k = prompts, k
+        self.lengths = prompts.lengths
+        self.prefix_of = request_prefix_len(plan, n)  # the group prefix each request follows
         if plan is None:  # no plan: every request a group of its own, without a prefix
             self.group_of = np.arange(n, dtype=np.int64)
-            self.prefix_of = np.zeros(n, dtype=np.int64)
             self._left = np.ones(n, dtype=np.int64)
             self._members = np.arange(n, dtype=np.int64)
             self._offsets = np.arange(n + 1, dtype=np.int64)
@@ -62,8 +64,6 @@ class PromptLogprobs:
             sizes = np.diff(plan.group_offsets)
             self.group_of = np.full(n, -1, dtype=np.int64)
             self.group_of[plan.members] = np.repeat(np.arange(plan.num_groups), sizes)
-            self.prefix_of = np.zeros(n, dtype=np.int64)
-            self.prefix_of[plan.members] = np.repeat(plan.group_prefix_len, sizes)
             self._left = sizes.copy()  # members of each group not finished yet
             self._members, self._offsets = plan.members, plan.group_offsets
         self._own: dict[int, _Buffer] = {}  # by row_id: a row's samples share one prompt
@@ -86,7 +86,7 @@ class PromptLogprobs:
             first = c.position_start  # the chunk's first absolute position
             last = first + n - 1  # a group prefix: every position predicts a prompt token
             if seq >= 0:  # a request: up to its last prompt position but one
-                last = min(last, int(self.prompts.offsets[seq + 1] - self.prompts.offsets[seq]) - 2)
+                last = min(last, int(self.lengths[seq]) - 2)
             if last < first:
                 continue
             rows.append(int(cu_q[i]) + np.arange(last - first + 1))
@@ -106,14 +106,9 @@ class PromptLogprobs:
         at = 0
         targets = np.zeros(logits.shape[0], dtype=np.int64)
         for seq, first, n in self._where:  # the token each row predicts (boundary: any)
-            if seq < 0:
-                g = -seq - 1
-                m0 = int(self._group_members(g)[0])
-                targets[at : at + n] = t[p.offsets[m0] + first + 1 : p.offsets[m0] + first + 1 + n]
-            else:
-                targets[at : at + n] = t[
-                    p.offsets[seq] + first + 1 : p.offsets[seq] + first + 1 + n
-                ]
+            src = seq if seq >= 0 else int(self._group_members(-seq - 1)[0])  # a prefix: a member's
+            start = p.offsets[src] + first + 1
+            targets[at : at + n] = t[start : start + n]
             at += n
         chosen, ids, vals = token_logprobs(logits, torch.from_numpy(targets), self.k)
         c, i, v = chosen.cpu().numpy(), ids.cpu().numpy(), vals.float().cpu().numpy()
@@ -157,8 +152,7 @@ class PromptLogprobs:
         row = int(self.prompts.row_ids[seq])
         buf = self._own.get(row)
         if buf is None:
-            length = int(self.prompts.offsets[seq + 1] - self.prompts.offsets[seq])
-            buf = self._own[row] = _Buffer(length, self.k)
+            buf = self._own[row] = _Buffer(int(self.lengths[seq]), self.k)
         return buf
 
     def finish(self, seq: int) -> TokenLogprobs:

@@ -190,18 +190,13 @@ def draw_tokens(
     """``sample_batch``'s draw for rows whose logits another engine has brought to the
     temperature-scaled stage (``batchjob.backends.vllm.seeded_draw``): softmax, top-k,
     top-p, the same inverse CDF at the same (seed, row_id, step) uniform."""
-    v = scaled.shape[1]
-    probs = torch.softmax(scaled.float(), dim=-1)
-    k = np.where((top_k > 0) & (top_k < v), top_k, v)
-    if k.min() < v or top_p.min() < 1.0:
-        probs = _filter_top_k_top_p(probs, k.tolist(), top_p.tolist())
+    probs = _top_k_top_p(torch.softmax(scaled.float(), dim=-1), top_k, top_p)
     return _inverse_cdf(probs, uniform_draws(seeds, row_ids, steps))
 
 
 def _drawn_probs(logits: torch.Tensor, table: RowParams, c: np.ndarray) -> torch.Tensor:
     """float32 [Ks, V]: the drawn rows' distribution (not renormalised), rows with settings
     ``c``: softmax of the temperature-scaled logits, then min_p, top-k and top-p."""
-    v = logits.shape[1]
     temp = torch.from_numpy(table.temperature[c]).to(logits.device)
     probs = torch.softmax(logits.float() / temp[:, None], dim=-1)  # [Ks, V]
     if table.procs.any_min_p:
@@ -209,11 +204,15 @@ def _drawn_probs(logits: torch.Tensor, table: RowParams, c: np.ndarray) -> torch
         if min_p.max() > 0:  # below min_p x the row's top probability: dropped
             mp = torch.from_numpy(min_p).to(logits.device)[:, None]
             probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * mp, 0.0)
-    tk = table.top_k[c]
-    top_k = np.where((tk > 0) & (tk < v), tk, v)
-    top_p = table.top_p[c]
-    if top_k.min() < v or top_p.min() < 1.0:
-        probs = _filter_top_k_top_p(probs, top_k.tolist(), top_p.tolist())
+    return _top_k_top_p(probs, table.top_k[c], table.top_p[c])
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+    """``probs`` [K, V] cut by each row's top-k (0 or >= V: off) and top-p (1: off)."""
+    v = probs.shape[1]
+    k = np.where((top_k > 0) & (top_k < v), top_k, v)
+    if k.min() < v or top_p.min() < 1.0:
+        probs = _filter_top_k_top_p(probs, k.tolist(), top_p.tolist())
     return probs
 
 

@@ -70,9 +70,6 @@ class SeededDraw(LogitsProcessor):
             top_k=np.asarray([int(d[2]) for d, _ in draws], dtype=np.int64),
             top_p=np.asarray([float(d[3]) for d, _ in draws], dtype=np.float32),
         )
-        rows = logits[at]
-        keep = rows.gather(1, tokens[:, None])
-        rows.fill_(float("-inf"))
-        rows.scatter_(1, tokens[:, None], torch.zeros_like(keep))
-        logits[at] = rows
+        one = torch.full_like(logits[at], float("-inf"))
+        logits[at] = one.scatter_(1, tokens[:, None], 0.0)
         return logits
