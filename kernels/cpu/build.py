@@ -84,6 +84,8 @@ class CpuKernel:
     linear: ctypes._CFuncPtr  # type: ignore[name-defined]  # batchjob_linear (linear.c)
     linear_pack: ctypes._CFuncPtr  # type: ignore[name-defined]
     linear_panel_cols: int
+    # batchjob_paged_attention_strided: ``fn`` for caches of another layout (vLLM's)
+    strided: ctypes._CFuncPtr  # type: ignore[name-defined]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -193,6 +195,10 @@ def _load(isa: str) -> CpuKernel | None:
     fn.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p]
     fn.argtypes += [ctypes.c_int, ctypes.c_int]  # threads, kv_bf16
     fn.restype = ctypes.c_int
+    strided = lib.batchjob_paged_attention_strided
+    strided.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64]
+    strided.argtypes += [ctypes.c_float, p, p, p, ctypes.c_int, ctypes.c_int]
+    strided.restype = ctypes.c_int
     rope = lib.batchjob_rope
     rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, ctypes.c_int, ctypes.c_int]
     rope.restype = ctypes.c_int
@@ -206,7 +212,7 @@ def _load(isa: str) -> CpuKernel | None:
     linear_pack.restype = None
     lanes, rows = lib.batchjob_kernel_lanes(), lib.batchjob_kernel_max_rows()
     cols = lib.batchjob_linear_panel_cols()
-    return CpuKernel(isa, path, lanes, rows, fn, rope, write_kv, linear, linear_pack, cols)
+    return CpuKernel(isa, path, lanes, rows, fn, rope, write_kv, linear, linear_pack, cols, strided)
 
 
 def load_kernel(isa: str | None = None) -> CpuKernel | None:

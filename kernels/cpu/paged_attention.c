@@ -18,7 +18,8 @@
    log2 domain, float32 throughout. Own partials go to `out`, prefix partials to `pout`, and
    a final pass merges them by log-sum-exp into `out`.
 
-   Layout: q [T, H, D] float32; k/v cache [num_blocks, BS, Hkv, D], float32 or bfloat16
+   Layout: q [T, H, D] float32; k/v cache [num_blocks, BS, Hkv, D] (or any strides with a
+   head's D elements contiguous: batchjob_paged_attention_strided), float32 or bfloat16
    (kv_bf16: widened to float32 chunk by chunk); out/pout [T, H, D];
    lse [2, T, H] (natural log; row 1: prefix, -inf where a token has no prefix).
    Requires D % L == 0, D <= 256, BS % 16 == 0 and rows = nq * R <= MAX_ROWS. */
@@ -93,6 +94,7 @@ typedef struct {
     const int32_t *blocks;
     float *out, *pout, *lse;
     int64_t T, H, Hkv, D, BS;
+    int64_t bstr, ks, hstr; /* cache strides in elements: a block, a key row, a KV head */
     float qscale; /* softmax scale * log2(e) */
 } args_t;
 
@@ -644,7 +646,7 @@ INLINE int tile_nv(int rows) { return rows <= L ? 1 : rows <= 2 * L ? 2 : rows <
    units), so the loops below always read float32. */
 INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D,
                        const int BF) {
-    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->Hkv * D;
+    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->ks;
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
     const int rh = (int)(nq * R), rows = (int)(nh * rh); /* rows per head, in all */
@@ -682,7 +684,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     int64_t kend = u[U_NKEYS];
     if (causal + nq < kend) kend = causal + nq; /* keys past the last query's limit */
     const int32_t *blocks = a->blocks + u[U_BLK];
-#define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
+#define KV_AT(key) ((int64_t)blocks[(key) / BS] * a->bstr + ((key) % BS) * ks + h0 * a->hstr)
     const int64_t eb = BF ? 2 : 4; /* bytes per cache element */
 #define PREFETCH(base, key)                                                                   \
     do {                                                                                      \
@@ -696,7 +698,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
         const int64_t nk = c + CH < n ? kb + c + CH : pass_v ? kb + SC : kb;                  \
         if (nk < kend) {                                                                      \
             const void *nb = c + CH < n ? cache : pass_v ? a->k : a->v;                       \
-            prefetch_head((const char *)nb + (KV_AT(nk) + (hh) * D) * eb,                    \
+            prefetch_head((const char *)nb + (KV_AT(nk) + (hh) * a->hstr) * eb,                    \
                           kend - nk < CH ? (int)(kend - nk) : CH, D * eb, ks * eb);           \
         }                                                                                     \
     } while (0)
@@ -733,7 +735,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                             PREFETCH_HEAD(hh);
 #ifdef HAVE_BF16DP
                         if (dot_bf16) { /* the cache in place */
-                            const uint16_t *x = (const uint16_t *)cache + at + hh * D;
+                            const uint16_t *x = (const uint16_t *)cache + at + hh * a->hstr;
                             float *s = w->s + hh * rh * SC + c;
                             if (pass_v && rh == 1)
                                 accumulate_row_dp(w->o + hh * D, s, D, x, ks, nv);
@@ -746,7 +748,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                         }
 #endif
                         int64_t st;
-                        const float *x = head_rows(w->kv, cache, at + hh * D, nv, D, ks, BF, &st);
+                        const float *x = head_rows(w->kv, cache, at + hh * a->hstr, nv, D, ks, BF, &st);
                         float *s = w->s + hh * rh * SC + c;
                         if (pass_v)
                             accumulate_rows(w->o + hh * rh * D, s, rh, D, x, st, nv);
@@ -756,18 +758,18 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                 else if (pass_v) /* V rows re-read per 4 query rows: a packed copy */
                     for (int64_t hh = 0; hh < nh; hh++)
                         accumulate_km(w->o + hh * rh * D, w->s + hh * SC * RP + c * RP, RP, rh,
-                                      D, packed_rows(w->kv, cache, at + hh * D, nv, D, ks, BF), nv);
+                                      D, packed_rows(w->kv, cache, at + hh * a->hstr, nv, D, ks, BF), nv);
                 else if (NV >= 4) /* K read in place: once per 4 row vectors, 4 keys at a */
                     for (int64_t hh = 0; hh < nh; hh++) { /* time (more rows Hkv * D apart */
                         int64_t st;                         /* thrash an L1 set) */
-                        const float *x = head_rows(w->kv, cache, at + hh * D, nv, D, ks, BF, &st);
+                        const float *x = head_rows(w->kv, cache, at + hh * a->hstr, nv, D, ks, BF, &st);
                         scores_km(w->qtk + hh * D * RP, w->s + hh * SC * RP + c * RP, NV, D, x,
                                   st, nv);
                     }
                 else
                     for (int64_t hh = 0; hh < nh; hh++)
                         scores_km(w->qtk + hh * D * RP, w->s + hh * SC * RP + c * RP, NV, D,
-                                  packed_rows(w->kv, cache, at + hh * D, nv, D, ks, BF), D, nv);
+                                  packed_rows(w->kv, cache, at + hh * a->hstr, nv, D, ks, BF), D, nv);
             }
         }
     }
@@ -893,7 +895,7 @@ INLINE void pack_p_pairs(uint32_t *pp, const float *s, int RP, int M, int n) {
    Per head, a tile of M = rows / 16 (rounded up) row vectors: its queries' dim pairs in
    w->qtk, its scores in w->s, m and l RP apart; per span, its V and P pairs in w->vv, w->pp. */
 INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
-    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->Hkv * D;
+    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->ks;
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
     const int rh = (int)(nq * R), M = (rh + 15) / 16, RP = M * 16;
@@ -911,7 +913,7 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
     if (causal + nq < kend) kend = causal + nq;
     const int32_t *blocks = a->blocks + u[U_BLK];
     const uint16_t *kc = a->k, *vc = a->v;
-#define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
+#define KV_AT(key) ((int64_t)blocks[(key) / BS] * a->bstr + ((key) % BS) * ks + h0 * a->hstr)
 #define PREFETCH(base, key)                                                                   \
     do {                                                                                      \
         if ((key) < kend)                                                                     \
@@ -926,10 +928,10 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
             const int64_t at = KV_AT(kb + c);
             for (int64_t hh = 0; hh < nh; hh++) {
                 if (nh > 1 && c + CH < n) /* all heads: head hh's lines of the next chunk */
-                    prefetch_head(kc + KV_AT(kb + c + CH) + hh * D,
+                    prefetch_head(kc + KV_AT(kb + c + CH) + hh * a->hstr,
                                   n - c - CH < CH ? n - c - CH : CH, D * 2, ks * 2);
                 scores_dp(qv + hh * (D / 2) * RP, w->s + hh * SC * RP + c * RP, M, D,
-                          kc + at + hh * D, ks, nv);
+                          kc + at + hh * a->hstr, ks, nv);
             }
         }
         for (int64_t hh = 0; hh < nh; hh++) {
@@ -938,8 +940,8 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
                        R, D, causal, kb, n, a->qscale);
             for (int jp = 0; jp < np; jp++) { /* V in key pairs; a key past n zero */
                 if (2 * jp + 17 < n) /* 8 pairs ahead (one pair: one chunk): rows Hkv * D apart */
-                    prefetch_head(vc + KV_AT(kb + 2 * jp + 16) + hh * D, 2, D * 2, ks * 2);
-                const uint16_t *v0 = vc + KV_AT(kb + 2 * jp) + hh * D; /* v1: the same chunk */
+                    prefetch_head(vc + KV_AT(kb + 2 * jp + 16) + hh * a->hstr, 2, D * 2, ks * 2);
+                const uint16_t *v0 = vc + KV_AT(kb + 2 * jp) + hh * a->hstr; /* v1: the same chunk */
                 const uint16_t *v1 = 2 * jp + 1 < n ? v0 + ks : NULL;
                 for (int64_t d = 0; d < D; d += 32) {
                     __m512i y[2];
@@ -1100,7 +1102,7 @@ INLINE void amx_pv(scratch_t *w, int M, int64_t D, int n) {
 
 /* One key-major unit (one KV head, >= FEW_ROWS rows per head) over a bf16 cache on AMX. */
 INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
-    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->Hkv * D;
+    const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->ks;
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], h0 = u[U_KVH];
     const int rows = (int)(nq * R), M = (rows + 15) / 16, RP = M * 16;
     for (int r = 0; r < RP; r++) { /* queries as bf16 pairs of dims, transposed; pad rows 0 */
@@ -1115,7 +1117,7 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
     if (causal + nq < kend) kend = causal + nq;
     const int32_t *blocks = a->blocks + u[U_BLK];
     const uint16_t *kc = a->k, *vc = a->v;
-#define KV_AT(key) (((int64_t)blocks[(key) / BS] * BS + (key) % BS) * ks + h0 * D)
+#define KV_AT(key) ((int64_t)blocks[(key) / BS] * a->bstr + ((key) % BS) * ks + h0 * a->hstr)
     amx_configure();
     for (int64_t kb = 0; kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
@@ -1211,20 +1213,27 @@ int batchjob_kernel_head_rows(int64_t rh) { return rh < FEW_ROWS ? (int)rh : til
    no allocation per call. */
 static __thread scratch_t *tls_scratch;
 
-/* Returns 0, or a negative code for arguments the kernel does not support. */
-int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_cache,
-                             const int32_t *blocks, const int64_t *units, int64_t n_units,
-                             int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
-                             float scale, float *out, float *pout, float *lse, int n_threads,
-                             int kv_bf16) {
+/* As batchjob_paged_attention, for caches of any layout whose key rows hold a head's D
+   elements contiguously: element (block b, key row i, KV head h, d) of the K (V) cache at
+   k_cache (v_cache) + b * bstr + i * ks + h * hstr + d. vLLM's CPU cache, one tensor
+   [blocks, Hkv, 2, BS, D] (K rows then V rows per head), is bstr = Hkv * 2 * BS * D,
+   ks = D, hstr = 2 * BS * D, v_cache = k_cache + BS * D.
+   Returns 0, or a negative code for arguments the kernel does not support. */
+int batchjob_paged_attention_strided(const float *q, const void *k_cache, const void *v_cache,
+                                     const int32_t *blocks, const int64_t *units,
+                                     int64_t n_units, int64_t T, int64_t H, int64_t Hkv,
+                                     int64_t D, int64_t BS, int64_t bstr, int64_t ks,
+                                     int64_t hstr, float scale, float *out, float *pout,
+                                     float *lse, int n_threads, int kv_bf16) {
     if (D % L || D > MAX_D || BS % CH || Hkv <= 0 || H % Hkv) return -1;
+    if (ks < D || hstr < D || bstr < BS * ks) return -1;
     for (int64_t i = 0; i < n_units; i++) {
         const int64_t rh = units[i * U_FIELDS + U_NQ] * (H / Hkv);
         const int all = units[i * U_FIELDS + U_KVH] < 0;
         if (rh > MAX_ROWS || (all && Hkv * batchjob_kernel_head_rows(rh) > MAX_WROWS)) return -2;
     }
     const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
-                      scale * (float)M_LOG2E};
+                      bstr, ks, hstr, scale * (float)M_LOG2E};
     if (kv_bf16) batchjob_kernel_amx(); /* once per process, before the threads start */
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -1259,4 +1268,16 @@ int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_
         }
     }
     return failed ? -3 : 0;
+}
+
+/* The native cache layout: k/v [num_blocks, BS, Hkv, D], one tensor each. Returns 0, or a
+   negative code for arguments the kernel does not support. */
+int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_cache,
+                             const int32_t *blocks, const int64_t *units, int64_t n_units,
+                             int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
+                             float scale, float *out, float *pout, float *lse, int n_threads,
+                             int kv_bf16) {
+    return batchjob_paged_attention_strided(q, k_cache, v_cache, blocks, units, n_units, T, H,
+                                            Hkv, D, BS, BS * Hkv * D, Hkv * D, D, scale, out,
+                                            pout, lse, n_threads, kv_bf16);
 }
