@@ -635,6 +635,9 @@ def main() -> None:
     p.add_argument("--len-scale", type=float, default=None)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128, help="models/bench-peer[-d<D>]")
+    p.add_argument(
+        "--kv-heads", type=int, default=8, help="KV heads of the 8 query heads (2: GQA, -kv2)"
+    )
     p.add_argument("--kv-gib", type=float, default=1.0)
     p.add_argument("--chunk-size", type=int, default=2048, help="the backend's token budget")
     p.add_argument(
@@ -697,7 +700,12 @@ def parent(args) -> None:
 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    model = bp.build_model(bp.model_dir(args.head_dim), smoke=False, head_dim=args.head_dim)
+    model = bp.build_model(
+        bp.model_dir(args.head_dim, args.kv_heads),
+        smoke=False,
+        head_dim=args.head_dim,
+        kv_heads=args.kv_heads,
+    )
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
@@ -708,7 +716,8 @@ def parent(args) -> None:
     header = (
         f"CPU: {host_cpu().summary()}; {os.cpu_count()} CPUs; vLLM {vllm.__version__}; "
         f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}; "
-        f"model {model.name} (head dim {args.head_dim}), float32, block 32, KV "
+        f"model {model.name} (head dim {args.head_dim}, {args.kv_heads} KV heads), float32, "
+        "block 32, KV "
         f"{args.kv_gib} GiB; backend chunk_size {args.chunk_size}, LLM.generate "
         f"max_num_batched_tokens {args.chunk_size if args.vllm_budget else 'vLLM default'}; "
         f"{args.repeats} runs per system, alternating"

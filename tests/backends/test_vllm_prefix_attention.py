@@ -31,8 +31,12 @@ def pa():
         yield prefix_attention
 
 
-def test_registered_in_place_of_vllms_cpu_attention(pa):
+def test_the_worker_extension_registers_it_in_place_of_vllms_cpu_attention(pa):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from batchjob.backends.vllm import prefix_attention_worker
+
+    assert prefix_attention_worker.PrefixAttentionWorker().batchjob_prefix_attention_stats()
 
     assert AttentionBackendEnum.CPU_ATTN.get_path() == pa.BACKEND_PATH
     assert AttentionBackendEnum.CPU_ATTN.get_class() is pa.PrefixSharedCpuBackend
@@ -68,7 +72,15 @@ def _batch(rng: random.Random, bs: int, nblocks: int):
     ],
 )
 @pytest.mark.parametrize("seed", range(3))
-def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed):
+@pytest.mark.parametrize("isa", ["auto", "avx2", "generic"])
+def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, monkeypatch):
+    """Every kernel build this CPU runs: the widest, and the narrower ones a Zen 3 (AVX2) or a
+    CPU without AVX gets (``isa`` above the CPU's narrows to what it has)."""
+    from batchjob.kernels.cpu.build import load_kernel
+
+    kn = load_kernel(None if isa == "auto" else isa)
+    assert kn is not None
+    monkeypatch.setattr(pa, "_KERNEL", [kn])
     rng = random.Random(seed)
     torch.manual_seed(seed)
     bs, nblocks = 32, 64
@@ -86,7 +98,7 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed):
     assert impl._native
     t = int(starts[-1])
     q = torch.randn(t, hq, d).to(dtype)
-    work = pa.step_work(pa.kernel(), table, seq_lens, starts, bs, hq, hkv)
+    work = pa.step_work(kn, table, seq_lens, starts, bs, hq, hkv)
     assert work.batch.meta.num_groups > 0  # the document really read once per group
     out = torch.zeros(t, hq * d, dtype=dtype)
     meta = SimpleNamespace(num_actual_tokens=t, work=work)

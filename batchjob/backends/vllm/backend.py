@@ -320,7 +320,7 @@ class VllmBackend:
             stats = self.engine.collective_rpc("batchjob_prefix_attention_stats")
         except Exception:
             return None
-        return stats[0] if stats else None
+        return stats[0] if stats and stats[0] else None
 
     def close(self) -> None:
         if self.engine is not None:

@@ -74,7 +74,7 @@ class EngineSettings:
 
 
 SEEDED_DRAW = "batchjob.backends.vllm.seeded_draw:SeededDraw"  # no vllm import here
-PREFIX_ATTENTION_WORKER = "batchjob.backends.vllm.prefix_attention.PrefixAttentionWorker"
+PREFIX_ATTENTION_WORKER = "batchjob.backends.vllm.prefix_attention_worker.PrefixAttentionWorker"
 
 
 def engine_arg_names() -> frozenset[str]:
@@ -236,7 +236,7 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         # the engine core stays in this process (the scheduler's records are read directly);
         # the model runs in a worker process with its own OpenMP binding
         kw["distributed_executor_backend"] = "mp"
-        # batchjob's prefix-shared attention kernel in place of vLLM's (prefix_attention)
+        # batchjob's prefix-shared attention kernel in place of vLLM's (prefix_attention_worker)
         if "worker_extension_cls" not in extra:
             kw["worker_extension_cls"] = PREFIX_ATTENTION_WORKER
     user_procs = list(extra.pop("logits_processors", None) or [])

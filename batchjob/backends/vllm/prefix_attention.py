@@ -2,10 +2,10 @@
 
 vLLM's CPU attention reads a shared document's KV once per request; on long shared prefixes
 that is most of a decode step. This backend subclasses vLLM's ``CPUAttentionBackend`` and is
-registered in its place through vLLM's public registry (``register_backend``), in the worker
-process, by importing this module (``engine_args`` names ``PrefixAttentionWorker`` as the
-``worker_extension_cls``, which vLLM imports before it builds the model). vLLM stays
-unpatched: its cache tensor, block tables, prefix cache and metadata are its own.
+registered in its place through vLLM's public registry (``register_backend``) in the worker
+process, by ``prefix_attention_worker`` (the ``worker_extension_cls`` that ``engine_args``
+names, which vLLM imports before it builds the model). vLLM stays unpatched: its cache
+tensor, block tables, prefix cache and metadata are its own.
 
 A block is opaque to vLLM's scheduler, so the layers this backend takes keep their blocks in
 the native engine's layout: [2, BS, Hkv, D] per block (K rows, then V rows, each row all KV
@@ -52,7 +52,7 @@ def enabled() -> bool:
 
 
 _KERNEL: list[CpuKernel | None] = []
-# this worker's counts, for the driver (PrefixAttentionWorker.batchjob_prefix_attention_stats)
+# this worker's counts, for the driver (prefix_attention_worker.PrefixAttentionWorker)
 STATS = dict(steps=0, kernel_steps=0, grouped_steps=0, groups=0, grouped_requests=0)
 STATS["saved_kv_reads"] = 0  # KV tokens a layer did not read: (members - 1) x prefix, summed
 
@@ -295,15 +295,3 @@ def register() -> None:
     """Make vLLM's CPU attention this backend in this process (idempotent)."""
     if enabled():
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-
-
-class PrefixAttentionWorker:
-    """vLLM's worker extension: vLLM imports it in the worker before the model is built, and
-    importing this module registers the backend there. The driver reads the counts through
-    ``LLMEngine.collective_rpc("batchjob_prefix_attention_stats")``."""
-
-    def batchjob_prefix_attention_stats(self) -> dict[str, int]:
-        return dict(STATS)
-
-
-register()
