@@ -447,13 +447,14 @@ def run_backend_plan(
     model: Path,
     work: Path,
     kv_bytes: int,
-    chunk_size: int,
+    chunk_size: int | None,
     ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
     max_model_len: int | None = None,
     plan_dir: Path | None = None,
 ) -> list[RunResult]:
     """Every pending (workload, repeat, data) run of a batchjob-vllm system in ONE process
-    (its plan and log in ``plan_dir``, default WORK/SYSTEM-plan)."""
+    (its plan and log in ``plan_dir``, default WORK/SYSTEM-plan). ``chunk_size`` None: the
+    backend's own step budget (vLLM's default for the platform), as a job leaves it."""
     plan = []
     for name, rep, data in pending:
         out = work / f"{name}-{system}-{rep}" / "peer.json"
@@ -465,7 +466,9 @@ def run_backend_plan(
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     cmd = [PY, str(ROOT / "benchmarks/peers/batchjob_vllm_peer.py"), "--model", str(model)]
     cmd += ["--policy", BACKEND_POLICY[system], "--plan", str(d / "plan.json")]
-    cmd += ["--kv-bytes", str(kv_bytes), "--chunk-size", str(chunk_size)]
+    cmd += ["--kv-bytes", str(kv_bytes)]
+    if chunk_size is not None:
+        cmd += ["--chunk-size", str(chunk_size)]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(max_model_len)]
     wall, rss, cpu = run_child(cmd, d / "log.txt")
@@ -509,6 +512,7 @@ def run_fresh(
     vllm_chunk: int | None,
     max_model_len: int | None,
     dtype: str,
+    backend_chunk: int | None = None,
 ) -> tuple[RunResult, dict[int, list[int]] | None]:
     """One run of ``system`` in a fresh process with its own engine (--interleave); its plan,
     log and outputs in WORK/NAME-SYSTEM-REP. Returns the run (match fraction nan: the caller
@@ -524,8 +528,8 @@ def run_fresh(
     d = work / f"{name}-{system}-{rep}"
     if system in BACKEND_POLICY:
         (r,) = run_backend_plan(
-            system, [(name, rep, data)], model, work, kv_bytes, chunk_size, {(name, rep): None},
-            max_model_len, plan_dir=d,
+            system, [(name, rep, data)], model, work, kv_bytes, backend_chunk,
+            {(name, rep): None}, max_model_len, plan_dir=d,
         )  # fmt: skip
         return r, None
     finished, err = run_vllm_plan(
@@ -722,8 +726,16 @@ def profile_split(stats_path: Path) -> dict[str, float]:
 @click.option(
     "--vllm-budget/--vllm-default-budget",
     default=False,
-    help="Give the vLLM peer --chunk-size as max_num_batched_tokens (default: vLLM's own, 4096 "
-    "on CPU).",
+    help="Give the vLLM systems (the vLLM peer and batchjob's vllm backend) --chunk-size as "
+    "their step budget (default: vLLM's own, 4096 on CPU, which the backend also takes when "
+    "scheduler.chunk_size is unset).",
+)
+@click.option(
+    "--backend-chunk-size",
+    type=int,
+    default=None,
+    help="scheduler.chunk_size of batchjob's vllm backend systems (default: the vLLM systems' "
+    "budget: --chunk-size with --vllm-budget, else the backend's own, vLLM's default).",
 )
 @click.option(
     "--head-dims",
@@ -779,6 +791,7 @@ def main(
     kv_gib,
     chunk_size,
     vllm_budget,
+    backend_chunk_size,
     max_model_len,
     head_dims,
     kv_heads,
@@ -789,6 +802,7 @@ def main(
     resume,
     profile_stats,
 ) -> None:
+    backend_chunk = backend_chunk_size or (chunk_size if vllm_budget else None)
     if profile_stats is not None:
         split = profile_split(profile_stats)
         total = sum(split.values())
@@ -878,7 +892,7 @@ def main(
                         system, name, rep, datas[name], scales[name][2], model=model,
                         work=runs_dir, kv_gib=kv_gib, chunk_size=chunk_size,
                         vllm_chunk=chunk_size if vllm_budget else None,
-                        max_model_len=max_model_len, dtype=dtype,
+                        max_model_len=max_model_len, dtype=dtype, backend_chunk=backend_chunk,
                     )  # fmt: skip
                     ours = outs if system == "batchjob" else ours
                     fresh.append(r)
@@ -900,8 +914,8 @@ def main(
             for system in ("vllm-file", "vllm-sorted")
             if system in chosen and (name, system, rep, hd) not in done
         ]
-        plan_args = (model, runs_dir, kv_gib, chunk_size if vllm_budget else None)
-        plan_args += (max_model_len, dtype)
+        vllm_chunk = chunk_size if vllm_budget else None
+        plan_args = (model, runs_dir, kv_gib, vllm_chunk, max_model_len, dtype)
         for name, (_, _, mt) in scales.items():
             data = datas[name]
             for rep in range(repeats):
@@ -962,7 +976,7 @@ def main(
             if todo:
                 print(f"d{hd} {system}: {len(todo)} runs in one batchjob_vllm_peer.py process")
                 for r in run_backend_plan(
-                    system, todo, model, runs_dir, kv_bytes, chunk_size, ours_by, max_model_len
+                    system, todo, model, runs_dir, kv_bytes, backend_chunk, ours_by, max_model_len
                 ):
                     record(r, hd)
     rows = summary_rows(runs, scales)

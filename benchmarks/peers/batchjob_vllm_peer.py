@@ -1,7 +1,7 @@
 """batchjob's vLLM backend on token-id Parquet workloads, several runs on ONE engine.
 
     .venv/bin/python benchmarks/peers/batchjob_vllm_peer.py --model DIR --policy batchllm \\
-        --plan PLAN.json [--kv-bytes 1073741824] [--chunk-size 2048] [--max-model-len 4096]
+        --plan PLAN.json [--kv-bytes 1073741824] [--chunk-size N] [--max-model-len 4096]
 
 PLAN.json: a list of runs ``{"input": W.parquet, "output_json": out.json}``. Each run is the
 pipeline's path without Parquet output: load_prompts -> build_plan -> VllmBackend.run (plan
@@ -41,10 +41,10 @@ def job_for(args: argparse.Namespace, data: str):
             "engine.block_size": "32",
             "engine.kv_cache_bytes": str(args.kv_bytes),
             "scheduler.policy": args.policy,
-            "scheduler.chunk_size": str(args.chunk_size),
             "sampling.ignore_eos": "true",
             "sampling.temperature": "0",
-        },
+        }
+        | ({"scheduler.chunk_size": str(args.chunk_size)} if args.chunk_size else {}),
     )
 
 
@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plan", required=True)
     p.add_argument("--policy", choices=("batchllm", "baseline"), default="batchllm")
     p.add_argument("--kv-bytes", type=int, default=GIB)
-    p.add_argument("--chunk-size", type=int, default=2048)
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="scheduler.chunk_size (unset: the backend's)"
+    )
     p.add_argument("--max-model-len", type=int, default=4096)
     args = p.parse_args(argv)
 

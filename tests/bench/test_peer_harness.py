@@ -198,6 +198,22 @@ def _fake_run(name: str, system: str, rep: int, bp: ModuleType):
                         4.0, 0.1, float("nan"))  # fmt: skip
 
 
+budgets: list[int | None] = []  # the step budget each backend launcher call was given
+
+
+@pytest.mark.parametrize(
+    "flags,budget",
+    [
+        ((), None),  # the backend's own default, as a job leaves it
+        (("--backend-chunk-size", "2048"), 2048),
+        (("--chunk-size", "4096", "--vllm-budget"), 4096),  # both vLLM systems at one budget
+    ],
+)
+def test_the_backend_gets_its_own_budget_unless_told(tmp_path, monkeypatch, flags, budget):
+    _bench_with_stub_peers(tmp_path, monkeypatch, "--interleave", *flags)
+    assert budgets and set(budgets) == {budget}
+
+
 def _bench_with_stub_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str):
     """bench_peers' main with batchjob-vllm and vllm-sorted, 3 repeats, its two peer launchers
     stubbed: the launcher calls in order, each (system, [(workload, repeat)], plan folder), and
@@ -206,6 +222,7 @@ def _bench_with_stub_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *fla
 
     bp = _load("bench_peers", ROOT / "benchmarks")
     calls: list[tuple[str, list[tuple[str, int]], Path | None]] = []
+    budgets.clear()
 
     def vllm_plan(pending, ours_by, *args, plan_dir=None):
         calls.append(("vllm-sorted", [(n, r) for n, _, r, _ in pending], plan_dir))
@@ -213,6 +230,7 @@ def _bench_with_stub_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *fla
 
     def backend_plan(system, pending, *args, plan_dir=None):
         calls.append((system, [(n, r) for n, r, _ in pending], plan_dir))
+        budgets.append(args[3])  # (model, work, kv_bytes, chunk_size, ...)
         return [_fake_run(n, system, r, bp) for n, r, _ in pending]
 
     def model(path, smoke, head_dim=128, kv_heads=8):

@@ -1,0 +1,137 @@
+"""batchjob's prefix-shared kernel inside vLLM against vLLM's own CPU attention, per batch shape.
+
+What the vLLM backend's attention (backends/vllm/prefix_attention.py) changes, one layer's
+attention call at a time: vLLM's ``cpu_attention_with_kv_cache`` on its cache layout against
+``batchjob_paged_attention_strided`` on the same cache tensor in the native layout, with the
+step's work built from vLLM-style block tables (``step_work``: prefix groups found from equal
+leading block ids, requests in shuffled batch order). float32, block 32, both kernels on the
+threads torch has; times are the best of 3 rounds of 10 calls, the two alternating.
+
+    VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/bench_vllm_attention.py \\
+        [--out benchmarks/results/vllm_attention_zen4.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+BS = 32
+# (name, groups, members a group, shared prefix tokens, own tokens, query tokens a request)
+SHAPES = [
+    ("decode 100: 25 groups of 4 over 320", 25, 4, 320, 100, 1),
+    ("decode 64: 4 groups of 16 over 1984", 4, 16, 1984, 220, 1),
+    ("decode 96, nothing shared, 500 each", 96, 1, 0, 500, 1),
+    ("prefill 8 x 64 over 4 prefixes of 320", 4, 2, 320, 64, 64),
+    ("prefill 2048, one sequence", 1, 1, 0, 2048, 2048),
+]
+HEADS = [(8, 8, 128), (8, 2, 128), (8, 8, 64)]  # query heads, KV heads, head dim
+
+
+def best_ms(fns: dict[str, Callable[[], None]], rounds: int = 3, calls: int = 10):
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            f()
+            t = time.perf_counter()
+            for _ in range(calls):
+                f()
+            times[k].append((time.perf_counter() - t) / calls * 1e3)
+    return {k: min(v) for k, v in times.items()}
+
+
+def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]:
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from batchjob.backends.vllm import prefix_attention as pa
+
+    _, groups, members, prefix, own, qlen = shape
+    kn = pa.kernel()
+    assert kn is not None, "no C kernel build"
+    r = groups * members
+    nb_p, nb_own = prefix // BS, -(-own // BS)
+    nblocks = groups * nb_p + r * nb_own + 1
+    kv = torch.randn(nblocks, hkv, BS, 2 * d)
+    key_cache, value_cache = kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2)
+    ids = (torch.randperm(nblocks - 1) + 1).int()
+    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
+    nxt = groups * nb_p
+    for i in range(r):
+        g = i // members
+        table[i, :nb_p] = ids[g * nb_p : (g + 1) * nb_p]
+        table[i, nb_p:] = ids[nxt : nxt + nb_own]
+        nxt += nb_own
+    table = table[torch.randperm(r)].contiguous()
+    seq = torch.full((r,), prefix + own, dtype=torch.int32)
+    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
+    t = r * qlen
+    q = torch.randn(t, hq, d)
+    out = torch.empty(t, hq, d)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=r, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq,
+        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+        isa=_get_attn_isa(torch.float32, BS, d), enable_kv_split=False,
+    )  # fmt: skip
+
+    def vllm() -> None:
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
+            scheduler_metadata=meta, s_aux=None,
+        )  # fmt: skip
+
+    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv)
+
+    def ours() -> None:  # the backend's forward, without the module around it
+        order = work.batch.token_order
+        qq = q if order is None else q.index_select(0, order)
+        o, po, lse = torch.empty(t, hq, d), torch.empty(t, hq, d), torch.empty(2, t, hq)
+        base = kv.data_ptr()
+        rc = kn.strided(
+            qq.data_ptr(), base, base + BS * hkv * d * 4,
+            work.blocks.ctypes.data_as(ctypes.c_void_p),
+            work.units.ctypes.data_as(ctypes.c_void_p), len(work.units), t, hq, hkv, d, BS,
+            2 * BS * hkv * d, hkv * d, d, d**-0.5, o.data_ptr(), po.data_ptr(),
+            lse.data_ptr(), work.threads, 0,
+        )  # fmt: skip
+        assert rc == 0
+
+    ms = best_ms({"vllm": vllm, "ours": ours})
+    return ms["vllm"], ms["ours"], work.batch.meta.num_groups
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = p.parse_args()
+    import vllm
+
+    from batchjob.model.host_cpu import host_cpu
+
+    lines = [
+        f"CPU: {host_cpu().summary()}; torch threads {torch.get_num_threads()}; "
+        f"vLLM {vllm.__version__}; float32, block {BS}",
+        "",
+        "| heads (q/kv) x dim | batch | vLLM ms | batchjob ms | vLLM / batchjob | groups |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    for hq, hkv, d in HEADS:
+        for shape in SHAPES:
+            v, o, g = measure(hq, hkv, d, shape)
+            line = f"| {hq}/{hkv} x {d} | {shape[0]} | {v:.2f} | {o:.2f} | {v / o:.2f}x | {g} |"
+            print(line, flush=True)
+            lines.append(line)
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
