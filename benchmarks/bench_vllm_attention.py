@@ -14,7 +14,6 @@ threads torch has; times are the best of 3 rounds of 10 calls, the two alternati
 from __future__ import annotations
 
 import argparse
-import ctypes
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +48,7 @@ def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    from batchjob.backends.native.attention.cpu import run_units
     from batchjob.backends.vllm import prefix_attention as pa
 
     _, groups, members, prefix, own, qlen = shape
@@ -92,16 +92,11 @@ def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]
     def ours() -> None:  # the backend's forward, without the module around it
         order = work.batch.token_order
         qq = q if order is None else q.index_select(0, order)
-        o, po, lse = torch.empty(t, hq, d), torch.empty(t, hq, d), torch.empty(2, t, hq)
         base = kv.data_ptr()
-        rc = kn.strided(
-            qq.data_ptr(), base, base + BS * hkv * d * 4,
-            work.blocks.ctypes.data_as(ctypes.c_void_p),
-            work.units.ctypes.data_as(ctypes.c_void_p), len(work.units), t, hq, hkv, d, BS,
-            2 * BS * hkv * d, hkv * d, d, d**-0.5, o.data_ptr(), po.data_ptr(),
-            lse.data_ptr(), work.threads, 0,
+        run_units(
+            kn, qq, base, base + BS * hkv * d * 4, hkv, BS, (2 * BS * hkv * d, hkv * d, d),
+            work.units, work.blocks, work.has_prefix, work.threads, False, d**-0.5,
         )  # fmt: skip
-        assert rc == 0
 
     ms = best_ms({"vllm": vllm, "ours": ours})
     return ms["vllm"], ms["ours"], work.batch.meta.num_groups

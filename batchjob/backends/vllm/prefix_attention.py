@@ -21,7 +21,6 @@ attention, no C compiler) keep vLLM's layout and kernel throughout.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,13 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from batchjob.backends.native.attention.cpu import DST, MAX_WHOLE_ROWS, build_units
+from batchjob.backends.native.attention.cpu import (
+    DST,
+    MAX_WHOLE_ROWS,
+    build_units,
+    kernel_takes,
+    run_units,
+)
 from batchjob.backends.vllm.prefix_groups import NativeBatch, native_metadata
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
@@ -101,7 +106,9 @@ class PrefixSharedMetadataBuilder(CPUAttentionMetadataBuilder):
             or self.window_size != -1
             or self.is_cross_attention
             or self.is_encoder_only_attention
-            or not _fits(kn, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size)
+            or not kernel_takes(
+                kn, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size
+            )
         ):
             return meta
         r = cm.num_reqs
@@ -149,16 +156,6 @@ def _count(batch: NativeBatch) -> None:
         STATS["saved_kv_reads"] += int(((sizes - 1) * m.prefix_len.numpy()).sum())
 
 
-def _fits(kn: CpuKernel, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
-    return (
-        head_dim % kn.lanes == 0
-        and head_dim <= 256
-        and block_size % 16 == 0
-        and heads % kv_heads == 0
-        and heads // kv_heads <= kn.max_rows
-    )
-
-
 class PrefixSharedImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, with decoder self-attention on the native kernel where it fits
     (decided once per layer, on its first call: the cache layout follows the choice)."""
@@ -179,7 +176,7 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
                 and not self.is_fp8_kv_cache
                 and kv_cache.dtype in KV_DTYPES
                 and kv_cache.is_contiguous()
-                and _fits(kn, self.num_heads, hkv, two_d // 2, bs)
+                and kernel_takes(kn, self.num_heads, hkv, two_d // 2, bs)
             )
             if self._native and kn is not None:
                 logger.info_once("batchjob prefix-shared attention (CPU kernel, %s)", kn.isa)
@@ -232,34 +229,13 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
         q = q.to(torch.float32).contiguous()
         out3 = output[:t].view(t, h, d)
         direct = order is None and out3.dtype == torch.float32 and out3.is_contiguous()
-        out = out3 if direct else torch.empty(t, h, d, dtype=torch.float32)
-        pout = torch.empty(t, h, d, dtype=torch.float32) if work.has_prefix else out
-        lse = torch.empty(2, t, h, dtype=torch.float32)
         base = kv_cache.data_ptr()
-        rc = kn.strided(
-            q.data_ptr(),
-            base,
-            base + bs * hkv * d * kv_cache.element_size(),  # a block's V rows follow its K rows
-            work.blocks.ctypes.data_as(ctypes.c_void_p),
-            work.units.ctypes.data_as(ctypes.c_void_p),
-            len(work.units),
-            t,
-            h,
-            hkv,
-            d,
-            bs,
-            2 * bs * hkv * d,  # block stride
-            hkv * d,  # key row stride
-            d,  # KV head stride
-            self.scale,
-            out.data_ptr(),
-            pout.data_ptr(),
-            lse.data_ptr(),
-            work.threads,
-            int(kv_cache.dtype == torch.bfloat16),
-        )
-        if rc != 0:
-            raise RuntimeError(f"CPU paged attention kernel rejected its arguments (code {rc})")
+        out = run_units(
+            kn, q, base, base + bs * hkv * d * kv_cache.element_size(), hkv, bs,
+            (2 * bs * hkv * d, hkv * d, d),  # native_view: a block's V rows follow its K rows
+            work.units, work.blocks, work.has_prefix, work.threads,
+            kv_cache.dtype == torch.bfloat16, self.scale, out3 if direct else None,
+        )  # fmt: skip
         if not direct:
             res = out.to(out3.dtype)
             if order is None:

@@ -121,29 +121,25 @@ def native_metadata(
     q_lens = np.diff(query_start).astype(np.int64)
     seq_lens = seq_lens.astype(np.int64)
     groups = shared_prefix_groups(table, context_blocks(table, seq_lens, q_lens, bs))
-    shared = np.zeros(r, dtype=np.int64)
-    grouped = np.zeros(r, dtype=bool)
-    order_parts, seq_group = [], np.full(r, -1, dtype=np.int32)
+    shared = np.zeros(r, dtype=np.int64)  # leading blocks each request shares
+    seq_group = np.full(r, -1, dtype=np.int32)
+    width = max([grp.blocks for grp in groups], default=1)
+    p_table = np.zeros((len(groups), width), dtype=np.int32)
     for g, grp in enumerate(groups):
         shared[grp.members] = grp.blocks
-        grouped[grp.members] = True
         seq_group[grp.members] = g
-        order_parts.append(grp.members)
-    order = np.concatenate([*order_parts, np.flatnonzero(~grouped)]).astype(np.int64)
+        p_table[g, : grp.blocks] = table[grp.members[0], : grp.blocks]
+    # the groups' members first, group by group, then the rest in batch order
+    order = np.concatenate([*(g.members for g in groups), np.flatnonzero(seq_group < 0)])
+    order = order.astype(np.int64)
     q_len = q_lens[order]
     cu_q = np.concatenate([[0], np.cumsum(q_len)])
     # own KV: the blocks after the shared ones (a row shifted left by its shared count)
     m = table.shape[1]
     cols = np.minimum(shared[order][:, None] + np.arange(m)[None, :], m - 1)
     own_table = table[order[:, None], cols]
-    pos = np.empty(r, dtype=np.int64)
-    pos[order] = np.arange(r)
-    g_start = np.array([cu_q[pos[grp.members].min()] for grp in groups], dtype=np.int64)
-    g_end = np.array([cu_q[pos[grp.members].max() + 1] for grp in groups], dtype=np.int64)
-    width = max([grp.blocks for grp in groups], default=1)
-    p_table = np.zeros((len(groups), width), dtype=np.int32)
-    for g, grp in enumerate(groups):
-        p_table[g, : grp.blocks] = table[grp.members[0], : grp.blocks]
+    first = np.concatenate([[0], np.cumsum([len(g.members) for g in groups], dtype=np.int64)])
+    g_start, g_end = cu_q[first[:-1]], cu_q[first[1:]]  # each group's query tokens
     p_len = np.array([grp.blocks * bs for grp in groups], dtype=np.int64)
     kv_len = seq_lens[order] - shared[order] * bs
     starts = query_start[:-1].astype(np.int64)[order]

@@ -130,6 +130,51 @@ def _work(
     return units, blocks, bool(units[:, DST].any())
 
 
+def kernel_takes(kn: CpuKernel, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel build ``kn`` runs this attention shape: head dims a multiple of its
+    vector width up to 256, blocks a multiple of 16, a KV head's query heads within a unit."""
+    return (
+        head_dim % kn.lanes == 0
+        and head_dim <= 256
+        and block_size % 16 == 0
+        and heads % kv_heads == 0
+        and heads // kv_heads <= kn.max_rows
+    )
+
+
+def run_units(
+    kn: CpuKernel,
+    q: torch.Tensor,
+    k_ptr: int,
+    v_ptr: int,
+    hkv: int,
+    bs: int,
+    strides: tuple[int, int, int],
+    units: np.ndarray,
+    blocks: np.ndarray,
+    has_prefix: bool,
+    threads: int,
+    bf16: bool,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One batch's work units on the kernel: ``q`` float32 contiguous [T, H, D]; the K and V
+    caches at ``k_ptr`` / ``v_ptr`` with ``strides`` (a block, a key row, a KV head; in
+    elements); the result in ``out`` (float32 contiguous [T, H, D], made if None)."""
+    t, h, d = q.shape
+    out = torch.empty(t, h, d, dtype=torch.float32) if out is None else out
+    pout = torch.empty(t, h, d, dtype=torch.float32) if has_prefix else out
+    lse = torch.empty(2, t, h, dtype=torch.float32)
+    rc = kn.strided(
+        q.data_ptr(), k_ptr, v_ptr, blocks.ctypes.data_as(ctypes.c_void_p),
+        units.ctypes.data_as(ctypes.c_void_p), len(units), t, h, hkv, d, bs, *strides, scale,
+        out.data_ptr(), pout.data_ptr(), lse.data_ptr(), threads, int(bf16),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"CPU paged attention kernel rejected its arguments (code {rc})")
+    return out
+
+
 class CpuAttention:
     """Paged prefix-shared attention on the CPU via the C kernel (see module docstring).
 
@@ -192,10 +237,7 @@ class CpuAttention:
             and q.dtype in KV_DTYPES
             and k_cache.dtype in KV_DTYPES
             and v_cache.dtype == k_cache.dtype
-            and d % kn.lanes == 0
-            and d <= 256
-            and bs % 16 == 0
-            and q.shape[1] // hkv <= kn.max_rows
+            and kernel_takes(kn, q.shape[1], hkv, d, bs)
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
         )
@@ -237,7 +279,7 @@ class CpuAttention:
             return self.fallback.attend(q, k_cache, v_cache, meta, scale)
         kn = self.kernel
         assert kn is not None
-        t, h, d = q.shape
+        _, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape
         threads = torch.get_num_threads()
         bf16 = k_cache.dtype == torch.bfloat16
@@ -247,29 +289,9 @@ class CpuAttention:
             (h, hkv, kn.max_rows, threads, whole_tiles),
             lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole_tiles),
         )
-        qf = q.to(torch.float32).contiguous()
-        out = torch.empty(t, h, d, dtype=torch.float32)
-        pout = torch.empty(t, h, d, dtype=torch.float32) if has_prefix else out
-        lse = torch.empty(2, t, h, dtype=torch.float32)
-        rc = kn.fn(
-            qf.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            blocks.ctypes.data_as(ctypes.c_void_p),
-            units.ctypes.data_as(ctypes.c_void_p),
-            len(units),
-            t,
-            h,
-            hkv,
-            d,
-            bs,
-            scale,
-            out.data_ptr(),
-            pout.data_ptr(),
-            lse.data_ptr(),
-            threads,
-            int(bf16),
-        )
-        if rc != 0:
-            raise RuntimeError(f"CPU paged attention kernel rejected its arguments (code {rc})")
+        native = (bs * hkv * d, hkv * d, d)  # [num_blocks, BS, Hkv, D]
+        out = run_units(
+            kn, q.to(torch.float32).contiguous(), k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs,
+            native, units, blocks, has_prefix, threads, bf16, scale,
+        )  # fmt: skip
         return out.to(q.dtype)
