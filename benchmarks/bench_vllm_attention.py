@@ -105,7 +105,16 @@ def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
+    p.add_argument("--heads", default=None, help="only these q/kv x dim, e.g. 8/2x128,8/8x64")
+    p.add_argument("--shapes", default=None, help="only batches whose name has one of these")
     args = p.parse_args()
+    heads = HEADS
+    if args.heads:
+        want = {h.replace(" ", "") for h in args.heads.split(",")}
+        heads = [x for x in HEADS if f"{x[0]}/{x[1]}x{x[2]}" in want]
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [s for s in SHAPES if any(w in s[0] for w in args.shapes.split(","))]
     import vllm
 
     from batchjob.model.host_cpu import host_cpu
@@ -118,8 +127,8 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
-    for hq, hkv, d in HEADS:
-        for shape in SHAPES:
+    for hq, hkv, d in heads:
+        for shape in shapes:
             v, o, g = measure(hq, hkv, d, shape)
             line = f"| {hq}/{hkv} x {d} | {shape[0]} | {v:.2f} | {o:.2f} | {v / o:.2f}x | {g} |"
             print(line, flush=True)
