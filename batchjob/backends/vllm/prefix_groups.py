@@ -38,32 +38,20 @@ def context_blocks(table: np.ndarray, seq_lens: np.ndarray, q_lens: np.ndarray, 
     return np.minimum(full, first_null)
 
 
-# (saved block reads, groups chosen, members left to an ancestor's group)
-_Best = tuple[int, list[PrefixGroup], list[np.ndarray]]
+# (saved block reads, groups chosen as (members, blocks), members left to an ancestor's group)
+_Best = tuple[int, list[tuple[list[int], int]], list[int]]
 
 
 class _Node:
-    """Requests sharing blocks [0, depth): their common blocks ``k`` and the child classes by
-    block ``k`` (a request with no block there is a child of its own)."""
+    """Requests sharing their first ``k`` blocks and no more: an interval of the block trie's
+    sorted rows. ``children``: deeper nodes, and request indices (leaves: a request whose
+    blocks end at ``k`` or that no other request follows further)."""
 
-    def __init__(self, table: np.ndarray, ctx: np.ndarray, members: np.ndarray, depth: int):
-        self.members = members
-        lim = int(ctx[members].min())
-        k = depth
-        if len(members) > 1 and lim > depth:
-            sub = table[members, depth:lim]
-            same = (sub == sub[0]).all(axis=0)
-            k = depth + (int(np.argmin(same)) if not same.all() else lim - depth)
+    __slots__ = ("_memo", "children", "k")
+
+    def __init__(self, k: int, child: _Node | int) -> None:
         self.k = k
-        self.children: list[_Node] = []
-        if len(members) > 1:
-            ends = members[ctx[members] <= k]
-            deeper = members[ctx[members] > k]
-            keys = table[deeper, k]
-            order = np.argsort(keys, kind="stable")
-            parts = np.split(deeper[order], np.flatnonzero(np.diff(keys[order])) + 1)
-            for part in [*(np.sort(q) for q in parts if len(q)), *ends.reshape(-1, 1)]:
-                self.children.append(_Node(table, ctx, part, k + 1 if len(part) > 1 else k))
+        self.children: list[_Node | int] = [child]
         self._memo: dict[int, _Best] = {}
 
     def best(self, p: int) -> _Best:
@@ -71,27 +59,55 @@ class _Node:
         each member left there saves ``p`` (the ancestor pays its ``p`` once)."""
         if p in self._memo:
             return self._memo[p]
-        if not self.children:  # one request
-            res: _Best = (p, [], [self.members])
-        else:
-            # (a) a group of this node's k blocks takes what the children leave
-            kids = [c.best(self.k) for c in self.children]
-            left = [m for _, _, ms in kids for m in ms]
-            pool = np.sort(np.concatenate(left)) if left else self.members[:0]
-            own = [PrefixGroup(pool, self.k)] if len(pool) > 1 else []
-            a_val = sum(v for v, _, _ in kids) - self.k
-            a: _Best = (a_val, [g for _, gs, _ in kids for g in gs] + own, [])
-            # (b) no group here: the children leave members to the ancestor's
-            up = [c.best(p) for c in self.children]
-            b_val = sum(v for v, _, _ in up)
-            b: _Best = (
-                b_val,
-                [g for _, gs, _ in up for g in gs],
-                [m for _, _, ms in up for m in ms],
-            )
-            res = a if self.k > p and a_val > b_val else b
+        # (a) a group of this node's k blocks takes what the children leave
+        a_val, a_groups, pool = -self.k, [], []
+        for c in self.children:
+            v, gs, left = c.best(self.k) if isinstance(c, _Node) else (self.k, [], [c])
+            a_val += v
+            a_groups += gs
+            pool += left
+        if len(pool) > 1:
+            a_groups.append((pool, self.k))
+        # (b) no group here: the children leave members to the ancestor's
+        b_val, b_groups, b_left = 0, [], []
+        for c in self.children:
+            v, gs, left = c.best(p) if isinstance(c, _Node) else (p, [], [c])
+            b_val += v
+            b_groups += gs
+            b_left += left
+        res: _Best = (
+            (a_val, a_groups, []) if self.k > p and a_val > b_val else (b_val, b_groups, b_left)
+        )
         self._memo[p] = res
         return res
+
+
+def _trie(table: np.ndarray, ctx: np.ndarray, cand: np.ndarray) -> _Node | int:
+    """The block trie of the ``cand`` requests' first ``ctx`` blocks, compressed to the nodes
+    where requests part: rows sorted, then the longest common prefixes of neighbours (an LCP
+    interval tree, built in one pass)."""
+    c = ctx[cand]
+    m = int(c.max())
+    # past a row's ctx: a value no other row has, so no prefix runs on there
+    rows = np.where(np.arange(m)[None, :] < c[:, None], table[cand, :m].astype(np.int64),
+                    -1 - np.arange(len(cand), dtype=np.int64)[:, None])  # fmt: skip
+    order = np.lexsort(rows.T[::-1])
+    rows = rows[order]
+    eq = rows[1:] == rows[:-1]
+    lcp = [*np.where(eq.all(axis=1), m, eq.argmin(axis=1)).tolist(), -1]  # -1: the end
+    members = cand[order].tolist()
+    stack: list[_Node] = []
+    for i, req in enumerate(members):
+        child: _Node | int = req
+        while stack and stack[-1].k > lcp[i]:
+            node = stack.pop()
+            node.children.append(child)
+            child = node
+        if stack and stack[-1].k == lcp[i]:
+            stack[-1].children.append(child)
+        else:
+            stack.append(_Node(lcp[i], child))
+    return stack[0].children[0]
 
 
 def shared_prefix_groups(table: np.ndarray, ctx: np.ndarray) -> list[PrefixGroup]:
@@ -101,8 +117,11 @@ def shared_prefix_groups(table: np.ndarray, ctx: np.ndarray) -> list[PrefixGroup
     cand = np.flatnonzero(ctx > 0)
     if len(cand) < 2:
         return []
-    _, groups, _ = _Node(table, ctx, cand, 0).best(0)
-    return [g for g in groups if g.blocks > 0]
+    root = _trie(table, ctx, cand)
+    if not isinstance(root, _Node):
+        return []
+    _, groups, _ = root.best(0)
+    return [PrefixGroup(np.array(sorted(m), dtype=np.int64), k) for m, k in groups if k > 0]
 
 
 @dataclass(frozen=True)
