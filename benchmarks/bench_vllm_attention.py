@@ -90,12 +90,11 @@ def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]
     work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv)
 
     def ours() -> None:  # the backend's forward, without the module around it
-        order = work.batch.token_order
-        qq = q if order is None else q.index_select(0, order)
         base = kv.data_ptr()
         run_units(
-            kn, qq, base, base + BS * hkv * d * 4, hkv, BS, (2 * BS * hkv * d, hkv * d, d),
-            work.units, work.blocks, work.has_prefix, work.threads, False, d**-0.5,
+            kn, q, base, base + BS * hkv * d * 4, hkv, BS, (2 * BS * hkv * d, hkv * d, d),
+            work.units, work.blocks, work.has_prefix, work.threads, False, d**-0.5, out,
+            work.batch.token_order,
         )  # fmt: skip
 
     ms = best_ms({"vllm": vllm, "ours": ours})

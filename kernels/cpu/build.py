@@ -196,7 +196,7 @@ def _load(isa: str) -> CpuKernel | None:
     fn.argtypes += [ctypes.c_int, ctypes.c_int]  # threads, kv_bf16
     fn.restype = ctypes.c_int
     strided = lib.batchjob_paged_attention_strided
-    strided.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64]
+    strided.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, p, i64]
     strided.argtypes += [ctypes.c_float, p, p, p, ctypes.c_int, ctypes.c_int]
     strided.restype = ctypes.c_int
     rope = lib.batchjob_rope

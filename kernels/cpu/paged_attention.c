@@ -95,10 +95,18 @@ typedef struct {
     float *out, *pout, *lse;
     int64_t T, H, Hkv, D, BS;
     int64_t bstr, ks, hstr; /* cache strides in elements: a block, a key row, a KV head */
+    const int64_t *tok; /* the units' token t is row tok[t] of q, out and lse (NULL: t) */
+    int64_t qstr;       /* elements from one token's queries to the next's in q */
     float qscale; /* softmax scale * log2(e) */
 } args_t;
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* Where the units' query token t lives: its row of out and lse, and of q (qrow, head h). */
+INLINE int64_t tok_row(const args_t *a, int64_t t) { return a->tok ? a->tok[t] : t; }
+INLINE const float *qrow(const args_t *a, int64_t t, int64_t h, int64_t D) {
+    return a->q + tok_row(a, t) * a->qstr + h * D;
+}
 
 INLINE vf ld(const float *p) { return *(const vfu *)p; }
 INLINE void st(float *p, vf x) { *(vfu *)p = x; }
@@ -627,7 +635,7 @@ INLINE void finish_unit(const args_t *a, const int64_t *u, const scratch_t *w, i
     float *lse = a->lse + (u[U_DST] ? a->T * H : 0);
     for (int r = 0; r < rows; r++) {
         const int64_t hh = r / rh, rl = r % rh;
-        const int64_t row = (q0 + rl / R) * H + (h0 + hh) * R + rl % R;
+        const int64_t row = tok_row(a, q0 + rl / R) * H + (h0 + hh) * R + rl % R;
         const int ml = (int)(hh * hs + rl);
         const float inv = 1.0f / w->l[ml];
         for (int64_t d = 0; d < D; d++) out[row * D + d] = w->o[r * D + d] * inv;
@@ -660,7 +668,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 #endif
     for (int r = 0; r < rows; r++) {
         const int64_t hh = r / rh, rl = r % rh;
-        const float *src = a->q + ((q0 + rl / R) * H + (h0 + hh) * R + rl % R) * D;
+        const float *src = qrow(a, q0 + rl / R, (h0 + hh) * R + rl % R, D);
 #ifdef HAVE_BF16DP
         if (dot_bf16) { /* instead of the scaled float32 queries, which they never read */
             for (int64_t d = 0; d < D; d += 32)
@@ -905,7 +913,7 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
     uint32_t *qv = (uint32_t *)w->qtk; /* head hh's pairs at hh * (D / 2) * RP */
     for (int64_t hh = 0; hh < nh; hh++)
         for (int r = 0; r < RP; r++) {
-            const float *src = a->q + ((q0 + r / R) * H + (h0 + hh) * R + r % R) * D;
+            const float *src = r < rh ? qrow(a, q0 + r / R, (h0 + hh) * R + r % R, D) : NULL;
             for (int64_t p = 0; p < D / 2; p++)
                 qv[(hh * (D / 2) + p) * RP + r] =
                     r < rh ? bf16_pair(src[2 * p], src[2 * p + 1]) : 0;
@@ -1109,7 +1117,7 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], h0 = u[U_KVH];
     const int rows = (int)(nq * R), M = (rows + 15) / 16, RP = M * 16;
     for (int r = 0; r < RP; r++) { /* queries as bf16 pairs of dims, transposed; pad rows 0 */
-        const float *src = a->q + ((q0 + r / R) * H + h0 * R + r % R) * D;
+        const float *src = r < rows ? qrow(a, q0 + r / R, h0 * R + r % R, D) : NULL;
         for (int64_t p = 0; p < D / 2; p++)
             w->qv[r / 16][p][r % 16] =
                 r < rows ? bf16_pair(src[2 * p], src[2 * p + 1]) : 0;
@@ -1221,22 +1229,29 @@ static __thread scratch_t *tls_scratch;
    k_cache (v_cache) + b * bstr + i * ks + h * hstr + d. vLLM's CPU cache, one tensor
    [blocks, Hkv, 2, BS, D] (K rows then V rows per head), is bstr = Hkv * 2 * BS * D,
    ks = D, hstr = 2 * BS * D, v_cache = k_cache + BS * D.
+   tokens: NULL, or int64 [T], a permutation of 0..T-1: the units' token t is row tokens[t] of
+   q, out, pout and lse (a caller's batch order, read and written in place: no gather of q or
+   scatter of out around the call). q_stride: elements from one token's queries to the next
+   (H * D when q is contiguous; a row of a fused QKV projection's output otherwise).
    Returns 0, or a negative code for arguments the kernel does not support. */
 int batchjob_paged_attention_strided(const float *q, const void *k_cache, const void *v_cache,
                                      const int32_t *blocks, const int64_t *units,
                                      int64_t n_units, int64_t T, int64_t H, int64_t Hkv,
                                      int64_t D, int64_t BS, int64_t bstr, int64_t ks,
-                                     int64_t hstr, float scale, float *out, float *pout,
-                                     float *lse, int n_threads, int kv_bf16) {
+                                     int64_t hstr, const int64_t *tokens, int64_t q_stride,
+                                     float scale, float *out, float *pout, float *lse,
+                                     int n_threads, int kv_bf16) {
     if (D % L || D > MAX_D || BS % CH || Hkv <= 0 || H % Hkv) return -1;
-    if (ks < D || hstr < D || bstr < BS * ks) return -1;
+    if (ks < D || hstr < D || bstr < BS * ks || q_stride < H * D) return -1;
+    for (int64_t t = 0; tokens && t < T; t++)
+        if (tokens[t] < 0 || tokens[t] >= T) return -1;
     for (int64_t i = 0; i < n_units; i++) {
         const int64_t rh = units[i * U_FIELDS + U_NQ] * (H / Hkv);
         const int all = units[i * U_FIELDS + U_KVH] < 0;
         if (rh > MAX_ROWS || (all && Hkv * batchjob_kernel_head_rows(rh) > MAX_WROWS)) return -2;
     }
     const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
-                      bstr, ks, hstr, scale * (float)M_LOG2E};
+                      bstr, ks, hstr, tokens, q_stride, scale * (float)M_LOG2E};
     if (kv_bf16) batchjob_kernel_amx(); /* once per process, before the threads start */
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -1281,6 +1296,6 @@ int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_
                              float scale, float *out, float *pout, float *lse, int n_threads,
                              int kv_bf16) {
     return batchjob_paged_attention_strided(q, k_cache, v_cache, blocks, units, n_units, T, H,
-                                            Hkv, D, BS, BS * Hkv * D, Hkv * D, D, scale, out,
-                                            pout, lse, n_threads, kv_bf16);
+                                            Hkv, D, BS, BS * Hkv * D, Hkv * D, D, NULL,
+                                            H * D, scale, out, pout, lse, n_threads, kv_bf16);
 }

@@ -92,12 +92,13 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
     k_blk = torch.randn(nblocks, bs, hkv, d).to(dtype)
     v_blk = torch.randn(nblocks, bs, hkv, d).to(dtype)
     slots = torch.tensor([b * bs + i for b in used for i in range(bs)])
-    impl.do_kv_cache_update(
-        None, k_blk[used].flatten(0, 1), v_blk[used].flatten(0, 1), cache, slots
-    )
+    # K and V as vLLM passes them: views of one fused projection output (rows strided)
+    fused = torch.cat([k_blk[used].flatten(0, 1), v_blk[used].flatten(0, 1)], dim=1)
+    impl.do_kv_cache_update(None, fused[:, :hkv], fused[:, hkv:], cache, slots)
     assert impl._native
     t = int(starts[-1])
-    q = torch.randn(t, hq, d).to(dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)  # the kernel reads it in place (float32)
     work = pa.step_work(kn, table, seq_lens, starts, bs, hq, hkv)
     assert work.batch.meta.num_groups > 0  # the document really read once per group
     out = torch.zeros(t, hq * d, dtype=dtype)
@@ -114,6 +115,26 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
         ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, -torch.inf).softmax(-1), vals)
         tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(out[starts[r] : starts[r + 1]], ref, **tol)
+
+
+def test_a_token_map_that_is_not_a_permutation_is_refused(pa):
+    """The kernel reads and writes rows through the token map: one out of range is refused
+    before anything runs."""
+    from batchjob.backends.native.attention.cpu import run_units
+
+    kn = pa.kernel()
+    hq = hkv = 2
+    d, bs = 64, 32
+    cache = torch.zeros(4, hkv, bs, 2 * d)
+    table = np.array([[1], [2]], dtype=np.int32)
+    work = pa.step_work(kn, table, np.array([3, 3]), np.array([0, 1, 2]), bs, hq, hkv)
+    base = cache.data_ptr()
+    args = (base, base + bs * hkv * d * 4, hkv, bs, (2 * bs * hkv * d, hkv * d, d), work.units)
+    q = torch.randn(2, hq, d)
+    ok = run_units(kn, q, *args, work.blocks, False, 1, False, 1.0, None, torch.tensor([1, 0]))
+    assert torch.isfinite(ok).all()
+    with pytest.raises(RuntimeError, match="rejected"):
+        run_units(kn, q, *args, work.blocks, False, 1, False, 1.0, None, torch.tensor([0, 2]))
 
 
 def test_layers_the_kernel_cannot_take_keep_vllms_layout_and_kernel(pa):

@@ -78,6 +78,8 @@ class _Work:
     blocks: np.ndarray
     has_prefix: bool
     threads: int
+    # the kernel's pout and lse, made by the step's first layer and reused by the others
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -193,11 +195,30 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
         if not self._uses_native(kv_cache):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         kv = native_view(kv_cache)  # [blocks, 2, BS, Hkv, D]
-        bs = kv.shape[2]
+        nb, _, bs, hkv, d = kv.shape
         n = slot_mapping.shape[0]
-        blk, pos = slot_mapping // bs, slot_mapping % bs
-        kv[blk, 0, pos] = key[:n].to(kv.dtype)
-        kv[blk, 1, pos] = value[:n].to(kv.dtype)
+        k, v = key[:n], value[:n]
+        kn = kernel()
+        # vLLM's slot s (block s // BS, row s % BS) as a row of the cache seen as [2 * BS *
+        # blocks] rows of Hkv * D: the K row; its V row is BS rows on
+        rows = slot_mapping + slot_mapping // bs * bs
+        fits = (
+            kn is not None
+            and k.dtype == v.dtype == kv.dtype
+            and slot_mapping.dtype == torch.int64
+            and all(
+                x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d for x in (k, v)
+            )
+        )
+        if not fits or kn is None or kn.write_kv(
+            k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv.data_ptr(),
+            kv[:, 1].data_ptr(), rows.data_ptr(), n, (2 * nb - 1) * bs, hkv * d,
+            kv.element_size(), torch.get_num_threads(),
+        ) != 0:  # fmt: skip
+            # the torch path (a slot out of range raises the index error here)
+            blk, pos = slot_mapping // bs, slot_mapping % bs
+            kv[blk, 0, pos] = k.to(kv.dtype)
+            kv[blk, 1, pos] = v.to(kv.dtype)
 
     def forward(
         self,
@@ -224,24 +245,24 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
         _nb, hkv, bs, two_d = kv_cache.shape
         d = two_d // 2
         h = query.shape[1]
-        order = work.batch.token_order
-        q = query[:t] if order is None else query[:t].index_select(0, order)
-        q = q.to(torch.float32).contiguous()
+        q = query[:t]
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+            q = q.to(torch.float32).contiguous()
         out3 = output[:t].view(t, h, d)
-        direct = order is None and out3.dtype == torch.float32 and out3.is_contiguous()
+        direct = out3.dtype == torch.float32 and out3.is_contiguous()
+        if work.scratch is None:
+            pout = torch.empty(t, h, d, dtype=torch.float32)
+            work.scratch = (pout, torch.empty(2, t, h, dtype=torch.float32))
         base = kv_cache.data_ptr()
         out = run_units(
             kn, q, base, base + bs * hkv * d * kv_cache.element_size(), hkv, bs,
             (2 * bs * hkv * d, hkv * d, d),  # native_view: a block's V rows follow its K rows
             work.units, work.blocks, work.has_prefix, work.threads,
             kv_cache.dtype == torch.bfloat16, self.scale, out3 if direct else None,
+            work.batch.token_order, work.scratch,
         )  # fmt: skip
         if not direct:
-            res = out.to(out3.dtype)
-            if order is None:
-                out3.copy_(res)
-            else:
-                out3.index_copy_(0, order, res)
+            out3.copy_(out.to(out3.dtype))
         return output
 
 

@@ -157,17 +157,29 @@ def run_units(
     bf16: bool,
     scale: float,
     out: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One batch's work units on the kernel: ``q`` float32 contiguous [T, H, D]; the K and V
-    caches at ``k_ptr`` / ``v_ptr`` with ``strides`` (a block, a key row, a KV head; in
-    elements); the result in ``out`` (float32 contiguous [T, H, D], made if None)."""
+    """One batch's work units on the kernel: ``q`` float32 [T, H, D] with each token's heads
+    contiguous (tokens any stride apart: a view of a fused QKV output); the K and V caches at
+    ``k_ptr`` / ``v_ptr`` with ``strides`` (a block, a key row, a KV head; in elements); the
+    result in ``out`` (float32 contiguous [T, H, D], made if None). ``tokens``: None, or int64
+    [T], the units' token t being row ``tokens[t]`` of q and out (the kernel reads and writes
+    them in place). ``scratch``: (pout [T, H, D], lse [2, T, H]) float32 to reuse, else made."""
     t, h, d = q.shape
+    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError("run_units: q must be float32 with each token's heads contiguous")
+    if tokens is not None and (tokens.dtype != torch.int64 or not tokens.is_contiguous()):
+        raise ValueError("run_units: tokens must be contiguous int64")
     out = torch.empty(t, h, d, dtype=torch.float32) if out is None else out
-    pout = torch.empty(t, h, d, dtype=torch.float32) if has_prefix else out
-    lse = torch.empty(2, t, h, dtype=torch.float32)
+    pout, lse = scratch if scratch is not None else (None, None)
+    if pout is None or lse is None:
+        pout = torch.empty(t, h, d, dtype=torch.float32) if has_prefix else out
+        lse = torch.empty(2, t, h, dtype=torch.float32)
     rc = kn.strided(
         q.data_ptr(), k_ptr, v_ptr, blocks.ctypes.data_as(ctypes.c_void_p),
-        units.ctypes.data_as(ctypes.c_void_p), len(units), t, h, hkv, d, bs, *strides, scale,
+        units.ctypes.data_as(ctypes.c_void_p), len(units), t, h, hkv, d, bs, *strides,
+        None if tokens is None else tokens.data_ptr(), q.stride(0), scale,
         out.data_ptr(), pout.data_ptr(), lse.data_ptr(), threads, int(bf16),
     )  # fmt: skip
     if rc != 0:
