@@ -639,7 +639,12 @@ def main() -> None:
         "--kv-heads", type=int, default=8, help="KV heads of the 8 query heads (2: GQA, -kv2)"
     )
     p.add_argument("--kv-gib", type=float, default=1.0)
-    p.add_argument("--chunk-size", type=int, default=2048, help="the backend's token budget")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="the backend's token budget (default: its own, vLLM's default: 4096 on a CPU)",
+    )
     p.add_argument(
         "--vllm-budget",
         action="store_true",
@@ -718,7 +723,7 @@ def parent(args) -> None:
         f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}; "
         f"model {model.name} (head dim {args.head_dim}, {args.kv_heads} KV heads), float32, "
         "block 32, KV "
-        f"{args.kv_gib} GiB; backend chunk_size {args.chunk_size}, LLM.generate "
+        f"{args.kv_gib} GiB; backend chunk_size {args.chunk_size or 'its own'}, LLM.generate "
         f"max_num_batched_tokens {args.chunk_size if args.vllm_budget else 'vLLM default'}; "
         f"{args.repeats} runs per system, alternating"
     )
@@ -745,8 +750,10 @@ def parent(args) -> None:
                 cmd = [sys.executable, __file__, "--child", system, "--workload", name]
                 cmd += ["--data", str(data), "--model", str(model)]
                 cmd += ["--result", str(d / "result.json"), "--kv-gib", str(args.kv_gib)]
-                cmd += ["--chunk-size", str(args.chunk_size), "--repeats", str(args.repeats)]
-                if args.vllm_budget:
+                cmd += ["--repeats", str(args.repeats)]
+                if args.chunk_size:
+                    cmd += ["--chunk-size", str(args.chunk_size)]
+                if args.vllm_budget and args.chunk_size:
                     cmd += ["--vllm-chunk", str(args.chunk_size)]
                 for flag in ("batchllm_max_seqs", "vllm_max_seqs"):
                     if getattr(args, flag) is not None:
