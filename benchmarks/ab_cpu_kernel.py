@@ -1,0 +1,120 @@
+"""Two versions of the CPU attention kernel's source, timed side by side in one process.
+
+For kernel changes: both sources are built (kernels/cpu/build.py, the same flags, other
+sources as checked out; both must take the checked-out entry point's arguments,
+``batchjob_paged_attention_strided`` as ``run_units`` calls it) and loaded as separate
+libraries, then run alternately on the same
+batches (vLLM's block-table batches with the native layout, as the vLLM backend runs them:
+``prefix_attention.step_work``), so machine drift hits both alike. Prints each version's
+median of ``--rounds`` rounds of 10 calls, the ratio A / B (> 1: B faster) and the largest
+output difference.
+
+    git show HEAD~1:kernels/cpu/paged_attention.c > /tmp/old.c
+    .venv/bin/python benchmarks/ab_cpu_kernel.py /tmp/old.c kernels/cpu/paged_attention.c \\
+        [--heads 8/2x128,8/8x128] [--isa avx2] [--bf16] [--shapes decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from batchjob.backends.native.attention.cpu import run_units
+from batchjob.backends.vllm import prefix_attention as pa
+from batchjob.kernels.cpu import build
+from batchjob.kernels.cpu.build import CpuKernel
+
+BS = 32
+# (name, groups, members a group, shared prefix tokens, own tokens, query tokens a request)
+SHAPES = [
+    ("decode: 25 groups of 4 over 320, +100 own", 25, 4, 320, 100, 1),
+    ("decode: 4 groups of 16 over 1984, +220 own", 4, 16, 1984, 220, 1),
+    ("decode: 96 unshared, 500 each", 96, 1, 0, 500, 1),
+    ("decode: 64 unshared, 2000 each", 64, 1, 0, 2000, 1),
+    ("prefill: 8 x 64 over 4 prefixes of 320", 4, 2, 320, 64, 64),
+]
+
+
+def load(source: Path, isa: str) -> CpuKernel:
+    """The build of ``source`` in place of kernels/cpu/paged_attention.c."""
+    build.SOURCES = (source.resolve(), *build.SOURCES[1:])
+    build._load.cache_clear()
+    kn = build._load(isa)
+    if kn is None:
+        raise SystemExit(f"{source}: no {isa} build")
+    return kn
+
+
+def batch(hq: int, hkv: int, d: int, shape: tuple, kn: CpuKernel, bf16: bool) -> Callable:
+    """A call running one layer's attention of ``shape`` on a kernel build."""
+    _, groups, members, prefix, own, qlen = shape
+    r = groups * members
+    nb_p, nb_own = prefix // BS, -(-own // BS)
+    nblocks = groups * nb_p + r * nb_own + 1
+    kv = torch.randn(nblocks, 2, BS, hkv, d).to(torch.bfloat16 if bf16 else torch.float32)
+    ids = (torch.randperm(nblocks - 1) + 1).int()
+    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
+    nxt = groups * nb_p
+    for i in range(r):
+        g = i // members
+        table[i, :nb_p] = ids[g * nb_p : (g + 1) * nb_p]
+        table[i, nb_p:] = ids[nxt : nxt + nb_own]
+        nxt += nb_own
+    table = table[torch.randperm(r)].contiguous()
+    seq = torch.full((r,), prefix + own, dtype=torch.int32)
+    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
+    q = torch.randn(r * qlen, hq, d)
+    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv)
+    v_off = BS * hkv * d * kv.element_size()
+    strides = (2 * BS * hkv * d, hkv * d, d)
+
+    def call(k: CpuKernel) -> torch.Tensor:
+        base = kv.data_ptr()  # the closure keeps the cache alive
+        return run_units(
+            k, q, base, base + v_off, hkv, BS, strides, work.units, work.blocks,
+            work.has_prefix, work.threads, bf16, d**-0.5, None, work.batch.token_order,
+        )  # fmt: skip
+
+    return call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a", type=Path, help="kernel source A (the baseline)")
+    p.add_argument("b", type=Path, help="kernel source B")
+    p.add_argument("--heads", default="8/2x128,8/8x128", help="q/kv x dim, comma list")
+    p.add_argument("--isa", default=None, help="the build (default: this CPU's widest)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 caches")
+    p.add_argument("--shapes", default=None, help="only batches whose name has one of these")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    isa = build.select_isa(args.isa)
+    ka, kb = load(args.a, isa), load(args.b, isa)
+    print(f"CPU: {build.cpu_model()}; build {isa}; torch threads {torch.get_num_threads()}")
+    print("| heads | batch | A ms | B ms | A / B | max diff |\n|---|---|---:|---:|---:|---:|")
+    for spec in args.heads.split(","):
+        hq, hkv, d = (int(x) for x in spec.replace("x", "/").split("/"))
+        for shape in SHAPES:
+            if args.shapes and not any(w in shape[0] for w in args.shapes.split(",")):
+                continue
+            call = batch(hq, hkv, d, shape, ka, args.bf16)
+            diff = (call(ka) - call(kb)).abs().max().item()
+            times: dict[str, list[float]] = {"a": [], "b": []}
+            for _ in range(args.rounds):
+                for name, k in (("a", ka), ("b", kb)):
+                    call(k)
+                    t = time.perf_counter()
+                    for _ in range(10):
+                        call(k)
+                    times[name].append((time.perf_counter() - t) / 10 * 1e3)
+            ta, tb = (statistics.median(times[n]) for n in ("a", "b"))
+            print(f"| {spec} | {shape[0]} | {ta:.2f} | {tb:.2f} | {ta / tb:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
