@@ -250,7 +250,7 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
             q = q.to(torch.float32).contiguous()
         out3 = output[:t].view(t, h, d)
         direct = out3.dtype == torch.float32 and out3.is_contiguous()
-        if work.scratch is None:
+        if work.scratch is None or work.scratch[0].shape != (t, h, d):
             pout = torch.empty(t, h, d, dtype=torch.float32)
             work.scratch = (pout, torch.empty(2, t, h, dtype=torch.float32))
         base = kv_cache.data_ptr()
