@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import bench_vllm_attention as vllm_attention  # this folder: the script's own
 import torch
 
 from batchjob.backends.native.attention.cpu import run_units
@@ -29,15 +30,8 @@ from batchjob.backends.vllm import prefix_attention as pa
 from batchjob.kernels.cpu import build
 from batchjob.kernels.cpu.build import CpuKernel
 
-BS = 32
-# (name, groups, members a group, shared prefix tokens, own tokens, query tokens a request)
-SHAPES = [
-    ("decode: 25 groups of 4 over 320, +100 own", 25, 4, 320, 100, 1),
-    ("decode: 4 groups of 16 over 1984, +220 own", 4, 16, 1984, 220, 1),
-    ("decode: 96 unshared, 500 each", 96, 1, 0, 500, 1),
-    ("decode: 64 unshared, 2000 each", 64, 1, 0, 2000, 1),
-    ("prefill: 8 x 64 over 4 prefixes of 320", 4, 2, 320, 64, 64),
-]
+# bench_vllm_attention's batches, and one with long unshared sequences
+SHAPES = [*vllm_attention.SHAPES, ("decode 64, nothing shared, 2000 each", 64, 1, 0, 2000, 1)]
 
 
 def load(source: Path, isa: str) -> CpuKernel:
@@ -52,32 +46,16 @@ def load(source: Path, isa: str) -> CpuKernel:
 
 def batch(hq: int, hkv: int, d: int, shape: tuple, kn: CpuKernel, bf16: bool) -> Callable:
     """A call running one layer's attention of ``shape`` on a kernel build."""
-    _, groups, members, prefix, own, qlen = shape
-    r = groups * members
-    nb_p, nb_own = prefix // BS, -(-own // BS)
-    nblocks = groups * nb_p + r * nb_own + 1
-    kv = torch.randn(nblocks, 2, BS, hkv, d).to(torch.bfloat16 if bf16 else torch.float32)
-    ids = (torch.randperm(nblocks - 1) + 1).int()
-    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
-    nxt = groups * nb_p
-    for i in range(r):
-        g = i // members
-        table[i, :nb_p] = ids[g * nb_p : (g + 1) * nb_p]
-        table[i, nb_p:] = ids[nxt : nxt + nb_own]
-        nxt += nb_own
-    table = table[torch.randperm(r)].contiguous()
-    seq = torch.full((r,), prefix + own, dtype=torch.int32)
-    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
-    q = torch.randn(r * qlen, hq, d)
-    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv)
-    v_off = BS * hkv * d * kv.element_size()
-    strides = (2 * BS * hkv * d, hkv * d, d)
+    nblocks, table, seq, qsl = vllm_attention.block_tables(shape)
+    bs = vllm_attention.BS
+    kv = torch.randn(nblocks, hkv, bs, 2 * d).to(torch.bfloat16 if bf16 else torch.float32)
+    q = torch.randn(int(qsl[-1]), hq, d)
+    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), bs, hq, hkv)
 
     def call(k: CpuKernel) -> torch.Tensor:
-        base = kv.data_ptr()  # the closure keeps the cache alive
         return run_units(
-            k, q, base, base + v_off, hkv, BS, strides, work.units, work.blocks,
-            work.has_prefix, work.threads, bf16, d**-0.5, None, work.batch.token_order,
+            k, q, *pa.native_cache(kv), work.units, work.blocks, work.has_prefix, work.threads,
+            bf16, d**-0.5, None, work.batch.token_order,
         )  # fmt: skip
 
     return call

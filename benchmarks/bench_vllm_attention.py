@@ -32,6 +32,28 @@ SHAPES = [
 HEADS = [(8, 8, 128), (8, 2, 128), (8, 8, 64)]  # query heads, KV heads, head dim
 
 
+def block_tables(shape: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A vLLM-style batch of ``shape``: (blocks in the cache, block tables [R, M] int32 with
+    each group's prefix blocks shared and the requests shuffled, sequence lengths, query
+    start offsets [R + 1]). Block 0 stays unused, as vLLM's null block."""
+    _, groups, members, prefix, own, qlen = shape
+    r = groups * members
+    nb_p, nb_own = prefix // BS, -(-own // BS)
+    nblocks = groups * nb_p + r * nb_own + 1
+    ids = (torch.randperm(nblocks - 1) + 1).int()
+    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
+    nxt = groups * nb_p
+    for i in range(r):
+        g = i // members
+        table[i, :nb_p] = ids[g * nb_p : (g + 1) * nb_p]
+        table[i, nb_p:] = ids[nxt : nxt + nb_own]
+        nxt += nb_own
+    table = table[torch.randperm(r)].contiguous()
+    seq = torch.full((r,), prefix + own, dtype=torch.int32)
+    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
+    return nblocks, table, seq, qsl
+
+
 def best_ms(fns: dict[str, Callable[[], None]], rounds: int = 3, calls: int = 10):
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
@@ -51,26 +73,12 @@ def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]
     from batchjob.backends.native.attention.cpu import run_units
     from batchjob.backends.vllm import prefix_attention as pa
 
-    _, groups, members, prefix, own, qlen = shape
     kn = pa.kernel()
     assert kn is not None, "no C kernel build"
-    r = groups * members
-    nb_p, nb_own = prefix // BS, -(-own // BS)
-    nblocks = groups * nb_p + r * nb_own + 1
+    nblocks, table, seq, qsl = block_tables(shape)
+    r, t = len(seq), int(qsl[-1])
     kv = torch.randn(nblocks, hkv, BS, 2 * d)
     key_cache, value_cache = kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2)
-    ids = (torch.randperm(nblocks - 1) + 1).int()
-    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
-    nxt = groups * nb_p
-    for i in range(r):
-        g = i // members
-        table[i, :nb_p] = ids[g * nb_p : (g + 1) * nb_p]
-        table[i, nb_p:] = ids[nxt : nxt + nb_own]
-        nxt += nb_own
-    table = table[torch.randperm(r)].contiguous()
-    seq = torch.full((r,), prefix + own, dtype=torch.int32)
-    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
-    t = r * qlen
     q = torch.randn(t, hq, d)
     out = torch.empty(t, hq, d)
     meta = ops.cpu_attn_get_scheduler_metadata(
@@ -90,11 +98,9 @@ def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]
     work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv)
 
     def ours() -> None:  # the backend's forward, without the module around it
-        base = kv.data_ptr()
         run_units(
-            kn, q, base, base + BS * hkv * d * 4, hkv, BS, (2 * BS * hkv * d, hkv * d, d),
-            work.units, work.blocks, work.has_prefix, work.threads, False, d**-0.5, out,
-            work.batch.token_order,
+            kn, q, *pa.native_cache(kv), work.units, work.blocks, work.has_prefix, work.threads,
+            False, d**-0.5, out, work.batch.token_order,
         )  # fmt: skip
 
     ms = best_ms({"vllm": vllm, "ours": ours})

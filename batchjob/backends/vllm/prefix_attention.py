@@ -242,8 +242,7 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
         if work is None or kn is None or output_scale is not None:
             raise RuntimeError("prefix-shared attention: a batch without kernel work units")
         t = attn_metadata.num_actual_tokens
-        _nb, hkv, bs, two_d = kv_cache.shape
-        d = two_d // 2
+        d = kv_cache.shape[3] // 2
         h = query.shape[1]
         q = query[:t]
         if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
@@ -253,17 +252,25 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
         if work.scratch is None or work.scratch[0].shape != (t, h, d):
             pout = torch.empty(t, h, d, dtype=torch.float32)
             work.scratch = (pout, torch.empty(2, t, h, dtype=torch.float32))
-        base = kv_cache.data_ptr()
         out = run_units(
-            kn, q, base, base + bs * hkv * d * kv_cache.element_size(), hkv, bs,
-            (2 * bs * hkv * d, hkv * d, d),  # native_view: a block's V rows follow its K rows
-            work.units, work.blocks, work.has_prefix, work.threads,
+            kn, q, *native_cache(kv_cache), work.units, work.blocks, work.has_prefix, work.threads,
             kv_cache.dtype == torch.bfloat16, self.scale, out3 if direct else None,
             work.batch.token_order, work.scratch,
         )  # fmt: skip
         if not direct:
             out3.copy_(out.to(out3.dtype))
         return output
+
+
+def native_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int, tuple[int, int, int]]:
+    """vLLM's [blocks, Hkv, BS, 2 * D] cache tensor in the native layout (``native_view``) as
+    ``run_units`` takes it: the K and V base pointers (a block's V rows follow its K rows),
+    KV heads, block size and the (block, key row, KV head) strides in elements."""
+    _, hkv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    base = kv_cache.data_ptr()
+    v_ptr = base + bs * hkv * d * kv_cache.element_size()
+    return base, v_ptr, hkv, bs, (2 * bs * hkv * d, hkv * d, d)
 
 
 def native_view(kv_cache: torch.Tensor) -> torch.Tensor:
