@@ -7,6 +7,10 @@
 #   bash benchmarks/gpu_truth.sh check   # CUDA tests, an engine smoke run, compute-sanitizer
 #                                        # memcheck + racecheck, the quick kernel benchmark
 #   bash benchmarks/gpu_truth.sh bench   # the full kernel benchmark, the 8B-shaped engine runs
+#
+# Environment: TESTS_LIMIT, AUTOTUNE_TEST_LIMIT (0 skips that stage), KERNELS=full (check runs
+# the full kernel table instead of the quick one, KERNELS_LIMIT), KERNELS_LIMIT, ENGINE_LIMIT,
+# ENGINE_SCALE.
 set -u
 MODE=${1:-check}
 OUT=${OUT:-out/gpu}
@@ -47,11 +51,13 @@ if [ "$MODE" = check ]; then
     # the first autotune config only (compiled once per shape, not 5-8 times); one test
     # below keeps autotuning (with autotuning everywhere, 140 s on an H100 ran 84 of 112 tests).
     export BATCHJOB_TRITON_AUTOTUNE=0
-    TAIL=25 stage tests 140 python3 -m pytest -q -p no:cacheprovider -n 8 \
+    TAIL=25 stage tests "${TESTS_LIMIT:-140}" python3 -m pytest -q -p no:cacheprovider -n 8 \
         tests/kernels/test_kernels.py tests/engine/test_engine_hf_parity.py \
         -k "not test_greedy_matches_hf and not test_same_seed"
-    BATCHJOB_TRITON_AUTOTUNE=1 stage tests 90 python3 -m pytest -q -p no:cacheprovider -n 4 \
-        tests/kernels/test_kernels.py -k test_cuda_large_mixture
+    if [ "${AUTOTUNE_TEST_LIMIT:-90}" != 0 ]; then
+        BATCHJOB_TRITON_AUTOTUNE=1 stage tests "${AUTOTUNE_TEST_LIMIT:-90}" python3 -m pytest \
+            -q -p no:cacheprovider -n 4 tests/kernels/test_kernels.py -k test_cuda_large_mixture
+    fi
     stage engine_smoke 60 python3 benchmarks/bench_gpu_engine.py --model-dir /tmp/l3-2 \
         --layers 2 --workloads micro-2000-200-s16 --scale 0.05 --max-tokens 16 --profile-iters 10
     stage sanitizer 25 python3 benchmarks/sanitize_kernels.py  # warm Triton's cache first
@@ -61,8 +67,13 @@ if [ "$MODE" = check ]; then
                 python3 benchmarks/sanitize_kernels.py
         done
     fi
-    stage kernels_quick 45 python3 benchmarks/bench_kernels.py --quick --rep 20
     unset BATCHJOB_TRITON_AUTOTUNE
+    if [ "${KERNELS:-quick}" = full ]; then
+        TAIL=40 stage kernels "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py \
+            --rep 20 --out "$OUT/kernels.md"
+    else
+        stage kernels_quick 45 python3 benchmarks/bench_kernels.py --quick --rep 20
+    fi
 else
     SHM=/tmp
     [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1)" -gt 40 ] 2>/dev/null && SHM=/dev/shm
