@@ -31,6 +31,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,  # [T, H, D], q's dtype: written and returned
     ) -> torch.Tensor: ...  # [T, H, D], q's dtype
 
 
@@ -47,3 +48,9 @@ class BatchMemo:
         if self._meta is not meta or self._key != key:
             self._meta, self._key, self._value = meta, key, build()
         return self._value  # type: ignore[return-value]
+
+
+def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """``result``, copied into the caller's ``out`` when one was given (``attend(out=...)``
+    for backends whose kernels write a tensor of their own)."""
+    return result if out is None else out.copy_(result)

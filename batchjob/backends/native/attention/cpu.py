@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from batchjob.backends.native.attention import calibrate as calib
-from batchjob.backends.native.attention.base import BatchMemo
+from batchjob.backends.native.attention.base import BatchMemo, into
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
@@ -286,9 +286,9 @@ class CpuAttention:
             meta, tuple(k_cache.shape[1:]), lambda: self.decision(q, k_cache, meta).use_kernel
         )
 
-    def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
         if not self.uses_kernel(q, k_cache, v_cache, meta):
-            return self.fallback.attend(q, k_cache, v_cache, meta, scale)
+            return self.fallback.attend(q, k_cache, v_cache, meta, scale, out)
         kn = self.kernel
         assert kn is not None
         _, h, d = q.shape
@@ -302,8 +302,8 @@ class CpuAttention:
             lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole_tiles),
         )
         native = (bs * hkv * d, hkv * d, d)  # [num_blocks, BS, Hkv, D]
-        out = run_units(
+        o = run_units(
             kn, q.to(torch.float32).contiguous(), k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs,
             native, units, blocks, has_prefix, threads, bf16, scale,
         )  # fmt: skip
-        return out.to(q.dtype)
+        return into(out, o.to(q.dtype))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchjob.backends.native.attention.base import BatchMemo
+from batchjob.backends.native.attention.base import BatchMemo, into
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.plan.intmath import cdiv
 
@@ -103,7 +103,8 @@ class TorchAttention:
         k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
-    def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
+        result = out
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape  # [num_blocks, bs, Hkv, D]
         r = h // hkv
@@ -144,7 +145,7 @@ class TorchAttention:
                 p_out[s:e], p_lse[s:e] = _heads_attention(qf[s:e], kp, vp, None, False, scale)
         if p_out is not None and p_lse is not None:
             _merge_into(out, lse, p_out, p_lse)
-        return out.view(t, h, d).to(q.dtype)
+        return into(result, out.view(t, h, d).to(q.dtype))
 
     # ---- plan: index tensors that depend only on the metadata -----------------------------
 

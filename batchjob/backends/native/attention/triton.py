@@ -35,9 +35,9 @@ class TritonAttention:
     # k, v: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping
     write_kv = staticmethod(write_kv)
 
-    def attend(self, q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
         order = self._order.get(meta, (), lambda: group_order(meta))  # once per batch
         return prefix_attention(
             q, k_cache, v_cache, meta, scale,
-            variant=self.variant, workspace=self._workspace, order=order,
+            variant=self.variant, workspace=self._workspace, order=order, out=out,
         )  # fmt: skip

@@ -68,32 +68,46 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(
+    def project(
         self,
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, D/2]
         sin: torch.Tensor,
+        qkv_out: torch.Tensor | None = None,  # [T, q + 2 kv]: where q, k, v are kept
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D]: views of one qkv tensor (``qkv_out`` if given,
+        which CUDA graphs need), q and k normalised (Qwen3) and rotated in place."""
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv(x)  # [T, q + 2 kv]
+        if qkv_out is not None:
+            qkv = qkv_out.copy_(qkv)
+        qk_end = self.q_size + self.kv_size
+        v = qkv[:, qk_end:].view(t, self.num_kv_heads, d)  # [T, Hkv, D]
+        qk = qkv[:, :qk_end].view(t, self.num_heads + self.num_kv_heads, d)
+        if self.q_norm is not None and self.k_norm is not None:  # written back in place
+            q_part, k_part = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            q_part.copy_(self.q_norm(q_part))
+            k_part.copy_(self.k_norm(k_part))
+        apply_rope_(qk, cos, sin)  # q and k rotated together, in place
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         layer_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         backend,
+        out: torch.Tensor | None = None,  # [T, q_size]
     ) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        qkv = self.qkv(x)  # [T, q + 2 kv]; q, k, v below are views of it
-        qk_end = self.q_size + self.kv_size
-        v = qkv[:, qk_end:].view(t, self.num_kv_heads, d)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, d))  # [T, H, D]
-            k = self.k_norm(qkv[:, self.q_size : qk_end].view(t, self.num_kv_heads, d))
-            apply_rope_(q, cos, sin)
-            apply_rope_(k, cos, sin)
-        else:  # q and k rotated together, in place
-            qk = qkv[:, :qk_end].view(t, self.num_heads + self.num_kv_heads, d)
-            apply_rope_(qk, cos, sin)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        """Writes k, v to the cache, then attention: [T, q_size] (``out`` when given)."""
+        t = q.shape[0]
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        o_out = None if out is None else out.view(t, self.num_heads, self.head_dim)
+        o = backend.attend(q, k_cache, v_cache, meta, self.scale, out=o_out)  # [T, H, D]
+        return o.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -115,10 +129,19 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, h, cos, sin, layer_cache, meta, backend) -> torch.Tensor:
-        """h [T, hidden] is updated in place (the residual stream) and returned."""
-        h.add_(self.attn(self.input_norm(h), cos, sin, layer_cache, meta, backend))
+    def pre_attention(self, h, cos, sin, qkv_out=None):
+        """q, k, v of the normalised residual stream h [T, hidden] (``Attention.project``)."""
+        return self.attn.project(self.input_norm(h), cos, sin, qkv_out)
+
+    def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """h [T, hidden] (the residual stream) updated in place with attention's output o
+        [T, q_size] and the MLP, and returned."""
+        h.add_(self.attn.o_proj(o))
         return h.add_(self.mlp(self.post_norm(h)))
+
+    def forward(self, h, cos, sin, layer_cache, meta, backend) -> torch.Tensor:
+        q, k, v = self.pre_attention(h, cos, sin)
+        return self.post_attention(h, self.attn.attend(q, k, v, layer_cache, meta, backend))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,16 +181,27 @@ class LlamaForCausalLM(nn.Module):
         if self.attn_backend is None:
             raise RuntimeError("model.attn_backend is not set")
         self._check_window(meta)
-        h = self.embed_tokens(input_ids)  # [T, hidden]: a fresh tensor, updated in place
         # every position < its group's prefix + its own KV (build_batch checks it)
-        bound = meta.max_prefix_len + meta.max_kv_len
-        cos, sin = self.rope.lookup(positions, self.inv_freq, bound)  # [T, 1, D/2]
+        h, cos, sin = self.embed(input_ids, positions, meta.max_prefix_len + meta.max_kv_len)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend)
-        h = self.norm(h[logits_index])  # [K, hidden]
+        return self.logits(h, logits_index)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, bound: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual stream h [T, hidden] (a fresh tensor, updated in place by the layers)
+        and RoPE's cos, sin [T, 1, D/2]; ``bound``: every position is below it (0: the table
+        already holds every position)."""
+        cos, sin = self.rope.lookup(positions, self.inv_freq, bound)
+        return self.embed_tokens(input_ids), cos, sin
+
+    def logits(self, h: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        """float32 [K, vocab] of the rows ``logits_index`` of the last layer's h."""
+        x = self.norm(h[logits_index])  # [K, hidden]
         if self.logits_linear is not None:
-            return self.logits_linear(h).float()
-        return F.linear(h, self.logits_weight()).float()  # [K, vocab]
+            return self.logits_linear(x).float()
+        return F.linear(x, self.logits_weight()).float()  # [K, vocab]
 
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the untied head's, else the embedding's."""
