@@ -17,6 +17,7 @@ torch.profiler window of ``--profile-iters`` iterations, GPU kernel time over wa
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -34,6 +35,7 @@ from bench_engine import prompts_from_table  # noqa: E402
 
 import batchjob.backends.native.engine as engine_mod  # noqa: E402
 from batchjob.backends.native.engine import Engine  # noqa: E402
+from batchjob.backends.native.models.cuda_graphs import PiecewiseForward  # noqa: E402
 from batchjob.backends.native.models.loader import load_model  # noqa: E402
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig  # noqa: E402
 from batchjob.plan.build import build_plan  # noqa: E402
@@ -132,12 +134,14 @@ class HostTimers:
             return sched
 
         engine_mod.make_scheduler = make
-        engine.model = _TimedModel(engine.model, self._timed("model_call_launch", engine.model))
+        engine.forward = _TimedModel(
+            engine.forward, self._timed("model_call_launch", engine.forward)
+        )
 
     def remove(self, engine: Engine) -> None:
         engine_mod.build_batch = self._orig_build
         engine_mod.make_scheduler = self._orig_make
-        engine.model = engine.model.inner
+        engine.forward = engine.forward.inner
 
 
 class _TimedModel:
@@ -155,6 +159,7 @@ class _TimedModel:
 class Result:
     workload: str
     policy: str
+    cuda_graph_max_tokens: int  # 0: eager
     requests: int
     prompt_tokens: int
     generated_tokens: int
@@ -184,7 +189,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_once(engine: Engine, prompts, name: str, policy: str, profile_iters: int) -> Result:
+def run_once(
+    engine: Engine, prompts, name: str, policy: str, graphs: int, profile_iters: int
+) -> Result:
     timers = HostTimers()
     timers.install(engine)
     prof_start = 40  # past the first prefill-heavy iterations: a mixed/decode window
@@ -233,6 +240,7 @@ def run_once(engine: Engine, prompts, name: str, policy: str, profile_iters: int
     return Result(
         workload=name,
         policy=policy,
+        cuda_graph_max_tokens=graphs,
         requests=len(prompts),
         prompt_tokens=logical,
         generated_tokens=gen,
@@ -268,9 +276,15 @@ def run_once(engine: Engine, prompts, name: str, policy: str, profile_iters: int
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="JSON lines here")
 @click.option("--device", default="cuda", show_default=True, help="cpu: a smoke run of the code")
 @click.option("--kv-mib", default=None, type=int, help="KV budget (default: the GPU fraction)")
+@click.option(
+    "--cuda-graphs",
+    default="512",
+    show_default=True,
+    help="engine.cuda_graph_max_tokens values to run, comma-separated (0: eager)",
+)
 def main(
     model_dir, layers, workloads, scale, max_tokens, policies, chunk_size,
-    gpu_memory_fraction, attention, profile_iters, out, device, kv_mib,
+    gpu_memory_fraction, attention, profile_iters, out, device, kv_mib, cuda_graphs,
 ) -> None:  # fmt: skip
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_gpu_engine.py needs a CUDA GPU (or --device cpu for a smoke run)")
@@ -283,6 +297,7 @@ def main(
     _sync()
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     kv_bytes = kv_mib << 20 if kv_mib else None
+    limits = [int(x) for x in cuda_graphs.split(",")]
     # compile and autotune the kernels for every shape bucket outside the timing: each workload
     # at a small scale, each policy (a warm-up on one tiny workload misses some buckets, and
     # the first measured run then pays ~17 s of autotuning on an H100)
@@ -290,13 +305,20 @@ def main(
         warm = prompts_from_table(
             make_workload(name, scale=0.03, seed=1, vocab_size=info.vocab_size, max_tokens=8)
         )
-        for policy in policies.split(","):
-            Engine(
+        for policy, graphs in itertools.product(policies.split(","), limits):
+            warm_engine = Engine(
                 model, info, SchedulerConfig(policy=policy, chunk_size=chunk_size),
                 EngineConfig(block_size=16, gpu_memory_fraction=gpu_memory_fraction,
-                             kv_cache_bytes=kv_bytes),
-            ).run(warm, build_plan(warm), SamplingConfig(max_tokens=1, ignore_eos=True),
-                  lambda o: None)  # fmt: skip
+                             kv_cache_bytes=kv_bytes, cuda_graph_max_tokens=graphs),
+            )  # fmt: skip
+            if isinstance(warm_engine.forward, PiecewiseForward):  # captured at start-up
+                t_capture = time.perf_counter()
+                warm_engine.forward.capture_all()
+                _sync()
+                print(f"# captured {graphs} tokens: {time.perf_counter() - t_capture:.1f} s")
+            warm_engine.run(warm, build_plan(warm), SamplingConfig(max_tokens=1, ignore_eos=True),
+                            lambda o: None)  # fmt: skip
+            del warm_engine
             if device == "cuda":
                 torch.cuda.empty_cache()  # the next engine sizes its KV from what is free
     print(
@@ -311,7 +333,7 @@ def main(
             name, scale=scale, seed=0, vocab_size=info.vocab_size, max_tokens=max_tokens
         )
         prompts = prompts_from_table(table)
-        for policy in policies.split(","):
+        for policy, graphs in itertools.product(policies.split(","), limits):
             engine = Engine(
                 model,
                 info,
@@ -320,17 +342,19 @@ def main(
                     block_size=16,
                     gpu_memory_fraction=gpu_memory_fraction,
                     kv_cache_bytes=kv_bytes,
+                    cuda_graph_max_tokens=graphs,
                 ),
             )
-            r = run_once(engine, prompts, name, policy, profile_iters)
+            r = run_once(engine, prompts, name, policy, graphs, profile_iters)
             results.append(r)
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()
             loop = r.schedule_s + r.build_batch_s + r.model_call_launch_s
             print(
-                f"{name} {policy}: {r.requests} req, {r.requests_per_s:.2f} req/s, "
-                f"{r.tokens_per_s:.0f} tok/s, {r.iterations} iters, {r.preemptions} preempt, "
+                f"{name} {policy} graphs<={graphs}: {r.requests} req, "
+                f"{r.requests_per_s:.2f} req/s, {r.tokens_per_s:.0f} tok/s, "
+                f"{r.iterations} iters, {r.preemptions} preempt, "
                 f"prefill computed {r.prefill_tokens_computed} of {r.prompt_tokens}; host s: "
                 f"schedule {r.schedule_s:.2f} build {r.build_batch_s:.2f} launch "
                 f"{r.model_call_launch_s:.2f} update {r.scheduler_update_s:.2f} rest "
@@ -341,11 +365,20 @@ def main(
             if out is not None:
                 with open(out, "a") as f:
                     f.write(json.dumps(asdict(r)) + "\n")
-    by = {(r.workload, r.policy): r for r in results}
+    by = {(r.workload, r.policy, r.cuda_graph_max_tokens): r for r in results}
     for name in workloads.split(","):
-        b, base = by.get((name, "batchllm")), by.get((name, "baseline"))
-        if b and base:
-            print(f"{name}: batchllm / baseline = {b.tokens_per_s / base.tokens_per_s:.2f}x")
+        for g in limits:
+            b, base = by.get((name, "batchllm", g)), by.get((name, "baseline", g))
+            if b and base:
+                ratio = b.tokens_per_s / base.tokens_per_s
+                print(f"{name} graphs<={g}: batchllm / baseline = {ratio:.2f}x")
+        for policy in policies.split(","):
+            runs = [by.get((name, policy, g)) for g in limits]
+            if len(runs) > 1 and all(runs) and limits[-1] == 0:
+                first, eager = runs[0], runs[-1]
+                assert first is not None and eager is not None
+                ratio = first.tokens_per_s / eager.tokens_per_s
+                print(f"{name} {policy}: graphs<={limits[0]} / eager = {ratio:.2f}x")
 
 
 if __name__ == "__main__":

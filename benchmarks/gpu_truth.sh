@@ -10,7 +10,8 @@
 #
 # Environment: TESTS_LIMIT, AUTOTUNE_TEST_LIMIT (0 skips that stage), KERNELS=full (check runs
 # the full kernel table instead of the quick one, KERNELS_LIMIT), KERNELS_LIMIT, ENGINE_LIMIT,
-# ENGINE_SCALE.
+# ENGINE_SCALE, ENGINE_GRAPHS (engine.cuda_graph_max_tokens values, default 512,0: graphs
+# against eager).
 set -u
 MODE=${1:-check}
 OUT=${OUT:-out/gpu}
@@ -53,13 +54,14 @@ if [ "$MODE" = check ]; then
     export BATCHJOB_TRITON_AUTOTUNE=0
     TAIL=25 stage tests "${TESTS_LIMIT:-140}" python3 -m pytest -q -p no:cacheprovider -n 8 \
         tests/kernels/test_kernels.py tests/engine/test_engine_hf_parity.py \
-        -k "not test_greedy_matches_hf and not test_same_seed"
+        tests/engine/test_cuda_graphs.py -k "not test_greedy_matches_hf and not test_same_seed"
     if [ "${AUTOTUNE_TEST_LIMIT:-90}" != 0 ]; then
         BATCHJOB_TRITON_AUTOTUNE=1 stage tests "${AUTOTUNE_TEST_LIMIT:-90}" python3 -m pytest \
             -q -p no:cacheprovider -n 4 tests/kernels/test_kernels.py -k test_cuda_large_mixture
     fi
-    stage engine_smoke 60 python3 benchmarks/bench_gpu_engine.py --model-dir /tmp/l3-2 \
-        --layers 2 --workloads micro-2000-200-s16 --scale 0.05 --max-tokens 16 --profile-iters 10
+    stage engine_smoke 90 python3 benchmarks/bench_gpu_engine.py --model-dir /tmp/l3-2 \
+        --layers 2 --workloads micro-2000-200-s16 --scale 0.05 --max-tokens 16 --profile-iters 10 \
+        --cuda-graphs 512,0
     stage sanitizer 25 python3 benchmarks/sanitize_kernels.py  # warm Triton's cache first
     if [ -n "$SAN" ]; then
         for tool in memcheck racecheck; do
@@ -83,5 +85,6 @@ else
     TAIL=20 stage engine "${ENGINE_LIMIT:-260}" python3 benchmarks/bench_gpu_engine.py \
         --model-dir "$SHM/llama3-8b-random" --workloads case1,micro-2000-200-s16 \
         --scale "${ENGINE_SCALE:-0.2}" --max-tokens 64 --profile-iters 10 \
+        --cuda-graphs "${ENGINE_GRAPHS:-512,0}" \
         --out "$OUT/engine.jsonl"
 fi

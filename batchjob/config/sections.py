@@ -382,6 +382,9 @@ class EngineConfig:
     attention: str = "auto"  # auto, torch, cpu (C kernel) or triton (CUDA)
     linear: str = "auto"  # auto: float32 CPU batches on the C kernel where faster; torch
     threads: int | None = None  # CPU threads; unset: all cores
+    # CUDA: batches of up to this many tokens replay CUDA graphs; 0: eager; unset: native 512,
+    # vLLM its own
+    cuda_graph_max_tokens: int | None = None
     vllm: dict[str, Any] = field(default_factory=dict)  # more vLLM EngineArgs (vllm only)
 
     def __post_init__(self) -> None:
@@ -401,6 +404,7 @@ class EngineConfig:
         _str("engine.attention", self.attention, ATTENTION_BACKENDS)
         _str("engine.linear", self.linear, LINEAR_BACKENDS)
         _int("engine.threads", self.threads, lo=1, optional=True)
+        _int("engine.cuda_graph_max_tokens", self.cuda_graph_max_tokens, lo=0, optional=True)
 
 
 @dataclass(frozen=True)

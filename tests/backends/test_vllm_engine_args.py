@@ -143,3 +143,40 @@ def test_a_vllm_failure_is_one_error_line_and_its_trace_goes_to_the_log(tmp_path
     log = errors[0].split("vLLM's log: ")[1].split(";")[0]
     assert "head_dim=16" in errors[0] and Path(log).stat().st_size > 0
     assert "Traceback" not in done.stderr and "(Worker" not in done.stderr, done.stderr[-3000:]
+
+
+def test_cuda_graph_max_tokens_maps_to_vllms_capture_size_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU: N -> max_cudagraph_capture_size, 0 -> enforce_eager, unset: vLLM's own; on
+    the CPU (no graphs) nothing is passed. Both names are real EngineArgs fields."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from batchjob.backends.vllm import engine_args
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert {"max_cudagraph_capture_size", "enforce_eager"} <= names
+    model = build_model(tmp_path / "m")
+
+    def kwargs(limit, **vllm):
+        cfg = BackendConfig(
+            model=ModelConfig(path=model),
+            sampling=SamplingConfig(),
+            scheduler=SchedulerConfig(),
+            engine=EngineConfig(backend="vllm", cuda_graph_max_tokens=limit, vllm=vllm),
+            labels_column=None,
+            json_schema_column=None,
+            regex_column=None,
+            choice_column=None,
+        )
+        return engine_args.engine_settings(cfg, "bfloat16", 64).kwargs
+
+    assert "max_cudagraph_capture_size" not in kwargs(256)  # this machine: the CPU build
+    monkeypatch.setattr(engine_args, "_on_cpu", lambda: False)
+    monkeypatch.setattr(engine_args, "_check_device", lambda cfg, on_cpu: None)
+    assert kwargs(256)["max_cudagraph_capture_size"] == 256
+    assert kwargs(0)["enforce_eager"] is True
+    unset = kwargs(None)
+    assert "max_cudagraph_capture_size" not in unset and "enforce_eager" not in unset
+    with pytest.raises(ConfigError, match="enforce_eager"):
+        kwargs(0, enforce_eager=False)
+    with pytest.raises(ConfigError, match=r"engine\.cuda_graph_max_tokens"):
+        kwargs(None, max_cudagraph_capture_size=64)  # batchjob's own key sets it

@@ -20,6 +20,7 @@ from batchjob.backends.native.batch_builder import ModelBatch, build_batch
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.logits_processors import DecodeState
 from batchjob.backends.native.malloc_tuning import keep_freed_memory
+from batchjob.backends.native.models.llama import LlamaForCausalLM
 from batchjob.backends.native.prompt_logprobs import PromptLogprobs
 from batchjob.backends.native.sampling import (
     FINISH_REASONS,
@@ -47,6 +48,7 @@ from batchjob.tokenize.prompts import TokenizedPrompts
 
 GiB = 1 << 30
 NATIVE_BLOCK_SIZE = 16  # engine.block_size unset: small blocks, little padding per group
+CUDA_GRAPH_MAX_TOKENS = 512  # engine.cuda_graph_max_tokens unset: vLLM's default capture size
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,28 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
         free, total = torch.cuda.mem_get_info(device)
         return max(int(free - (1 - cfg.gpu_memory_fraction) * total), 0)
     return 2 * GiB
+
+
+def graphed_forward(
+    model: torch.nn.Module, info: ModelInfo, cfg: EngineConfig, kv: KVLayout
+) -> Callable[..., torch.Tensor]:
+    """The model's forward, on a GPU with ``engine.cuda_graph_max_tokens`` (unset: 512) as the
+    largest batch whose non-attention work replays CUDA graphs (``models.cuda_graphs``).
+    The graphs are the model's: engines on one model share them (kept on the model)."""
+    limit = cfg.cuda_graph_max_tokens
+    limit = CUDA_GRAPH_MAX_TOKENS if limit is None else limit
+    if info.torch_device.type != "cuda" or limit == 0 or not isinstance(model, LlamaForCausalLM):
+        return model
+    from batchjob.backends.native.models.cuda_graphs import PiecewiseForward
+
+    # a position is below its sequence's length: the model's limit and the whole KV cache's
+    longest = min(info.max_position, kv.num_blocks * kv.block_size)
+    graphed = getattr(model, "graphed_forward", None)
+    if not isinstance(graphed, PiecewiseForward) or graphed.sizes[-1] != limit:
+        graphed = PiecewiseForward(model, limit, max_position=longest)
+        model.graphed_forward = graphed  # type: ignore[assignment]  # nn.Module attribute
+    graphed.max_position = max(graphed.max_position, longest)
+    return graphed
 
 
 class Engine:
@@ -107,6 +131,7 @@ class Engine:
             dtype=info.torch_dtype,
             device=info.torch_device,
         )
+        self.forward = graphed_forward(model, info, engine, self.kv)
 
     @property
     def num_blocks(self) -> int:
@@ -181,7 +206,7 @@ class Engine:
                 extra = prompt_lp.select(out.chunks) if prompt_lp is not None else None
                 if extra is not None and len(extra):
                     index = torch.cat([index, torch.from_numpy(extra).to(index.device)])
-                logits = self.model(
+                logits = self.forward(
                     batch.input_ids, batch.positions, self.kv_cache, batch.meta, index
                 )
                 if extra is not None and len(extra):
@@ -294,7 +319,7 @@ class Engine:
         records: list[IterationRecord] = []
         t_start = time.perf_counter()
         for t0, out, batch in self._steps(sched):
-            logits = self.model(
+            logits = self.forward(
                 batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
             )
             if len(batch.score_seqs):  # logits rows: the scored positions (nothing sampled)

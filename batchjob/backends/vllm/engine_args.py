@@ -20,6 +20,8 @@ Mapping (batchjob key -> vLLM engine argument):
   an H100/H200); ``scheduler.policy`` ->
   ``scheduler_cls`` (``batchllm``: batchjob's scheduler class; ``baseline``: vLLM's own
   policy, capped by ``scheduler.max_num_seqs`` -> ``max_num_seqs``).
+- ``engine.cuda_graph_max_tokens`` (GPU) -> ``max_cudagraph_capture_size``; 0 ->
+  ``enforce_eager`` (no CUDA graphs); unset: vLLM's own.
 - prefix caching is always on; token ids in and out (``skip_tokenizer_init``).
 - ``engine.vllm``: any further ``EngineArgs`` field, passed through (``tensor_parallel_size``,
   ``quantization``, ``enforce_eager``, ``max_model_len``, ...), names checked against vLLM's.
@@ -57,6 +59,7 @@ RESERVED = {
     "gpu_memory_utilization": "engine.gpu_memory_fraction",
     "max_num_batched_tokens": "scheduler.chunk_size",
     "max_num_seqs": "scheduler.max_num_seqs",
+    "max_cudagraph_capture_size": "engine.cuda_graph_max_tokens",
     "scheduler_cls": "scheduler.policy",
     "seed": "sampling.seed",
     "enable_prefix_caching": "nothing (always on)",
@@ -221,6 +224,15 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
     block_size = choose_block_size(e.block_size, accepted_block_sizes(on_cpu))
     if block_size is not None:
         kw["block_size"] = block_size
+    graphs = None if on_cpu else e.cuda_graph_max_tokens  # the CPU platform has no graphs
+    if graphs == 0:
+        if extra.get("enforce_eager") is False:
+            raise ConfigError(
+                "engine.vllm.enforce_eager: false contradicts engine.cuda_graph_max_tokens = 0"
+            )
+        kw["enforce_eager"] = True
+    elif graphs is not None:
+        kw["max_cudagraph_capture_size"] = graphs
     if structured:  # compact JSON, as the native engine writes
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     env: dict[str, str | None] = quiet_log_env()
