@@ -10,17 +10,20 @@ from __future__ import annotations
 from .variants import UnsharedKV, plain_paged_attention, unshare_kv
 from .wrappers import (
     VARIANTS,
+    AttentionPlan,
     Workspace,
     cascade_prefix_attention,
     fused_prefix_attention,
     group_order,
     paged_attention,
+    plan_attention,
     prefix_attention,
     write_kv,
 )
 
 __all__ = [
     "VARIANTS",
+    "AttentionPlan",
     "UnsharedKV",
     "Workspace",
     "cascade_prefix_attention",
@@ -28,6 +31,7 @@ __all__ = [
     "group_order",
     "paged_attention",
     "plain_paged_attention",
+    "plan_attention",
     "prefix_attention",
     "unshare_kv",
     "write_kv",

@@ -165,20 +165,79 @@ def _own_tiles(dims: Dims, num_seqs: int, block_m: int) -> int:
 VARIANTS = ("fused", "cascade")  # how prefix_attention launches (see its docstring)
 
 
-@dataclass(frozen=True)
-class _Checked:
-    """A call's inputs after the checks, and what every variant derives from them."""
+def _signature(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """What a plan's checks of q and the caches depend on: shapes, strides, dtypes, device."""
+    return (
+        q.shape, q.stride(), q.dtype, q.device,
+        k_cache.shape, k_cache.stride(), k_cache.dtype, v_cache.shape, v_cache.stride(),
+        v_cache.dtype, v_cache.device, k_cache.device,
+    )  # fmt: skip
 
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One batch's prefix-shared attention, checked and derived once (``plan_attention``) and
+    launched for every layer (``run``): the per-layer host work is the launch itself."""
+
     meta: AttentionMetadata
     dims: Dims
+    signature: tuple  # _signature of the q and caches it was checked with
     qk_scale: float  # scale * log2(e)
-    out: torch.Tensor
     split: Split
     ws: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ws_o, ws_lse, counters
     order: torch.Tensor
+    variant: str
+    config: dict[str, int] | None
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """out [T, Hq, D] for this layer's q and caches (same shapes, strides and dtypes as the
+        plan's: a ValueError otherwise)."""
+        if _signature(q, k_cache, v_cache) != self.signature:
+            _fail("q or the KV caches differ in shape, strides, dtype or device from the plan's")
+        out = check_out(out, q)
+        if self.dims.num_tokens == 0 or self.meta.num_seqs == 0:
+            return out
+        if self.variant == "fused":
+            _launch_fused(self, q, k_cache, v_cache, out)
+        else:
+            _launch_cascade(self, q, k_cache, v_cache, out)
+        return out
+
+
+def plan_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    variant: str = "fused",
+    workspace: Workspace | None = None,
+    order: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    split_len: int | None = None,
+) -> AttentionPlan:
+    """Checks the inputs and derives what every layer of the batch shares (the arguments are
+    ``prefix_attention``'s); ``AttentionPlan.run`` launches it."""
+    if variant not in VARIANTS:
+        _fail(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+    if config is not None and variant != "fused":
+        _fail(f"config is for the fused variant only, got variant {variant!r}")
+    dims = check_qkv(q, k_cache, v_cache)
+    check_meta(dims, meta, q.device)
+    qk_scale = check_scale(scale) * math.log2(math.e)
+    split = choose_split(dims, meta, split_len)
+    ws = (workspace or Workspace()).get(dims, split.pieces + 1, q.device)
+    order = group_order(meta) if order is None else order
+    return AttentionPlan(
+        meta, dims, _signature(q, k_cache, v_cache), qk_scale, split, ws, order, variant, config
+    )
 
 
 def prefix_attention(
@@ -204,36 +263,27 @@ def prefix_attention(
     ``config`` (fused only: BLOCK_M_P, BLOCK_N_P, BLOCK_M_O, BLOCK_N_O, optional num_warps,
     num_stages) fixes the tiles instead of autotuning (or of the interpreter's small tiles).
     ``split_len`` fixes the prefix keys per program (default: choose_split's heuristic).
+    For many layers of one batch, ``plan_attention`` once and ``AttentionPlan.run`` per layer.
     """
-    if variant not in VARIANTS:
-        _fail(f"unknown variant {variant!r}; choose one of {VARIANTS}")
-    if config is not None and variant != "fused":
-        _fail(f"config is for the fused variant only, got variant {variant!r}")
-    dims = check_qkv(q, k_cache, v_cache)
-    check_meta(dims, meta, q.device)
-    qk_scale = check_scale(scale) * math.log2(math.e)
-    out = check_out(out, q)
-    split = choose_split(dims, meta, split_len)
-    ws = (workspace or Workspace()).get(dims, split.pieces + 1, q.device)
-    order = group_order(meta) if order is None else order
-    c = _Checked(q, k_cache, v_cache, meta, dims, qk_scale, out, split, ws, order)
-    if dims.num_tokens == 0 or meta.num_seqs == 0:
-        return out
-    if variant == "fused":
-        _launch_fused(c, config)
-    else:
-        _launch_cascade(c)
-    return out
+    plan = plan_attention(
+        q, k_cache, v_cache, meta, scale,
+        variant=variant, workspace=workspace, order=order, config=config, split_len=split_len,
+    )  # fmt: skip
+    return plan.run(q, k_cache, v_cache, out)
 
 
 fused_prefix_attention = partial(prefix_attention, variant="fused")
 cascade_prefix_attention = partial(prefix_attention, variant="cascade")
 
 
-def _launch_fused(c: _Checked, config: dict[str, int] | None) -> None:
-    q, k_cache, v_cache, meta, dims, out, split = (
-        c.q, c.k_cache, c.v_cache, c.meta, c.dims, c.out, c.split
-    )  # fmt: skip
+def _launch_fused(
+    c: AttentionPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    meta, dims, split, config = c.meta, c.dims, c.split, c.config
     s, g, (ws_o, ws_lse, cnt) = meta.num_seqs, meta.num_groups, c.ws
     mod = jit_module("attention_kernels")
 
@@ -260,10 +310,14 @@ def _launch_fused(c: _Checked, config: dict[str, int] | None) -> None:
         mod.fused_kernel[grid(config)](*args, **_consts(dims, q.dtype), **config)
 
 
-def _launch_cascade(c: _Checked) -> None:
-    q, k_cache, v_cache, meta, dims, out, split = (
-        c.q, c.k_cache, c.v_cache, c.meta, c.dims, c.out, c.split
-    )  # fmt: skip
+def _launch_cascade(
+    c: AttentionPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    meta, dims, split = c.meta, c.dims, c.split
     s, g, (ws_o, ws_lse, _) = meta.num_seqs, meta.num_groups, c.ws
     mod = jit_module("attention_kernels")
     consts = _consts(dims, q.dtype)
@@ -342,12 +396,47 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    checked: bool = False,
 ) -> None:
     """k, v: [T, Hkv, D] -> k_cache, v_cache: [num_blocks, block_size, Hkv, D] at slot_mapping.
 
     slot_mapping: int64 [T], slot = block * block_size + offset; negative slots are skipped.
-    k, v are cast to the caches' dtype.
+    k, v are cast to the caches' dtype. ``checked``: ``check_write_kv`` already passed on
+    tensors of these shapes, strides, dtypes and devices (every layer of a batch after the
+    first).
     """
+    if not checked:
+        check_write_kv(k_cache, v_cache, k, v, slot_mapping)
+    t, h, d = k.shape
+    if t == 0:
+        return
+    mod = jit_module("kv_write")
+    mod.write_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        H=h, D=d, H_PAD=next_power_of_2(h), D_PAD=next_power_of_2(d), PAGE=k_cache.shape[1],
+    )  # fmt: skip
+
+
+def kv_signature(k_cache, v_cache, k, v) -> tuple:
+    """What ``check_write_kv`` depends on besides slot_mapping."""
+    return (
+        k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(), v.dtype, v.device,
+        k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+        v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+    )  # fmt: skip
+
+
+def check_write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``write_kv``'s arguments: shapes, dtypes, devices, strides (a ValueError naming it)."""
     if k.dim() != 3 or v.shape != k.shape:
         _fail(f"k and v must both be [T, Hkv, D], got {tuple(k.shape)}, {tuple(v.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -372,13 +461,3 @@ def write_kv(
         if x.stride(-1) != 1:
             _fail(f"{name} must be contiguous in its last dim, strides {x.stride()}")
     check_device(k.device)
-    t, h, d = k.shape
-    if t == 0:
-        return
-    mod = jit_module("kv_write")
-    mod.write_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        H=h, D=d, H_PAD=next_power_of_2(h), D_PAD=next_power_of_2(d), PAGE=k_cache.shape[1],
-    )  # fmt: skip

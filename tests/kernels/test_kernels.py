@@ -33,6 +33,7 @@ from batchjob.kernels.triton import (
     cascade_prefix_attention,
     fused_prefix_attention,
     plain_paged_attention,
+    plan_attention,
     unshare_kv,
     write_kv,
 )
@@ -236,8 +237,21 @@ def test_backend_write_then_attend(variant: str) -> None:
     v_cache[slots // bs, slots % bs] = float("nan")
     backend.write_kv(k_cache, v_cache, b.k_new, b.v_new, slots)
     torch.testing.assert_close(k_cache, b.k_cache, equal_nan=True, atol=0, rtol=0)
-    for _ in range(2):  # the second call reuses the per-batch cache
+    for _ in range(2):  # the second call reuses the per-batch plan
         check(b, backend.attend(b.q, k_cache, v_cache, b.meta, b.scale))
+    out = torch.full_like(b.q, float("nan"))  # an output buffer of the caller's
+    assert backend.attend(b.q, k_cache, v_cache, b.meta, b.scale, out=out) is out
+    check(b, out)
+    # the next layer's q of another layout: a plan of its own, the same result
+    q2 = torch.cat([b.q, b.q], dim=-1)[..., : b.q.shape[-1]]  # a strided view of the same q
+    check(b, backend.attend(q2, k_cache, v_cache, b.meta, b.scale))
+    plan = plan_attention(b.q, k_cache, v_cache, b.meta, b.scale)
+    with pytest.raises(ValueError, match="differ in shape"):
+        plan.run(b.q[:, :4], k_cache, v_cache)  # not the q it was checked with
+    # a second write of the batch skips the checks, a write of another batch does not
+    backend.write_kv(k_cache, v_cache, b.k_new, b.v_new, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        backend.write_kv(k_cache, v_cache, b.k_new, b.v_new, slots[:-1].clone())
 
 
 def test_engine_selects_triton_and_agrees_with_torch_backend() -> None:

@@ -8,8 +8,9 @@ from batchjob.backends.native.attention.base import BatchMemo
 from batchjob.kernels.triton.wrappers import (
     VARIANTS,
     Workspace,
-    group_order,
-    prefix_attention,
+    check_write_kv,
+    kv_signature,
+    plan_attention,
     write_kv,
 )
 
@@ -19,8 +20,10 @@ class TritonAttention:
 
     ``variant="fused"`` (default) runs prefix part, own part and merge in one launch;
     ``"cascade"`` uses three launches (for comparison). The instance owns a reusable
-    workspace and caches per-batch derived metadata across layers (keyed on the metadata
-    object's identity), so use one instance per stream. Argument types: AttentionBackend.
+    workspace and checks and derives each batch once for all its layers (an
+    ``AttentionPlan``, kept while the metadata object and the layers' shapes stay the same):
+    a layer's host work is its launch. One instance per stream. Argument types:
+    AttentionBackend.
     """
 
     name = "triton"
@@ -30,14 +33,26 @@ class TritonAttention:
             raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
         self.variant = variant
         self._workspace = Workspace()
-        self._order = BatchMemo()
+        self._plan = BatchMemo()
+        self._kv_checked: tuple = ()  # (signature, slot_mapping) of the last checked write
 
-    # k, v: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping
-    write_kv = staticmethod(write_kv)
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
+        """k, v: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping;
+        checked once per batch (the same slot_mapping and layer shapes)."""
+        sig = kv_signature(k_cache, v_cache, k, v)
+        done = self._kv_checked
+        if not (done and done[0] == sig and done[1] is slot_mapping):
+            check_write_kv(k_cache, v_cache, k, v, slot_mapping)
+            self._kv_checked = (sig, slot_mapping)
+        write_kv(k_cache, v_cache, k, v, slot_mapping, checked=True)
 
     def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
-        order = self._order.get(meta, (), lambda: group_order(meta))  # once per batch
-        return prefix_attention(
-            q, k_cache, v_cache, meta, scale,
-            variant=self.variant, workspace=self._workspace, order=order, out=out,
-        )  # fmt: skip
+        key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), scale)
+        plan = self._plan.get(
+            meta,
+            key,
+            lambda: plan_attention(
+                q, k_cache, v_cache, meta, scale, variant=self.variant, workspace=self._workspace
+            ),
+        )
+        return plan.run(q, k_cache, v_cache, out)  # checks q and the caches against the plan
