@@ -159,8 +159,7 @@ class PiecewiseForward:
         """The RoPE table holds every position up to ``max_position``; graphs captured on an
         older table are dropped (it only grows, so this happens once)."""
         model = self.model
-        model.rope.lookup(model.inv_freq.new_zeros(0, dtype=torch.int64), model.inv_freq,
-                          self.max_position)  # fmt: skip
+        model.rope.reserve(self.max_position, model.inv_freq)
         if self._table is not model.rope.cos:
             self._pieces.clear()
             self._table = model.rope.cos

@@ -77,13 +77,18 @@ class RopeTable:
         """
         if bound is None:
             bound = int(positions.max()) + 1 if positions.numel() else 0
+        self.reserve(bound, inv_freq)
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    def reserve(self, bound: int, inv_freq: torch.Tensor) -> None:
+        """The table holds every position below ``bound`` on ``inv_freq``'s device (rebuilt,
+        at least doubled, when it does not: a new tensor)."""
         stale = self.cos.device != inv_freq.device or self.cos.shape[1] != inv_freq.shape[0]
         if bound > self.cos.shape[0] or stale:
             size = max(bound, 2 * self.cos.shape[0], 256)
             pos = torch.arange(size, dtype=torch.int64, device=inv_freq.device).float()
             freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] float32
             self.cos, self.sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
