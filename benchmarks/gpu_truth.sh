@@ -9,9 +9,14 @@
 #   bash benchmarks/gpu_truth.sh bench   # the full kernel benchmark, the 8B-shaped engine runs
 #
 # Environment: TESTS_LIMIT, AUTOTUNE_TEST_LIMIT (0 skips that stage), KERNELS=full (check runs
-# the full kernel table instead of the quick one, KERNELS_LIMIT), KERNELS_LIMIT, ENGINE_LIMIT,
-# ENGINE_SCALE, ENGINE_GRAPHS (engine.cuda_graph_max_tokens values, default 512,0: graphs
-# against eager).
+# the full kernel table instead of the quick one), KERNELS_LIMIT (0 skips the kernel table in
+# bench), ENGINE_LIMIT, ENGINE_SCALE, ENGINE_GRAPHS (engine.cuda_graph_max_tokens values,
+# default 512,0: graphs against eager).
+#
+# A 15-minute device lease (the machine's start takes 1-2 of them), two calls:
+#   TESTS_LIMIT=120 AUTOTUNE_TEST_LIMIT=0 KERNELS=full bash benchmarks/gpu_truth.sh check
+#   KERNELS_LIMIT=0 ENGINE_SCALE=0.1 ENGINE_LIMIT=240 bash benchmarks/gpu_truth.sh bench
+# polars is not on the device image: `pip download` its wheels into .whl/ and carry .whl.
 set -u
 MODE=${1:-check}
 OUT=${OUT:-out/gpu}
@@ -80,8 +85,10 @@ else
     SHM=/tmp
     [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1)" -gt 40 ] 2>/dev/null && SHM=/dev/shm
     df -h /dev/shm /tmp >>"$OUT/env.log" 2>&1
-    TAIL=40 stage kernels "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py --rep 20 \
-        --out "$OUT/kernels.md"
+    if [ "${KERNELS_LIMIT:-170}" != 0 ]; then
+        TAIL=40 stage kernels "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py \
+            --rep 20 --out "$OUT/kernels.md"
+    fi
     TAIL=20 stage engine "${ENGINE_LIMIT:-260}" python3 benchmarks/bench_gpu_engine.py \
         --model-dir "$SHM/llama3-8b-random" --workloads case1,micro-2000-200-s16 \
         --scale "${ENGINE_SCALE:-0.2}" --max-tokens 64 --profile-iters 10 \
