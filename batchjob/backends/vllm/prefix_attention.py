@@ -42,6 +42,7 @@ from batchjob.backends.native.attention.cpu import (
     MAX_WHOLE_ROWS,
     build_units,
     kernel_takes,
+    kv_rows_fit,
     run_units,
 )
 from batchjob.backends.vllm.prefix_groups import NativeBatch, native_metadata
@@ -202,14 +203,7 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
         # vLLM's slot s (block s // BS, row s % BS) as a row of the cache seen as [2 * BS *
         # blocks] rows of Hkv * D: the K row; its V row is BS rows on
         rows = slot_mapping + slot_mapping // bs * bs
-        fits = (
-            kn is not None
-            and k.dtype == v.dtype == kv.dtype
-            and slot_mapping.dtype == torch.int64
-            and all(
-                x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d for x in (k, v)
-            )
-        )
+        fits = kv_rows_fit(k, v, slot_mapping, kv.dtype, hkv, d)
         if not fits or kn is None or kn.write_kv(
             k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv.data_ptr(),
             kv[:, 1].data_ptr(), rows.data_ptr(), n, (2 * nb - 1) * bs, hkv * d,

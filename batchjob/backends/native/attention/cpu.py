@@ -187,6 +187,18 @@ def run_units(
     return out
 
 
+def kv_rows_fit(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, hkv: int, d: int
+) -> bool:
+    """k, v [T, Hkv, D] as ``kv_write.c`` reads them: the cache's dtype, each token's heads
+    one contiguous run of Hkv * D values (a row of a fused qkv view is), int64 slots."""
+    return (
+        k.dtype == v.dtype == dtype
+        and slots.dtype == torch.int64
+        and all(x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d for x in (k, v))
+    )
+
+
 class CpuAttention:
     """Paged prefix-shared attention on the CPU via the C kernel (see module docstring).
 
@@ -217,17 +229,14 @@ class CpuAttention:
         its slot, in C (kv_write.c); the torch path where dtypes or layouts differ."""
         kn = self.kernel
         nb, bs, hkv, d = k_cache.shape
-        fits = (  # one dtype; each token's heads one contiguous run of k/v; contiguous caches
-            k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        fits = (  # contiguous caches of one shape, a slot per token
+            kv_rows_fit(k, v, slot_mapping, k_cache.dtype, hkv, d)
+            and v_cache.dtype == k_cache.dtype
             and v_cache.shape == k_cache.shape
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
             and k.shape[0] == v.shape[0] == slot_mapping.shape[0]
-            and slot_mapping.dtype == torch.int64
             and slot_mapping.is_contiguous()
-            and all(
-                x.shape[1:] == (hkv, d) and x.stride(2) == 1 and x.stride(1) == d for x in (k, v)
-            )
         )
         if (
             kn is None
