@@ -49,13 +49,29 @@ def first_config(tuned) -> dict[str, int]:
     return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
-def fixed_config(tuned, interpret_config: dict[str, int]) -> dict[str, int] | None:
-    """The config a kernel launches with instead of autotuning: its first one with
-    BATCHJOB_TRITON_AUTOTUNE=0, the interpreter's small tiles when interpreting; None:
-    autotune."""
+def fixed_configs(tuned, interpret_config: dict[str, int]) -> list[dict[str, int]] | None:
+    """The configs a kernel launches with instead of autotuning, the first that fits the GPU
+    (``launch_fitting``): its autotune list in order with BATCHJOB_TRITON_AUTOTUNE=0, the
+    interpreter's small tiles when interpreting; None: autotune."""
     if not autotuning():
-        return first_config(tuned)
-    return interpret_config if interpreting() else None
+        return [
+            {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+            for c in tuned.configs
+        ]
+    return [interpret_config] if interpreting() else None
+
+
+def launch_fitting(kernel, grid, args: tuple, consts: dict, configs: list[dict[str, int]]) -> None:
+    """``kernel`` launched with the first of ``configs`` this GPU has the shared memory and
+    registers for (the autotuner drops those that do not fit; a fixed list must too: float32
+    tiles of the first config need more than an H200's 227 KiB). ``grid``: config -> grid."""
+    for i, cfg in enumerate(configs):
+        try:
+            kernel[grid(cfg)](*args, **consts, **cfg)
+            return
+        except Exception as e:  # triton.runtime.errors.OutOfResources, triton imported lazily
+            if type(e).__name__ != "OutOfResources" or i == len(configs) - 1:
+                raise
 
 
 def tune_key(max_q_len: int, has_groups: bool) -> int:
@@ -300,14 +316,17 @@ def _launch_fused(
         meta.block_table.stride(0), meta.prefix_block_table.stride(0),
         tune_key(meta.max_q_len, g > 0),
     )  # fmt: skip
-    if config is None:
-        config = fixed_config(mod.fused_kernel_tuned, mod.INTERPRET_FUSED)
-    if config is None:
+    configs = [config] if config is not None else None
+    if configs is None:
+        configs = fixed_configs(mod.fused_kernel_tuned, mod.INTERPRET_FUSED)
+    if configs is None:
         mod.fused_kernel_tuned[grid](*args, **_consts(dims, q.dtype))
-    else:
-        if min(config["BLOCK_M_P"], config["BLOCK_M_O"]) < max(16, dims.gqa_pad):
-            _fail(f"config {config}: BLOCK_M_P and BLOCK_M_O must be >= max(16, GQA)")
-        mod.fused_kernel[grid(config)](*args, **_consts(dims, q.dtype), **config)
+        return
+    least = max(16, dims.gqa_pad)  # a tile holds at least one token's GQA query rows
+    fits = [c for c in configs if min(c["BLOCK_M_P"], c["BLOCK_M_O"]) >= least]
+    if not fits:
+        _fail(f"config {configs[0]}: BLOCK_M_P and BLOCK_M_O must be >= max(16, GQA)")
+    launch_fitting(mod.fused_kernel, grid, args, _consts(dims, q.dtype), fits)
 
 
 def _launch_cascade(
@@ -381,13 +400,14 @@ def paged_attention(
 
 
 def _launch_part(mod: ModuleType, name: str, args: tuple, consts: dict, tiles, dims: Dims) -> None:
-    """Launch prefix_kernel / own_kernel: autotuned, or with ``fixed_config``."""
+    """Launch prefix_kernel / own_kernel: autotuned, or with ``fixed_configs``."""
     tuned = getattr(mod, name + "_tuned")
-    cfg = fixed_config(tuned, mod.INTERPRET_PART)
-    if cfg is None:
-        tuned[lambda c: (tiles(c["BLOCK_M"]), dims.num_kv_heads)](*args, **consts)
+    configs = fixed_configs(tuned, mod.INTERPRET_PART)
+    grid = lambda c: (tiles(c["BLOCK_M"]), dims.num_kv_heads)  # noqa: E731
+    if configs is None:
+        tuned[grid](*args, **consts)
     else:
-        getattr(mod, name)[(tiles(cfg["BLOCK_M"]), dims.num_kv_heads)](*args, **consts, **cfg)
+        launch_fitting(getattr(mod, name), grid, args, consts, configs)
 
 
 def write_kv(
