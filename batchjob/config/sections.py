@@ -382,8 +382,8 @@ class EngineConfig:
     attention: str = "auto"  # auto, torch, cpu (C kernel) or triton (CUDA)
     linear: str = "auto"  # auto: float32 CPU batches on the C kernel where faster; torch
     threads: int | None = None  # CPU threads; unset: all cores
-    # CUDA: batches of up to this many tokens replay CUDA graphs; 0: eager; unset: native 512,
-    # vLLM its own
+    # CUDA: batches of up to this many tokens replay CUDA graphs (512: vLLM's default); 0:
+    # eager; unset: native eager, vLLM its own
     cuda_graph_max_tokens: int | None = None
     vllm: dict[str, Any] = field(default_factory=dict)  # more vLLM EngineArgs (vllm only)
 

@@ -148,21 +148,47 @@ def test_a_regrown_rope_table_drops_the_pieces(tiny):
     assert model.rope.cos.shape[0] >= info.max_position
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graphs_give_the_eager_tokens(tmp_path, dtype):
-    """On a GPU: captured and replayed pieces (the engine's default) against the eager
-    forward (cuda_graph_max_tokens = 0), same model, same plan."""
+@needs_cuda
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_cuda_graphs_give_the_eager_tokens(tmp_path, attention):
+    """On a GPU, float32: captured and replayed pieces (cuda_graph_max_tokens = 512) against
+    the eager forward (unset), same model, same plan, same tokens."""
     folder = make_tiny_model(tmp_path / "m", family="llama")
-    model, info = load_model(folder, dtype=dtype, device="cuda", attention="auto")
+    model, info = load_model(folder, dtype="float32", device="cuda", attention=attention)
     prompts = prompts_with_groups(info.vocab_size, seed=7)
     outs = []
-    for limit in (0, None):
+    for limit in (None, 512):  # unset: eager
         cfg = EngineConfig(block_size=16, kv_cache_bytes=1 << 24, cuda_graph_max_tokens=limit)
         engine = Engine(model, info, SchedulerConfig(chunk_size=13), cfg)
-        assert isinstance(engine.forward, PiecewiseForward) == (limit is None)
+        assert isinstance(engine.forward, PiecewiseForward) == (limit == 512)
         outs.append(run(engine, prompts))
-        if limit is None:
-            assert engine.forward.captured
     assert outs[0] == outs[1]
+    assert isinstance(engine.forward, PiecewiseForward) and engine.forward.captured
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_graph_logits_equal_eager_in_half_precision(tmp_path, dtype):
+    """On a GPU: one decode batch's logits through a captured bucket larger than it (after a
+    larger batch) against the eager forward, within half-precision rounding."""
+    folder = make_tiny_model(tmp_path / "m", family="qwen3")
+    model, info = load_model(folder, dtype=dtype, device="cuda", attention="auto")
+    prompts = prompts_with_groups(info.vocab_size, seed=8)
+    engine = engine_for(model, info, 2048)
+    batches = []
+    engine.forward = lambda *a: batches.append(a) or model(*a)
+    run(engine, prompts)
+    pieces = PiecewiseForward(model, 64, max_position=info.max_position)
+    big = max(batches, key=lambda a: a[0].shape[0])
+    decode = min(
+        (a for a in batches if a[0].shape[0] not in pieces.sizes), key=lambda a: a[0].shape[0]
+    )
+    pieces(*big)
+    got = pieces(*decode)
+    assert pieces.captured
+    torch.testing.assert_close(got, model(*decode), rtol=3e-2, atol=3e-2)

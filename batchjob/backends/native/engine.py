@@ -48,7 +48,6 @@ from batchjob.tokenize.prompts import TokenizedPrompts
 
 GiB = 1 << 30
 NATIVE_BLOCK_SIZE = 16  # engine.block_size unset: small blocks, little padding per group
-CUDA_GRAPH_MAX_TOKENS = 512  # engine.cuda_graph_max_tokens unset: vLLM's default capture size
 
 
 @dataclass(frozen=True)
@@ -81,11 +80,11 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
 def graphed_forward(
     model: torch.nn.Module, info: ModelInfo, cfg: EngineConfig, kv: KVLayout
 ) -> Callable[..., torch.Tensor]:
-    """The model's forward, on a GPU with ``engine.cuda_graph_max_tokens`` (unset: 512) as the
-    largest batch whose non-attention work replays CUDA graphs (``models.cuda_graphs``).
-    The graphs are the model's: engines on one model share them (kept on the model)."""
-    limit = cfg.cuda_graph_max_tokens
-    limit = CUDA_GRAPH_MAX_TOKENS if limit is None else limit
+    """The model's forward; on a GPU with ``engine.cuda_graph_max_tokens`` set (> 0) the
+    forward whose non-attention work replays CUDA graphs for batches up to that many tokens
+    (``models.cuda_graphs``). The graphs are the model's: engines on one model share them
+    (kept on the model). Unset: eager (opt-in until a GPU run measures the graphs faster)."""
+    limit = cfg.cuda_graph_max_tokens or 0
     if info.torch_device.type != "cuda" or limit == 0 or not isinstance(model, LlamaForCausalLM):
         return model
     from batchjob.backends.native.models.cuda_graphs import PiecewiseForward
