@@ -11,7 +11,8 @@
 # Environment: TESTS_LIMIT, AUTOTUNE_TEST_LIMIT (0 skips that stage), KERNELS=full (check runs
 # the full kernel table instead of the quick one), KERNELS_LIMIT (0 skips the kernel table in
 # bench), ENGINE_LIMIT, ENGINE_SCALE, ENGINE_GRAPHS (engine.cuda_graph_max_tokens values,
-# default 512,0: graphs against eager).
+# default 512,0: graphs against eager), GRAPH_TESTS_LIMIT, SMOKE_LIMIT, SMOKE_LAYERS (2),
+# SMOKE_SCALE (0.05), SMOKE_TOKENS (16), SMOKE_POLICIES (batchllm,baseline).
 #
 # A 15-minute device lease (the machine's start takes 1-2 of them), two calls:
 #   TESTS_LIMIT=120 AUTOTUNE_TEST_LIMIT=0 KERNELS=full bash benchmarks/gpu_truth.sh check
@@ -57,16 +58,20 @@ if [ "$MODE" = check ]; then
     # the first autotune config only (compiled once per shape, not 5-8 times); one test
     # below keeps autotuning (with autotuning everywhere, 140 s on an H100 ran 84 of 112 tests).
     export BATCHJOB_TRITON_AUTOTUNE=0
+    # the CUDA-graph forward first: its tests, then graphs against eager on SMOKE_LAYERS layers
+    TAIL=25 stage graph_tests "${GRAPH_TESTS_LIMIT:-90}" python3 -m pytest -q -p no:cacheprovider \
+        -n 4 tests/engine/test_cuda_graphs.py
+    TAIL=16 stage engine_smoke "${SMOKE_LIMIT:-90}" python3 benchmarks/bench_gpu_engine.py \
+        --model-dir "/tmp/l3-${SMOKE_LAYERS:-2}" --layers "${SMOKE_LAYERS:-2}" \
+        --workloads micro-2000-200-s16 --scale "${SMOKE_SCALE:-0.05}" --max-tokens "${SMOKE_TOKENS:-16}" \
+        --profile-iters 10 --cuda-graphs 512,0 --policies "${SMOKE_POLICIES:-batchllm,baseline}"
     TAIL=25 stage tests "${TESTS_LIMIT:-140}" python3 -m pytest -q -p no:cacheprovider -n 8 \
         tests/kernels/test_kernels.py tests/engine/test_engine_hf_parity.py \
-        tests/engine/test_cuda_graphs.py -k "not test_greedy_matches_hf and not test_same_seed"
+        -k "not test_greedy_matches_hf and not test_same_seed"
     if [ "${AUTOTUNE_TEST_LIMIT:-90}" != 0 ]; then
         BATCHJOB_TRITON_AUTOTUNE=1 stage tests "${AUTOTUNE_TEST_LIMIT:-90}" python3 -m pytest \
             -q -p no:cacheprovider -n 4 tests/kernels/test_kernels.py -k test_cuda_large_mixture
     fi
-    stage engine_smoke 90 python3 benchmarks/bench_gpu_engine.py --model-dir /tmp/l3-2 \
-        --layers 2 --workloads micro-2000-200-s16 --scale 0.05 --max-tokens 16 --profile-iters 10 \
-        --cuda-graphs 512,0
     stage sanitizer 25 python3 benchmarks/sanitize_kernels.py  # warm Triton's cache first
     if [ -n "$SAN" ]; then
         for tool in memcheck racecheck; do

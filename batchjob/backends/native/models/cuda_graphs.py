@@ -28,6 +28,7 @@ the cut, the padding and the buckets, and the fallback where CUDA graphs are una
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -112,6 +113,7 @@ class PiecewiseForward:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._table: torch.Tensor | None = None  # the RoPE table the graphs were captured on
         self.captured: list[int] = []  # buckets captured, in order (for reports and tests)
+        self.capture_s = 0.0  # host seconds spent capturing
 
     @torch.inference_mode()
     def __call__(
@@ -195,19 +197,27 @@ class PiecewiseForward:
 
     def _capture(self, pieces: list[Callable[[], None]]) -> list[Callable[[], None]]:
         """Each piece run once on a side stream (cuBLAS picks its kernels and workspace
-        outside capture), then captured into one pool; the static buffers hold garbage after
-        this, which the caller overwrites."""
+        outside capture), then captured there into one pool; the static buffers hold garbage
+        after this, which the caller overwrites. ``capture_begin`` directly: the
+        ``torch.cuda.graph`` context synchronises the device and empties the device and host
+        caching allocators around every graph."""
+        t0 = time.perf_counter()
+        current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(current)
+        replays = []
         with torch.cuda.stream(side):
             for run in pieces:
                 run()
-        torch.cuda.current_stream().wait_stream(side)
-        replays = []
-        for run in pieces:
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA calls (a writer, a profiler) do not break it
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                run()
-            replays.append(graph.replay)
+            for run in pieces:
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: another thread's CUDA calls (a writer, a profiler) are allowed
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    run()
+                finally:
+                    graph.capture_end()
+                replays.append(graph.replay)
+        current.wait_stream(side)
+        self.capture_s += time.perf_counter() - t0
         return replays
