@@ -71,9 +71,9 @@ class StaticBuffers:
     o: torch.Tensor  # [B, q]: one layer's attention output
 
     @classmethod
-    def allocate(cls, model: LlamaForCausalLM, tokens: int) -> StaticBuffers:
+    def allocate(cls, model: LlamaForCausalLM, attn: Attention, tokens: int) -> StaticBuffers:
+        """Zeroed buffers for ``model``, whose layers' attention is shaped as ``attn``."""
         cfg, w = model.cfg, model.embed_tokens.weight
-        attn = decoder_layers(model)[0].attn
 
         def zeros(*shape: int, dtype: torch.dtype = w.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=w.device)
@@ -108,7 +108,7 @@ class PiecewiseForward:
         self.sizes = capture_sizes(max_tokens)
         self.max_position = max_position  # the RoPE table reserved before capture
         self.capture = capture
-        self.static = StaticBuffers.allocate(model, max(self.sizes, default=1))
+        self.static = StaticBuffers.allocate(model, self.layers[0].attn, max(self.sizes, default=1))
         self._pieces: dict[int, list[Callable[[], None]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._table: torch.Tensor | None = None  # the RoPE table the graphs were captured on
@@ -137,7 +137,7 @@ class PiecewiseForward:
         s.positions[:t].copy_(positions, non_blocking=True)
         for i, layer in enumerate(self.layers):
             pieces[i]()
-            q, k, v = self._qkv(layer.attn, t)
+            q, k, v = layer.attn.split(s.qkv[:t])  # the real rows of the static qkv
             layer.attn.attend(q, k, v, kv_cache[i], meta, model.attn_backend, out=s.o[:t])
         pieces[-1]()
         return model.logits(s.h[:t], logits_index)
@@ -148,14 +148,6 @@ class PiecewiseForward:
         for bucket in self.sizes:
             if bucket not in self._pieces:
                 self._build(bucket)
-
-    def _qkv(self, a: Attention, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's q [t, H, D], k, v [t, Hkv, D]: the real rows of the static qkv."""
-        qkv = self.static.qkv[:t]
-        qk_end = a.q_size + a.kv_size
-        q = qkv[:, : a.q_size].view(t, a.num_heads, a.head_dim)
-        k = qkv[:, a.q_size : qk_end].view(t, a.num_kv_heads, a.head_dim)
-        return q, k, qkv[:, qk_end:].view(t, a.num_kv_heads, a.head_dim)
 
     def _reserve_rope(self) -> None:
         """The RoPE table holds every position up to ``max_position``; graphs captured on an

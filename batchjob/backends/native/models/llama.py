@@ -77,19 +77,26 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, Hkv, D]: views of one qkv tensor (``qkv_out`` if given,
         which CUDA graphs need), q and k normalised (Qwen3) and rotated in place."""
-        t, d = x.shape[0], self.head_dim
         qkv = self.qkv(x)  # [T, q + 2 kv]
         if qkv_out is not None:
             qkv = qkv_out.copy_(qkv)
-        qk_end = self.q_size + self.kv_size
-        v = qkv[:, qk_end:].view(t, self.num_kv_heads, d)  # [T, Hkv, D]
-        qk = qkv[:, :qk_end].view(t, self.num_heads + self.num_kv_heads, d)
+        q, k, v = self.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:  # written back in place
-            q_part, k_part = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            q_part.copy_(self.q_norm(q_part))
-            k_part.copy_(self.k_norm(k_part))
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        qk_end = self.q_size + self.kv_size
+        qk = qkv[:, :qk_end].view(len(qkv), self.num_heads + self.num_kv_heads, self.head_dim)
         apply_rope_(qk, cos, sin)  # q and k rotated together, in place
-        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+        return q, k, v
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D]: views of a qkv projection [T, q + 2 kv]."""
+        t, d, qk_end = qkv.shape[0], self.head_dim, self.q_size + self.kv_size
+        return (
+            qkv[:, : self.q_size].view(t, self.num_heads, d),
+            qkv[:, self.q_size : qk_end].view(t, self.num_kv_heads, d),
+            qkv[:, qk_end:].view(t, self.num_kv_heads, d),
+        )
 
     def attend(
         self,
