@@ -104,18 +104,17 @@ class TorchAttention:
         v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
     def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
-        result = out
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape  # [num_blocks, bs, Hkv, D]
         r = h // hkv
         row = hkv * d
         plan = self._plans.get(meta, (bs, h, row), lambda: self._build_plan(meta, bs, h, row))
         qf = q.float().view(t, hkv, r, d)  # [T, Hkv, R, D]: head = kv_head * R + i
-        out = torch.empty(t, hkv, r, d, dtype=torch.float32, device=q.device)
+        acc = torch.empty(t, hkv, r, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(t, hkv, r, dtype=torch.float32, device=q.device)
         p_out = p_lse = None
         if any(seg.prefix for seg in plan):
-            p_out = torch.zeros_like(out)  # prefix partials, merged once at the end
+            p_out = torch.zeros_like(acc)  # prefix partials, merged once at the end
             p_lse = torch.full_like(lse, -math.inf)  # tokens of no group weigh nothing
         for seg in plan:
             kg = k_cache.index_select(0, seg.blocks_t).flatten(0, 1)  # [N, Hkv, D]
@@ -130,12 +129,12 @@ class TorchAttention:
                 kd = kg[dc.off : n].view(b, dc.keys, hkv, d).transpose(1, 2)  # [B, Hkv, K, D]
                 vd = vg[dc.off : n].view(b, dc.keys, hkv, d).transpose(1, 2)
                 o, l = _attention(qd, kd, vd, dc.mask, False, scale)
-                out.index_copy_(0, dc.tokens, o)  # o: [B, Hkv, R, D]
+                acc.index_copy_(0, dc.tokens, o)  # o: [B, Hkv, R, D]
                 lse.index_copy_(0, dc.tokens, l)  # l: [B, Hkv, R]
             for pf in seg.prefills:
                 s, e, n = pf.tok, pf.tok + pf.q_len, pf.off + pf.kv_len
                 ks, vs = kg[pf.off : n], vg[pf.off : n]  # [kv_len, Hkv, D]
-                out[s:e], lse[s:e] = _heads_attention(
+                acc[s:e], lse[s:e] = _heads_attention(
                     qf[s:e], ks, vs, pf.mask, pf.mask is None, scale
                 )
             for px in seg.prefix:
@@ -144,8 +143,8 @@ class TorchAttention:
                 kp, vp = kg[px.off : n], vg[px.off : n]  # [P, Hkv, D]
                 p_out[s:e], p_lse[s:e] = _heads_attention(qf[s:e], kp, vp, None, False, scale)
         if p_out is not None and p_lse is not None:
-            _merge_into(out, lse, p_out, p_lse)
-        return into(result, out.view(t, h, d).to(q.dtype))
+            _merge_into(acc, lse, p_out, p_lse)
+        return into(out, acc.view(t, h, d).to(q.dtype))
 
     # ---- plan: index tensors that depend only on the metadata -----------------------------
 
