@@ -65,13 +65,15 @@ def launch_fitting(kernel, grid, args: tuple, consts: dict, configs: list[dict[s
     """``kernel`` launched with the first of ``configs`` this GPU has the shared memory and
     registers for (the autotuner drops those that do not fit; a fixed list must too: float32
     tiles of the first config need more than an H200's 227 KiB). ``grid``: config -> grid."""
-    for i, cfg in enumerate(configs):
+    from triton.runtime.errors import OutOfResources  # a launch has imported triton
+
+    for cfg in configs[:-1]:
         try:
             kernel[grid(cfg)](*args, **consts, **cfg)
             return
-        except Exception as e:  # triton.runtime.errors.OutOfResources, triton imported lazily
-            if type(e).__name__ != "OutOfResources" or i == len(configs) - 1:
-                raise
+        except OutOfResources:
+            continue
+    kernel[grid(configs[-1])](*args, **consts, **configs[-1])
 
 
 def tune_key(max_q_len: int, has_groups: bool) -> int:
