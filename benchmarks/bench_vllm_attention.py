@@ -9,6 +9,9 @@ threads torch has; times are the best of 3 rounds of 10 calls, the two alternati
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/bench_vllm_attention.py \\
         [--out benchmarks/results/vllm_attention_zen4.txt]
+    # the batches of a real run, step by step (profile_vllm_backend.py --capture-steps):
+    VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/bench_vllm_attention.py \\
+        --heads 8/2x128 --steps out/profile_vllm_backend/micro-2000-200-s16-vllm-sorted/steps
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 BS = 32
@@ -28,6 +32,7 @@ SHAPES = [
     ("decode 96, nothing shared, 500 each", 96, 1, 0, 500, 1),
     ("prefill 8 x 64 over 4 prefixes of 320", 4, 2, 320, 64, 64),
     ("prefill 2048, one sequence", 1, 1, 0, 2048, 2048),
+    ("prefill 16 x 200 over one prefix of 1984", 1, 16, 1984, 200, 200),
 ]
 HEADS = [(8, 8, 128), (8, 2, 128), (8, 8, 64)]  # query heads, KV heads, head dim
 
@@ -67,6 +72,22 @@ def best_ms(fns: dict[str, Callable[[], None]], rounds: int = 3, calls: int = 10
 
 
 def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]:
+    return measure_batch(hq, hkv, d, *block_tables(shape))
+
+
+def measure_batch(
+    hq: int,
+    hkv: int,
+    d: int,
+    nblocks: int,
+    table: torch.Tensor,
+    seq: torch.Tensor,
+    qsl: torch.Tensor,
+    rounds: int = 3,
+    calls: int = 10,
+) -> tuple[float, float, int]:
+    """(vLLM ms, batchjob ms, prefix groups) of one batch: block tables [R, M] int32 into a
+    cache of ``nblocks`` blocks, sequence lengths [R], query start offsets [R + 1]."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -75,7 +96,6 @@ def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]
 
     kn = pa.kernel()
     assert kn is not None, "no C kernel build"
-    nblocks, table, seq, qsl = block_tables(shape)
     r, t = len(seq), int(qsl[-1])
     kv = torch.randn(nblocks, hkv, BS, 2 * d)
     key_cache, value_cache = kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2)
@@ -103,8 +123,55 @@ def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]
             False, d**-0.5, out, work.batch.token_order,
         )  # fmt: skip
 
-    ms = best_ms({"vllm": vllm, "ours": ours})
+    ms = best_ms({"vllm": vllm, "ours": ours}, rounds, calls)
     return ms["vllm"], ms["ours"], work.batch.meta.num_groups
+
+
+def replay(folder: Path, hq: int, hkv: int, d: int) -> list[str]:
+    """Both kernels on every step batch saved in ``folder`` (profile_vllm_backend.py
+    --capture-steps), on random queries and caches: per-step-kind totals of one layer's
+    calls, and the steps with prompt tokens one by one."""
+    files = sorted(folder.glob("step-*.npz"))
+    if not files:
+        raise SystemExit(f"--steps: no step-*.npz in {folder}")
+    totals = {k: [0.0, 0.0, 0] for k in ("prefill", "decode")}
+    rows = []
+    for f in files:
+        z = np.load(f)
+        if int(z["block_size"]) != BS:
+            raise SystemExit(f"{f}: block size {int(z['block_size'])}, this bench runs {BS}")
+        qsl = torch.from_numpy(z["query_start_loc"]).int()
+        seq = torch.from_numpy(z["seq_lens"]).int()
+        table = torch.from_numpy(z["block_table"]).int().contiguous()
+        qlen = (qsl[1:] - qsl[:-1]).numpy()
+        kind = "decode" if (qlen == 1).all() else "prefill"
+        nblocks = int(table.max()) + 1
+        v, o, g = measure_batch(hq, hkv, d, nblocks, table, seq, qsl, rounds=3, calls=2)
+        tot = totals[kind]
+        tot[0], tot[1], tot[2] = tot[0] + v, tot[1] + o, tot[2] + 1
+        if kind == "prefill":
+            prompt = int(qlen[qlen > 1].sum())
+            rows.append(
+                f"| {f.stem} | {len(seq)} | {prompt} | {int((qlen == 1).sum())} | "
+                f"{int(seq.max())} | {g} | {v:.2f} | {o:.2f} | {v / o:.2f}x |"
+            )
+    lines = [
+        f"steps of {folder} at {hq}/{hkv} x {d}: one layer's calls summed",
+        "",
+        "| steps | count | vLLM ms | batchjob ms | vLLM / batchjob |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for kind, (v, o, n) in totals.items():
+        if n:
+            lines.append(f"| {kind} | {n} | {v:.1f} | {o:.1f} | {v / o:.2f}x |")
+    lines += [
+        "",
+        "| step | requests | prompt tokens | decode tokens | longest | groups | vLLM ms | "
+        "batchjob ms | vLLM / batchjob |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+    return lines
 
 
 def main() -> None:
@@ -112,6 +179,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="also write the table here")
     p.add_argument("--heads", default=None, help="only these q/kv x dim, e.g. 8/2x128,8/8x64")
     p.add_argument("--shapes", default=None, help="only batches whose name has one of these")
+    p.add_argument(
+        "--steps",
+        type=Path,
+        default=None,
+        help="instead of the shapes, replay the step batches saved in this folder by "
+        "profile_vllm_backend.py --capture-steps (one --heads shape)",
+    )
     args = p.parse_args()
     heads = HEADS
     if args.heads:
@@ -132,6 +206,12 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
+    if args.steps is not None:
+        for hq, hkv, d in heads[:1]:
+            out = replay(args.steps, hq, hkv, d)
+            print("\n".join(out), flush=True)
+            lines += out
+        shapes = []
     for hq, hkv, d in heads:
         for shape in shapes:
             v, o, g = measure(hq, hkv, d, shape)

@@ -50,6 +50,7 @@ from collections import defaultdict
 from pathlib import Path
 
 PROBE_ENV = "BJ_VLLM_PROBE_DIR"
+CAPTURE_ENV = "BJ_VLLM_CAPTURE_DIR"  # --capture-steps: the worker's step batches go here
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("batchjob-vllm", "batchjob-vllm-order", "vllm-sorted", "vllm-file")
 POLICY = {"batchjob-vllm": "batchllm", "batchjob-vllm-order": "baseline"}
@@ -59,10 +60,27 @@ POLICY = {"batchjob-vllm": "batchllm", "batchjob-vllm-order": "baseline"}
 # the worker (the model)
 CORE = ("model", "sched_vllm", "sched_batchjob", "core_glue")
 FRONT = ("submit", "front_step", "front_wait", "output_vllm", "bj_build", "bj_output", "bj_loop")
-WORKER = ("worker",)
+# the worker's categories: its execute_model / sample_tokens, and inside them the attention
+# layers' kernel calls, KV writes and metadata builds, split by the step's kind (one with
+# prompt tokens, or decode only)
+WORKER = (
+    "worker",
+    "attn.prefill",
+    "attn.decode",
+    "kv_write.prefill",
+    "kv_write.decode",
+    "attn_meta.prefill",
+    "attn_meta.decode",
+)
 LABELS = {
     "model": "model: execute + wait (worker + IPC)",
     "worker": "of which the worker's forward + sampling",
+    "attn.prefill": "of which attention calls, steps with prefill tokens",
+    "attn.decode": "of which attention calls, decode-only steps",
+    "kv_write.prefill": "of which KV cache writes, steps with prefill tokens",
+    "kv_write.decode": "of which KV cache writes, decode-only steps",
+    "attn_meta.prefill": "of which attention metadata builds, steps with prefill tokens",
+    "attn_meta.decode": "of which attention metadata builds, decode-only steps",
     "sched_vllm": "vLLM scheduler",
     "sched_batchjob": "batchjob scheduler subclass (own code)",
     "core_glue": "engine-core step / add-request glue",
@@ -88,6 +106,7 @@ class Probe:
         self.last_schedule: tuple[int, int, int, int] = (0, 0, 0, 0)
         self.dump_dir: Path | None = None  # set in vLLM's engine-core and worker processes
         self._worker_fd: int | None = None
+        self.step_kind = "prefill"  # the worker's current step: "prefill" or "decode"
 
     def _stack(self) -> list[float]:
         st = getattr(self.local, "stack", None)
@@ -95,9 +114,13 @@ class Probe:
             st = self.local.stack = []
         return st
 
-    def timed(self, fn, cat: str):
+    def timed(self, fn, cat: str, by_step: bool = False):
+        """``fn`` timed into ``cat`` (``by_step``: ``cat.prefill`` / ``cat.decode``, the kind
+        of the worker step it runs in)."""
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            key = f"{cat}.{self.step_kind}" if by_step else cat
             st = self._stack()
             st.append(0.0)
             t0 = time.perf_counter()
@@ -106,7 +129,7 @@ class Probe:
             finally:
                 dt = time.perf_counter() - t0
                 inner = st.pop()
-                self.totals[cat] += dt - inner
+                self.totals[key] += dt - inner
                 if st:
                     st[-1] += dt
 
@@ -139,7 +162,8 @@ class Probe:
         if self._worker_fd is None:
             path = self.dump_dir / f"worker-{os.getpid()}.txt"
             self._worker_fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        line = f"{time.perf_counter():.6f} {self.totals['worker']:.6f}\n".ljust(63) + "\n"
+        vals = " ".join(f"{self.totals[c]:.6f}" for c in WORKER)
+        line = f"{time.perf_counter():.6f} {vals}".ljust(255) + "\n"
         os.pwrite(self._worker_fd, line.encode(), 0)
 
 
@@ -214,6 +238,10 @@ def install(probe: Probe = PROBE) -> None:
         timed = probe.timed(fn, "worker")
 
         def in_worker(*args, _timed=timed, **kwargs):
+            out = args[1] if len(args) > 1 else kwargs.get("scheduler_output")
+            n = getattr(out, "num_scheduled_tokens", None)
+            if n:  # execute_model; sample_tokens keeps its step's kind
+                probe.step_kind = "decode" if all(v == 1 for v in n.values()) else "prefill"
             try:
                 return _timed(*args, **kwargs)
             finally:
@@ -221,6 +249,54 @@ def install(probe: Probe = PROBE) -> None:
 
         in_worker._bj_probe = True  # type: ignore[attr-defined]
         setattr(CPUWorker, name, in_worker)
+    _wrap_attention(probe)
+
+
+def _wrap_attention(probe: Probe) -> None:
+    """vLLM's CPU attention and batchjob's subclass of it: each class's own forward, KV
+    write and metadata build (exclusive time: a subclass falling back to vLLM's counts once)."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from batchjob.backends.vllm import prefix_attention as pa
+
+    for impl in (cpu_attn.CPUAttentionBackendImpl, pa.PrefixSharedImpl):
+        for name, cat in (("forward", "attn"), ("do_kv_cache_update", "kv_write")):
+            fn = impl.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_bj_probe", False):
+                if name == "forward" and os.environ.get(CAPTURE_ENV):
+                    fn = _capturing(fn, Path(os.environ[CAPTURE_ENV]))
+                setattr(impl, name, probe.timed(fn, cat, by_step=True))
+    for builder in (cpu_attn.CPUAttentionMetadataBuilder, pa.PrefixSharedMetadataBuilder):
+        fn = builder.__dict__.get("build")
+        if fn is not None and not getattr(fn, "_bj_probe", False):
+            builder.build = probe.timed(fn, "attn_meta", by_step=True)
+
+
+def _capturing(forward, folder: Path):
+    """``forward`` that also saves the batch of every step its first layer sees (query start
+    offsets, sequence lengths, block tables: what benchmarks/bench_vllm_attention.py
+    --steps replays), one .npz a step, numbered in order."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    count = [0]
+
+    @functools.wraps(forward)
+    def wrapper(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        name = getattr(layer, "layer_name", "")
+        if attn_metadata is not None and ".0." in name and kv_cache.dim() == 4:
+            r = len(attn_metadata.seq_lens)
+            np.savez(
+                folder / f"step-{count[0]:05d}.npz",
+                query_start_loc=attn_metadata.query_start_loc[: r + 1].cpu().numpy(),
+                seq_lens=attn_metadata.seq_lens.cpu().numpy(),
+                block_table=attn_metadata.block_table[:r].cpu().numpy(),
+                block_size=kv_cache.shape[2],
+            )
+            count[0] += 1
+        return forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+    return wrapper
 
 
 def _wrap_step(probe: Probe, cls, name: str) -> None:
@@ -279,12 +355,13 @@ def _read_core(probe_dir: Path) -> tuple[int | None, dict]:
     return int(f.stem.split("-")[1]), json.loads(f.read_text())
 
 
-def _read_worker(probe_dir: Path) -> tuple[int | None, float]:
+def _read_worker(probe_dir: Path) -> tuple[int | None, dict[str, float]]:
     files = sorted(probe_dir.glob("worker-*.txt"))
     if not files:
-        return None, 0.0
+        return None, dict.fromkeys(WORKER, 0.0)
     f = files[-1]
-    return int(f.stem.split("-")[1]), float(f.read_text().split()[1])
+    vals = [float(x) for x in f.read_text().split()[1:]]
+    return int(f.stem.split("-")[1]), dict(zip(WORKER, vals, strict=True))
 
 
 def _cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
@@ -347,7 +424,9 @@ def run_child(args) -> dict:
         secs = {k: v - mine0.get(k, 0.0) for k, v in mine1.items()}
         for cat, v in core_d.items():
             secs[cat] = secs.get(cat, 0.0) + v
-        secs["worker"], worker0 = worker1 - worker0, worker1
+        for cat in WORKER:
+            secs[cat] = worker1[cat] - worker0[cat]
+        worker0 = worker1
         secs["plan"] = extra.pop("plan_s", 0.0)
         secs["sched_batchjob"] = sum(v for k, v in secs.items() if k.startswith("sched_batchjob."))
         window = [s for s in steps if t0 <= s[0] <= t1]
@@ -669,6 +748,12 @@ def main() -> None:
         default=None,
         help="LLM.generate only: max_num_seqs (default: vLLM's own, 256 on a CPU)",
     )
+    p.add_argument(
+        "--capture-steps",
+        action="store_true",
+        help="save every step's batch (layer 0's metadata) to WORK/<workload>-<system>/steps "
+        "for bench_vllm_attention.py --steps (warm-up included: use with --repeats 1)",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the tables here (.txt)")
     p.add_argument("--work", type=Path, default=ROOT / "out" / "profile_vllm_backend")
     # one system in this process (the parent runs each so)
@@ -759,9 +844,10 @@ def parent(args) -> None:
                     if getattr(args, flag) is not None:
                         cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
                 log = stack.enter_context(open(d / "log.txt", "w"))
+                extra_env = {CAPTURE_ENV: str(d / "steps")} if args.capture_steps else {}
                 procs[system] = subprocess.Popen(
                     cmd,
-                    env={**env, PROBE_ENV: probe_dir},
+                    env={**env, PROBE_ENV: probe_dir, **extra_env},
                     stdout=log,
                     stderr=log,
                     cwd=ROOT,
