@@ -43,6 +43,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -510,16 +511,19 @@ def _batchjob_runner(args):
         t0 = time.perf_counter()
         plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
         plan_s = time.perf_counter() - t0
-        out: dict[int, int] = {}
+        out: dict[int, list[int]] = {}
         info = backend.run(
-            prompts, plan, RunSink(lambda o: out.__setitem__(o.row_id, len(o.token_ids)))
+            prompts,
+            plan,
+            RunSink(lambda o: out.__setitem__(int(o.row_id), [int(t) for t in o.token_ids])),
         )
         first_time = info.computed_prefill_tokens - info.recomputed_tokens
         return {
             "plan_s": plan_s,
             "requests": len(prompts),
             "prompt_tokens": int(prompts.lengths.sum()),
-            "generated_tokens": sum(out.values()),
+            "generated_tokens": sum(len(x) for x in out.values()),
+            "output_ids": {str(k): v for k, v in out.items()},  # row id -> generated ids
             "saving_ratio": 1 - first_time / int(prompts.lengths.sum()),
             "preemptions": info.preemptions,
         }
@@ -568,6 +572,10 @@ def _vllm_runner(args):
             "requests": len(outs),
             "prompt_tokens": prompt_tokens,
             "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "output_ids": {
+                str(work.row_ids[i]): list(o.outputs[0].token_ids)
+                for i, o in zip(work.order, outs, strict=True)
+            },
             "saving_ratio": cached / prompt_tokens,
         }
 
@@ -619,6 +627,15 @@ def split_row(r: dict) -> dict:
     }
 
 
+def equal_rows(a: dict, b: dict) -> str:
+    """How many rows two runs generated the same token ids for: "equal/rows" ("-": a run
+    without its tokens)."""
+    ta, tb = a.get("output_ids"), b.get("output_ids")
+    if not ta or not tb:
+        return "-"
+    return f"{sum(ta.get(k) == v for k, v in tb.items())}/{max(len(ta), len(tb))}"
+
+
 def paired_rows(results: list[dict]) -> list[dict]:
     """Per workload and round, every system's time and each one's ratio to the first system
     (the runs of a round are adjacent in time, so the ratio is what drift disturbs least)."""
@@ -637,12 +654,18 @@ def paired_rows(results: list[dict]) -> list[dict]:
                 x = r["runs"][k]["total_s"] / base["runs"][k]["total_s"]
                 ratios[r["system"]].append(x)
                 row[f"{r['system']} / {base['system']}"] = x
+            for r in rs[1:]:
+                row[f"rows {r['system']} = {base['system']}"] = equal_rows(
+                    base["runs"][k], r["runs"][k]
+                )
             rows.append(row)
         med = {"workload": name, "round": "median"}
         for r in rs:
             med[f"{r['system']} s"] = statistics.median(x["total_s"] for x in r["runs"])
         for system, xs in ratios.items():
             med[f"{system} / {base['system']}"] = statistics.median(xs)
+        for r in rs[1:]:
+            med[f"rows {r['system']} = {base['system']}"] = "-"
         rows.append(med)
     return rows
 
@@ -830,7 +853,10 @@ def parent(args) -> None:
                 d = dirs[system] = args.work / f"{name}-{system}"
                 d.mkdir(parents=True, exist_ok=True)
                 for f in d.glob("*"):
-                    f.unlink()
+                    if f.is_dir():
+                        shutil.rmtree(f)
+                    else:
+                        f.unlink()
                 probe_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="bj-probe-"))
                 cmd = [sys.executable, __file__, "--child", system, "--workload", name]
                 cmd += ["--data", str(data), "--model", str(model)]
