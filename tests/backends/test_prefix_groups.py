@@ -97,11 +97,13 @@ def test_null_blocks_and_query_positions_bound_the_shared_part():
     assert ctx.tolist() == [3, 2, 1]
 
 
+@pytest.mark.parametrize("max_group_q", [None, 4])
 @pytest.mark.parametrize("seed", range(8))
-def test_native_batch_from_block_tables_equals_dense_attention(seed):
+def test_native_batch_from_block_tables_equals_dense_attention(seed, max_group_q):
     """vLLM-style block tables (documents shared by whole blocks, rows in shuffled order,
     decodes and multi-token prefills mixed) -> native metadata -> the C kernel (or its torch
-    fallback), against softmax(q k^T) v over each request's full sequence."""
+    fallback), against softmax(q k^T) v over each request's full sequence; with requests of
+    more than ``max_group_q`` query tokens left out of the groups too."""
     rng = random.Random(seed)
     bs, hq, hkv, d = 16, 4, 2, 32
     nblocks = 200
@@ -124,8 +126,9 @@ def test_native_batch_from_block_tables_equals_dense_attention(seed):
     starts = np.concatenate([[0], np.cumsum(q_lens)])
     t = int(starts[-1])
     q = torch.randn(t, hq, d)
-    batch = native_metadata(table, np.array(seq_lens), starts, bs)
-    assert batch.meta.num_groups > 0 or len({tuple(r[:1]) for r in rows}) == len(rows)
+    batch = native_metadata(table, np.array(seq_lens), starts, bs, max_group_q)
+    if max_group_q is None:
+        assert batch.meta.num_groups > 0 or len({tuple(r[:1]) for r in rows}) == len(rows)
     qk = q if batch.token_order is None else q[batch.token_order]
     out = CpuAttention(calibrate=False).attend(qk, k_cache, v_cache, batch.meta, d**-0.5)
     if batch.token_order is not None:
@@ -139,6 +142,29 @@ def test_native_batch_from_block_tables_equals_dense_attention(seed):
         scores = scores.masked_fill(~pos, float("-inf"))
         ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
         torch.testing.assert_close(out[starts[r] : starts[r + 1]], ref, atol=2e-5, rtol=1e-4)
+
+
+def test_requests_with_many_query_tokens_join_no_group():
+    """A long prefill attends its prefix in its own tiles (grouping it saves no KV reads a
+    full tile does not, and costs a second partial and its merge); decodes and short
+    prefills over the same document still share it."""
+    bs = 16
+    doc = [5, 6, 7]
+    rows = [[*doc, 10 + i] for i in range(4)]
+    table = np.array(rows, dtype=np.int32)
+    q_lens = np.array([1, 1, 9, 3])  # the third: 9 query tokens
+    seq_lens = np.full(4, 3 * bs + 12)
+    starts = np.concatenate([[0], np.cumsum(q_lens)])
+    everyone = native_metadata(table, seq_lens, starts, bs)
+    assert everyone.meta.num_groups == 1
+    assert (everyone.meta.seq_group.numpy() == 0).all()
+    capped = native_metadata(table, seq_lens, starts, bs, max_group_q=8)
+    assert capped.meta.num_groups == 1
+    # kernel order: the group's three members, then the long prefill on its own
+    assert capped.meta.seq_group.tolist() == [0, 0, 0, -1]
+    assert capped.meta.kv_len.tolist() == [12, 12, 12, 3 * bs + 12]
+    alone = native_metadata(table[2:3], seq_lens[2:3], np.array([0, 9]), bs, max_group_q=8)
+    assert alone.meta.num_groups == 0
 
 
 def test_partitions_helper_counts_bell_numbers():

@@ -117,6 +117,23 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
         torch.testing.assert_close(out[starts[r] : starts[r + 1]], ref, **tol)
 
 
+@pytest.mark.parametrize("hkv,grouped", [(8, 3), (2, 2)])
+def test_a_prefill_that_fills_a_tile_alone_joins_no_group(pa, hkv, grouped):
+    """Two decodes and a 40-token prefill over one document: with 8 query heads per 8 KV
+    heads the prefill's 40 rows a head share the document's tiles with the decodes; with 4
+    query heads a KV head its 160 rows fill tiles of their own, and it reads the document
+    there."""
+    kn = pa.kernel()
+    bs = 32
+    table = np.array([[3, 4, 5, 0], [3, 4, 6, 0], [3, 4, 7, 8]], dtype=np.int32)
+    seq_lens = np.array([70, 70, 104])  # all three: the document's 2 blocks before the queries
+    starts = np.array([0, 1, 2, 42])
+    assert kn.max_rows // (8 // hkv) < 40 <= kn.max_rows or hkv == 8
+    work = pa.step_work(kn, table, seq_lens, starts, bs, 8, hkv)
+    assert work.batch.meta.num_groups == 1
+    assert int((work.batch.meta.seq_group.numpy() >= 0).sum()) == grouped
+
+
 def test_a_token_map_that_is_not_a_permutation_is_refused(pa):
     """The kernel reads and writes rows through the token map: one out of range is refused
     before anything runs."""

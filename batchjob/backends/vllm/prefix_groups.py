@@ -5,7 +5,8 @@ physical blocks, so requests sharing a prefix have equal leading block ids in th
 table rows. ``shared_prefix_groups`` finds them from the block tables alone (no plan needed,
 so vLLM's own prefix hits count too) and picks, for each request, at most one group whose
 shared blocks lie wholly before its first query token, choosing the split that saves the most
-KV reads: a group of g requests sharing k blocks is read once instead of g times.
+KV reads: a group of g requests sharing k blocks is read once instead of g times. The
+caller may leave requests with many query tokens out (``native_metadata(max_group_q=)``).
 ``native_metadata`` turns that into the batch description the native CPU kernel takes
 (``batchjob.kernels.meta.AttentionMetadata``), with the groups' requests made contiguous.
 Pure numpy and torch: no vLLM import, tested against brute force.
@@ -131,15 +132,23 @@ class NativeBatch:
 
 
 def native_metadata(
-    table: np.ndarray, seq_lens: np.ndarray, query_start: np.ndarray, bs: int
+    table: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start: np.ndarray,
+    bs: int,
+    max_group_q: int | None = None,
 ) -> NativeBatch:
     """The native kernel's batch for a vLLM batch (``table`` [R, M] block ids, ``seq_lens``,
     ``query_start`` [R + 1] token offsets): each group's members contiguous, their own KV the
-    blocks after the shared ones."""
+    blocks after the shared ones. ``max_group_q``: requests with more query tokens than this
+    join no group (they attend their prefix in their own tiles)."""
     r = len(seq_lens)
     q_lens = np.diff(query_start).astype(np.int64)
     seq_lens = seq_lens.astype(np.int64)
-    groups = shared_prefix_groups(table, context_blocks(table, seq_lens, q_lens, bs))
+    ctx = context_blocks(table, seq_lens, q_lens, bs)
+    if max_group_q is not None:
+        ctx = np.where(q_lens > max_group_q, 0, ctx)
+    groups = shared_prefix_groups(table, ctx)
     shared = np.zeros(r, dtype=np.int64)  # leading blocks each request shares
     seq_group = np.full(r, -1, dtype=np.int32)
     width = max([grp.blocks for grp in groups], default=1)
