@@ -124,11 +124,12 @@ def test_a_prefill_that_fills_a_tile_alone_joins_no_group(pa, hkv, grouped):
     query heads a KV head its 160 rows fill tiles of their own, and it reads the document
     there."""
     kn = pa.kernel()
+    if kn.max_rows != 64:  # AVX-512 and AVX2 builds; the generic one's tiles hold 32 rows
+        pytest.skip(f"the cases are sized for 64-row tiles, this build's hold {kn.max_rows}")
     bs = 32
     table = np.array([[3, 4, 5, 0], [3, 4, 6, 0], [3, 4, 7, 8]], dtype=np.int32)
     seq_lens = np.array([70, 70, 104])  # all three: the document's 2 blocks before the queries
     starts = np.array([0, 1, 2, 42])
-    assert kn.max_rows // (8 // hkv) < 40 <= kn.max_rows or hkv == 8
     work = pa.step_work(kn, table, seq_lens, starts, bs, 8, hkv)
     assert work.batch.meta.num_groups == 1
     assert int((work.batch.meta.seq_group.numpy() >= 0).sum()) == grouped

@@ -44,6 +44,7 @@ from batchjob.backends.native.attention.cpu import (
     kernel_takes,
     kv_rows_fit,
     run_units,
+    tile_tokens,
 )
 from batchjob.backends.vllm.prefix_groups import NativeBatch, native_metadata
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
@@ -141,7 +142,7 @@ def step_work(
     heads per KV head) fill a whole tile joins no prefix group: its own tiles read the prefix
     as often as a group's would, and splitting its attention in two partials merged after
     only adds work (natural-qa and 200/2000 prefill steps 7-20% faster, 8/2 and 8/8 x 128)."""
-    max_group_q = max(1, kn.max_rows // (heads // kv_heads))
+    max_group_q = tile_tokens(kn.max_rows, heads, kv_heads)
     batch = native_metadata(table, seq_lens, query_start, block_size, max_group_q)
     threads = torch.get_num_threads()
     units, blocks = build_units(

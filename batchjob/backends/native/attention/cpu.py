@@ -58,6 +58,12 @@ def head_rows(rows: np.ndarray, lanes: int) -> np.ndarray:
     return np.where(rows < WHOLE_ROWS, rows, nv * lanes)
 
 
+def tile_tokens(max_rows: int, h: int, hkv: int) -> int:
+    """Query tokens in one key-major tile of ``max_rows`` rows: each token brings its
+    ``h // hkv`` query heads of a KV head."""
+    return max(1, max_rows // (h // hkv))
+
+
 def build_units(
     meta: AttentionMetadata,
     h: int,
@@ -78,7 +84,7 @@ def build_units(
     threads stay balanced. ``whole_tiles`` False: key-major tiles per head (AMX runs those);
     ``max_whole``: the build's all-head scratch rows (older kernels: their ``max_rows``)."""
     r = h // hkv
-    tile = max(1, max_rows // r)
+    tile = tile_tokens(max_rows, h, hkv)
     cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
     q_len = np.diff(cu_q)
     kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
