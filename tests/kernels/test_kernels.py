@@ -225,7 +225,7 @@ def test_workspace_reuse_leaves_counters_zero() -> None:
         assert int(ws._cnt.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("variant", ["fused", "cascade"])
+@pytest.mark.parametrize("variant", ["auto", "fused", "cascade"])
 def test_backend_write_then_attend(variant: str) -> None:
     spec = random_spec(40, dtype=F16, num_q_heads=8, num_kv_heads=2, max_groups=2, max_chunk=8)
     b = build_batch(spec, 40, DEVICE)
@@ -363,6 +363,17 @@ def test_out_must_match_q(small: PagedBatch) -> None:
         fused_prefix_attention(
             small.q, small.k_cache, small.v_cache, small.meta, 1.0, out=small.q[:1]
         )
+
+
+def test_auto_variant_is_fused_for_decode_only_batches_and_cascade_with_prefill_chunks() -> None:
+    from batchjob.kernels.triton.wrappers import choose_variant
+
+    for seed in range(50, 58):
+        b = build_batch(random_spec(seed, max_groups=2, max_chunk=8), seed, DEVICE)
+        want = "cascade" if int((b.meta.cu_q[1:] - b.meta.cu_q[:-1]).max()) > 1 else "fused"
+        assert choose_variant(b.meta) == want
+    decode = build_batch(random_spec(58, max_groups=2, max_chunk=1), 58, DEVICE)
+    assert decode.meta.max_q_len == 1 and choose_variant(decode.meta) == "fused"
 
 
 def test_unknown_backend_variant() -> None:

@@ -9,6 +9,7 @@ from batchjob.kernels.triton.wrappers import (
     VARIANTS,
     Workspace,
     check_write_kv,
+    choose_variant,
     kv_signature,
     plan_attention,
     write_kv,
@@ -18,8 +19,9 @@ from batchjob.kernels.triton.wrappers import (
 class TritonAttention:
     """Prefix-shared paged attention with Triton kernels.
 
-    ``variant="fused"`` (default) runs prefix part, own part and merge in one launch;
-    ``"cascade"`` uses three launches (for comparison). The instance owns a reusable
+    ``variant="auto"`` (default) picks per batch (``choose_variant``: fused for decode-only
+    batches, cascade with prefill chunks); ``"fused"`` always runs prefix part, own part and
+    merge in one launch, ``"cascade"`` in three. The instance owns a reusable
     workspace and checks and derives each batch once for all its layers (an
     ``AttentionPlan``, kept while the metadata object and the layers' shapes stay the same):
     a layer's host work is its launch. One instance per stream. Argument types:
@@ -28,9 +30,9 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self, variant: str = "fused") -> None:
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+    def __init__(self, variant: str = "auto") -> None:
+        if variant != "auto" and variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; choose one of auto, {VARIANTS}")
         self.variant = variant
         self._workspace = Workspace()
         self._plan = BatchMemo()
@@ -48,11 +50,12 @@ class TritonAttention:
 
     def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
         key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), scale)
+        variant = choose_variant(meta) if self.variant == "auto" else self.variant
         plan = self._plan.get(
             meta,
             key,
             lambda: plan_attention(
-                q, k_cache, v_cache, meta, scale, variant=self.variant, workspace=self._workspace
+                q, k_cache, v_cache, meta, scale, variant=variant, workspace=self._workspace
             ),
         )
         return plan.run(q, k_cache, v_cache, out)  # checks q and the caches against the plan
