@@ -9,18 +9,26 @@ safetensors checkpoint and read by batchjob's own loader (``--layers`` shrinks i
 smoke run). The KV budget comes from ``engine.gpu_memory_fraction``. Every request
 generates exactly ``--max-tokens`` tokens (EOS ignored).
 
-Per run it prints requests/s and tokens/s, and the per-iteration split: host time in the
-scheduler, batch building, the model call (kernel launches: the forward is asynchronous)
-and the rest of the loop (sampling, finish checks, the wait for the GPU), and, from a
-torch.profiler window of ``--profile-iters`` iterations of a second run of the same workload
-(the timed run is never profiled), GPU kernel time over wall time. ``--cuda-graphs 512,0``
-runs the forward with CUDA graphs and eagerly, side by side.
+Every configuration (workload x policy x ``--cuda-graphs`` value) runs twice on one engine:
+a first, untimed run at the timed scale (it compiles and autotunes the Triton kernels for
+every shape the workload reaches, and carries a torch.profiler window of
+``--profile-iters`` decode-phase iterations: GPU kernel time over wall time), then the
+timed run. A warm-up at a smaller scale misses shapes: on an H200 the first full-scale run
+then paid ~12 s of compiling inside its timing, whichever configuration came first.
+
+Per configuration it prints requests/s and tokens/s, the per-iteration split of host time
+(scheduler, batch building, the model call: kernel launches, the forward is asynchronous;
+the rest of the loop: sampling, finish checks, the wait for the GPU), the median wall time
+of a decode-only iteration, and how many requests generated the same tokens as the
+workload's first configuration. ``--cuda-graphs 512,0`` runs the forward with CUDA graphs
+and eagerly, side by side.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -180,6 +188,7 @@ class Result:
     profiled_iters: int
     profiled_wall_s: float
     profiled_gpu_kernel_s: float
+    decode_iter_ms: float  # median wall time of a decode-only iteration (no prefill tokens)
 
     @property
     def gpu_busy(self) -> float:
@@ -192,8 +201,17 @@ def _sync() -> None:
 
 
 def run_once(
-    engine: Engine, prompts, name: str, policy: str, graphs: int, profile_iters: int
-) -> Result:
+    engine: Engine,
+    prompts,
+    name: str,
+    policy: str,
+    graphs: int,
+    profile_iters: int,
+    op_table: int = 0,
+) -> tuple[Result, dict[int, tuple[int, ...]]]:
+    """One run; its result and each request's generated tokens by row id. ``op_table`` > 0
+    also traces host ops in the profiled window and prints the top ``op_table`` by host time
+    and by GPU time."""
     timers = HostTimers()
     timers.install(engine)
     prof_start = 40  # past the first prefill-heavy iterations: a mixed/decode window
@@ -203,9 +221,10 @@ def run_once(
         i = rec.iteration
         if profile_iters and i == prof_start and torch.cuda.is_available():
             _sync()
-            state["prof"] = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA]
-            )
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+            if op_table:
+                activities.append(torch.profiler.ProfilerActivity.CPU)
+            state["prof"] = torch.profiler.profile(activities=activities)
             state["prof"].__enter__()
             state["t0"] = time.perf_counter()
         elif "prof" in state and "t1" not in state and i == prof_start + profile_iters:
@@ -217,13 +236,13 @@ def run_once(
     t0 = time.perf_counter()
     plan = build_plan(prompts) if policy == "batchllm" else None
     plan_s = time.perf_counter() - t0
-    generated = []
+    outputs: dict[int, tuple[int, ...]] = {}
     try:
         run = engine.run(
             prompts,
             plan,
             SamplingConfig(max_tokens=1, ignore_eos=True),
-            lambda o: generated.append(len(o.token_ids)),
+            lambda o: outputs.__setitem__(o.row_id, tuple(o.token_ids.tolist())),
             on_iteration=on_iter,
         )
     finally:
@@ -233,12 +252,22 @@ def run_once(
     gpu_s, prof_wall = 0.0, 0.0
     if "t1" in state:
         prof_wall = state["t1"] - state["t0"]
-        gpu_s = sum(e.self_device_time_total for e in state["prof"].key_averages()) / 1e6  # us -> s
+        events = state["prof"].key_averages()
+        # with host ops traced, an op's row repeats its kernels' time: count GPU events only
+        cuda = torch.autograd.DeviceType.CUDA
+        kernels = [e for e in events if not op_table or e.device_type == cuda]
+        gpu_s = sum(e.self_device_time_total for e in kernels) / 1e6  # us -> s
+        if op_table:
+            print(f"# {name} {policy} graphs<={graphs}: iterations {prof_start}-", end="")
+            print(f"{prof_start + profile_iters - 1} of the first run")
+            for key in ("self_cpu_time_total", "self_device_time_total"):
+                print(events.table(sort_by=key, row_limit=op_table, max_name_column_width=60))
     loop_s = sum(r.wall_s for r in run.iterations)
     host = dict(timers.s)
     named = sum(host.values())
     logical = int(prompts.lengths.sum())
-    gen = int(sum(generated))
+    gen = sum(map(len, outputs.values()))
+    decode = [r.wall_s for r in run.iterations if r.prefill_tokens == 0 and r.decode_tokens]
     return Result(
         workload=name,
         policy=policy,
@@ -261,7 +290,8 @@ def run_once(
         profiled_iters=profile_iters if "t1" in state else 0,
         profiled_wall_s=prof_wall,
         profiled_gpu_kernel_s=gpu_s,
-    )
+        decode_iter_ms=1e3 * statistics.median(decode) if decode else 0.0,
+    ), outputs
 
 
 @click.command()
@@ -275,6 +305,12 @@ def run_once(
 @click.option("--gpu-memory-fraction", default=0.9, show_default=True)
 @click.option("--attention", default="auto", show_default=True)
 @click.option("--profile-iters", default=20, show_default=True)
+@click.option(
+    "--op-table",
+    default=0,
+    show_default=True,
+    help="also trace host ops in the profiled window; print this many top ops (0: none)",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="JSON lines here")
 @click.option("--device", default="cuda", show_default=True, help="cpu: a smoke run of the code")
 @click.option("--kv-mib", default=None, type=int, help="KV budget (default: the GPU fraction)")
@@ -286,7 +322,7 @@ def run_once(
 )
 def main(
     model_dir, layers, workloads, scale, max_tokens, policies, chunk_size,
-    gpu_memory_fraction, attention, profile_iters, out, device, kv_mib, cuda_graphs,
+    gpu_memory_fraction, attention, profile_iters, op_table, out, device, kv_mib, cuda_graphs,
 ) -> None:  # fmt: skip
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_gpu_engine.py needs a CUDA GPU (or --device cpu for a smoke run)")
@@ -300,29 +336,6 @@ def main(
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     kv_bytes = kv_mib << 20 if kv_mib else None
     limits = [int(x) for x in cuda_graphs.split(",")]
-    # compile and autotune the kernels for every shape bucket outside the timing: each workload
-    # at a small scale, each policy (a warm-up on one tiny workload misses some buckets, and
-    # the first measured run then pays ~17 s of autotuning on an H100)
-    for name in workloads.split(","):
-        warm = prompts_from_table(
-            make_workload(name, scale=0.03, seed=1, vocab_size=info.vocab_size, max_tokens=8)
-        )
-        for policy, graphs in itertools.product(policies.split(","), limits):
-            warm_engine = Engine(
-                model, info, SchedulerConfig(policy=policy, chunk_size=chunk_size),
-                EngineConfig(block_size=16, gpu_memory_fraction=gpu_memory_fraction,
-                             kv_cache_bytes=kv_bytes, cuda_graph_max_tokens=graphs),
-            )  # fmt: skip
-            if isinstance(warm_engine.forward, PiecewiseForward):  # captured at start-up
-                t_capture = time.perf_counter()
-                warm_engine.forward.capture_all()
-                _sync()
-                print(f"# captured {graphs} tokens: {time.perf_counter() - t_capture:.1f} s")
-            warm_engine.run(warm, build_plan(warm), SamplingConfig(max_tokens=1, ignore_eos=True),
-                            lambda o: None)  # fmt: skip
-            del warm_engine
-            if device == "cuda":
-                torch.cuda.empty_cache()  # the next engine sizes its KV from what is free
     print(
         f"# {gpu}, torch {torch.__version__}; checkpoint written in "
         f"{t_write:.1f} s, loaded in {time.perf_counter() - t:.1f} s; {info.num_layers} layers, "
@@ -335,6 +348,7 @@ def main(
             name, scale=scale, seed=0, vocab_size=info.vocab_size, max_tokens=max_tokens
         )
         prompts = prompts_from_table(table)
+        first_outputs: dict[int, tuple[int, ...]] | None = None
         for policy, graphs in itertools.product(policies.split(","), limits):
             engine = Engine(
                 model,
@@ -348,25 +362,26 @@ def main(
                 ),
             )
             pieces = engine.forward if isinstance(engine.forward, PiecewiseForward) else None
+            if pieces:  # every bucket captured at start-up, as vLLM does
+                t_capture = time.perf_counter()
+                pieces.capture_all()
+                _sync()
+                print(f"# captured {graphs} tokens: {time.perf_counter() - t_capture:.1f} s")
+            # the first run compiles what this scale reaches and is the profiled one (CUPTI's
+            # tracing slows graph replays, so the timed run is never profiled)
+            prof, _ = run_once(engine, prompts, name, policy, graphs, profile_iters, op_table)
             before = (len(pieces.captured), pieces.capture_s) if pieces else (0, 0.0)
-            # timed without the profiler (CUPTI's tracing slows CUDA-graph replays and its
-            # trace is processed inside the run), then a second, profiled run for the
-            # GPU-busy fraction
-            r = run_once(engine, prompts, name, policy, graphs, 0)
-            if profile_iters:
-                prof = run_once(engine, prompts, name, policy, graphs, profile_iters)
-                r = replace(
-                    r,
-                    profiled_iters=prof.profiled_iters,
-                    profiled_wall_s=prof.profiled_wall_s,
-                    profiled_gpu_kernel_s=prof.profiled_gpu_kernel_s,
-                )
-            if pieces:
-                print(
-                    f"# in the run: {len(pieces.captured) - before[0]} buckets captured in "
-                    f"{pieces.capture_s - before[1]:.2f} s ({len(pieces.captured)} so far)",
-                    flush=True,
-                )
+            r, outputs = run_once(engine, prompts, name, policy, graphs, 0)
+            r = replace(
+                r,
+                profiled_iters=prof.profiled_iters,
+                profiled_wall_s=prof.profiled_wall_s,
+                profiled_gpu_kernel_s=prof.profiled_gpu_kernel_s,
+            )
+            if pieces and len(pieces.captured) > before[0]:
+                print(f"# timed run captured {len(pieces.captured) - before[0]} buckets")
+            first_outputs = first_outputs if first_outputs is not None else outputs
+            same = sum(first_outputs.get(k) == v for k, v in outputs.items())
             results.append(r)
             del engine
             if device == "cuda":
@@ -375,12 +390,14 @@ def main(
             print(
                 f"{name} {policy} graphs<={graphs}: {r.requests} req, "
                 f"{r.requests_per_s:.2f} req/s, {r.tokens_per_s:.0f} tok/s, "
-                f"{r.iterations} iters, {r.preemptions} preempt, "
+                f"{r.iterations} iters, decode iteration {r.decode_iter_ms:.2f} ms, "
+                f"{r.preemptions} preempt, "
                 f"prefill computed {r.prefill_tokens_computed} of {r.prompt_tokens}; host s: "
                 f"schedule {r.schedule_s:.2f} build {r.build_batch_s:.2f} launch "
                 f"{r.model_call_launch_s:.2f} update {r.scheduler_update_s:.2f} rest "
                 f"{r.rest_of_loop_s:.2f} (named {loop:.2f} of {r.wall_s:.2f}); profiled "
-                f"{r.profiled_iters} iters of a second run: GPU kernels {r.gpu_busy:.0%} of wall",
+                f"{r.profiled_iters} iters of the first run: GPU kernels {r.gpu_busy:.0%} of "
+                f"wall; {same} of {len(outputs)} requests' tokens equal the first configuration's",
                 flush=True,
             )
             if out is not None:

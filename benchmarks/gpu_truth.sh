@@ -10,16 +10,23 @@
 #
 # Environment: TESTS_LIMIT, AUTOTUNE_TEST_LIMIT (0 skips that stage), KERNELS=full (check runs
 # the full kernel table instead of the quick one), KERNELS_LIMIT (0 skips the kernel table in
-# bench), ENGINE_LIMIT, ENGINE_SCALE, ENGINE_GRAPHS (engine.cuda_graph_max_tokens values,
-# default 512,0: graphs against eager), GRAPH_TESTS_LIMIT, SMOKE_LIMIT, SMOKE_LAYERS (2),
-# SMOKE_SCALE (0.05), SMOKE_TOKENS (16), SMOKE_POLICIES (batchllm,baseline).
+# bench), ENGINE_LIMIT (0 skips the engine), ENGINE_SCALE, ENGINE_GRAPHS
+# (engine.cuda_graph_max_tokens values, default 512,0: graphs against eager), ENGINE_WORKLOADS
+# (case1,micro-2000-200-s16), ENGINE_POLICIES (batchllm,baseline), GRAPH_TESTS_LIMIT,
+# SMOKE_LIMIT, SMOKE_LAYERS (2), SMOKE_SCALE (0.05), SMOKE_TOKENS (16), SMOKE_POLICIES
+# (batchllm,baseline), OP_TABLE (0; N > 0 prints the smoke run's top N host ops and kernels of
+# its profiled window).
 #
 # A 15-minute device lease (the machine's start takes 1-2 of them), two calls, the second
-# while the first's machine is still warm (30 s). The first ran in 296 s on an H200:
+# while the first's machine is still warm (30 s). On an H200 the check below ran in 316 s, the
+# kernel table alone (bench, ENGINE_LIMIT=0) in ~120 s, and the 8B engine eager on both
+# workloads and policies at scale 0.1 (bench, KERNELS_LIMIT=0 ENGINE_GRAPHS=0) in 182 s, 68 of
+# them loading the checkpoint; graphs and eager double the engine's runs, so split them:
 #   GRAPH_TESTS_LIMIT=80 SMOKE_LAYERS=8 SMOKE_SCALE=0.1 SMOKE_TOKENS=64 \
 #     SMOKE_POLICIES=batchllm SMOKE_LIMIT=150 TESTS_LIMIT=60 AUTOTUNE_TEST_LIMIT=0 \
 #     bash benchmarks/gpu_truth.sh check
-#   KERNELS_LIMIT=150 ENGINE_SCALE=0.1 ENGINE_LIMIT=200 bash benchmarks/gpu_truth.sh bench
+#   KERNELS_LIMIT=0 ENGINE_SCALE=0.1 ENGINE_POLICIES=batchllm ENGINE_LIMIT=300 \
+#     bash benchmarks/gpu_truth.sh bench
 # polars is not on the device image: `pip download` its wheels into .whl/ and carry .whl.
 set -u
 MODE=${1:-check}
@@ -62,13 +69,14 @@ if [ "$MODE" = check ]; then
     # below keeps autotuning (with autotuning everywhere, 140 s on an H100 ran 84 of 112 tests).
     export BATCHJOB_TRITON_AUTOTUNE=0
     # the CUDA-graph forward first: its tests, then graphs against eager on SMOKE_LAYERS layers
-    TAIL=25 stage graph_tests "${GRAPH_TESTS_LIMIT:-90}" python3 -m pytest -q -p no:cacheprovider \
-        -n 4 tests/engine/test_cuda_graphs.py
+    TAIL=25 stage graph_tests "${GRAPH_TESTS_LIMIT:-90}" python3 -m pytest -v -p no:cacheprovider \
+        -n 4 -m cuda tests/engine/test_cuda_graphs.py
     TAIL=16 stage engine_smoke "${SMOKE_LIMIT:-90}" python3 benchmarks/bench_gpu_engine.py \
         --model-dir "/tmp/l3-${SMOKE_LAYERS:-2}" --layers "${SMOKE_LAYERS:-2}" \
         --workloads micro-2000-200-s16 --scale "${SMOKE_SCALE:-0.05}" --max-tokens "${SMOKE_TOKENS:-16}" \
-        --profile-iters 10 --cuda-graphs 512,0 --policies "${SMOKE_POLICIES:-batchllm,baseline}"
-    TAIL=25 stage tests "${TESTS_LIMIT:-140}" python3 -m pytest -q -p no:cacheprovider -n 8 \
+        --profile-iters 10 --cuda-graphs 512,0 --policies "${SMOKE_POLICIES:-batchllm,baseline}" \
+        --op-table "${OP_TABLE:-0}"
+    TAIL=25 stage tests "${TESTS_LIMIT:-140}" python3 -m pytest -v -p no:cacheprovider -n 8 \
         tests/kernels/test_kernels.py tests/engine/test_engine_hf_parity.py \
         -k "not test_greedy_matches_hf and not test_same_seed"
     if [ "${AUTOTUNE_TEST_LIMIT:-90}" != 0 ]; then
@@ -97,9 +105,13 @@ else
         TAIL=40 stage kernels "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py \
             --rep 20 --out "$OUT/kernels.md"
     fi
-    TAIL=20 stage engine "${ENGINE_LIMIT:-260}" python3 benchmarks/bench_gpu_engine.py \
-        --model-dir "$SHM/llama3-8b-random" --workloads case1,micro-2000-200-s16 \
-        --scale "${ENGINE_SCALE:-0.2}" --max-tokens 64 --profile-iters 10 \
-        --cuda-graphs "${ENGINE_GRAPHS:-512,0}" \
-        --out "$OUT/engine.jsonl"
+    if [ "${ENGINE_LIMIT:-260}" != 0 ]; then
+        TAIL=20 stage engine "${ENGINE_LIMIT:-260}" python3 benchmarks/bench_gpu_engine.py \
+            --model-dir "$SHM/llama3-8b-random" \
+            --workloads "${ENGINE_WORKLOADS:-case1,micro-2000-200-s16}" \
+            --policies "${ENGINE_POLICIES:-batchllm,baseline}" \
+            --scale "${ENGINE_SCALE:-0.2}" --max-tokens 64 --profile-iters 10 \
+            --cuda-graphs "${ENGINE_GRAPHS:-512,0}" \
+            --out "$OUT/engine.jsonl"
+    fi
 fi
