@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.backends.native.attention.meta import AttentionMetadata
-from batchjob.backends.native.batch_builder import ModelBatch, build_batch
+from batchjob.backends.native.batch_builder import ModelBatch, build_batch, upload
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.output import (
     ScheduledChunk,
@@ -187,6 +187,36 @@ def test_numpy_builder_equals_the_per_sequence_builder(seed):
     out = random_output(seed)
     cpu = torch.device("cpu")
     assert_same(build_batch(out, 4, cpu), _reference_build(out, 4, cpu))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31))
+def test_packed_upload_builds_the_same_batch(seed):
+    """One buffer per dtype (the GPU path), run here on CPU tensors: the same batch."""
+    out = random_output(seed)
+    cpu = torch.device("cpu")
+    assert_same(build_batch(out, 4, cpu, packed=True), _reference_build(out, 4, cpu))
+
+
+def test_packed_upload_aligns_every_array_and_keeps_shapes_and_dtypes():
+    rng = np.random.default_rng(3)
+    arrays = {
+        "a": (rng.integers(-5, 9, 7), torch.int32),
+        "table": (rng.integers(0, 99, (3, 5)).astype(np.int32), torch.int32),
+        "empty": (np.zeros(0, dtype=np.int64), torch.int32),
+        "none": (np.zeros((0, 1), dtype=np.int32), torch.int32),
+        "b": (rng.integers(0, 2**40, 9), torch.int64),
+        "c": (rng.integers(0, 9, 1), torch.int64),
+    }
+    got = upload(arrays, torch.device("cpu"), packed=True)
+    want = upload(arrays, torch.device("cpu"), packed=False)
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        g = got[k]
+        assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
+        assert torch.equal(g, w), k
+        assert g.data_ptr() % 64 == 0, k
+    assert got["a"].untyped_storage().data_ptr() == got["table"].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("policy", ["batchllm", "baseline"])
