@@ -451,7 +451,7 @@ def run_child(args) -> dict:
                 **extra,
             }
         )
-        (gate / f"run-{rep}.json").write_text(json.dumps(runs[-1]))
+        _write_whole(gate / f"run-{rep}.json", json.dumps(runs[-1]))
     while not (gate / "stop").exists():  # no engine shuts down beside another system's run
         time.sleep(0.05)
     return {
@@ -796,7 +796,7 @@ def main() -> None:
         return
     if args.system is not None:
         result = run_child(args)
-        Path(args.result).write_text(json.dumps(result))
+        _write_whole(Path(args.result), json.dumps(result))
         return
     parent(args)
 
@@ -928,6 +928,14 @@ def tables(results: list[dict] | dict, header: str) -> str:
             "",
         ]
     )
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Written under another name, then renamed: the parent polls for ``path`` and must not
+    read it half-written (a run's JSON is larger than one write)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _wait_for(path: Path, proc, what: str) -> None:
