@@ -264,3 +264,23 @@ def test_trie_steps_visit_every_node_once_on_held_kv(seed):
             seen.append(node)
         held = p
     assert sorted(seen) == list(range(len(trie.prefixes)))
+
+
+@pytest.mark.parametrize("top_n", [0, 3])
+def test_token_logprobs_in_row_slices_equal_one_pass(top_n):
+    """A few rows at a time (the memory bound for long prompt log-probs) gives the one-pass
+    log-softmax's values, ids and order."""
+    from batchjob.backends.native.sampling import token_logprobs
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(37, 50, generator=g) * 4
+    tokens = torch.randint(0, 50, (37,), generator=g)
+    lp = torch.log_softmax(logits, dim=-1)
+    for slice_bytes in (4 * 50 * 4, 1, 1 << 28):  # 4 rows, 1 row, all rows at once
+        chosen, ids, vals = token_logprobs(logits, tokens, top_n, slice_bytes=slice_bytes)
+        torch.testing.assert_close(chosen, lp.gather(1, tokens[:, None]).squeeze(1))
+        assert ids.shape == vals.shape == (37, top_n) and ids.dtype == torch.int32
+        if top_n:
+            top = lp.topk(top_n, dim=-1, sorted=True)
+            assert torch.equal(ids, top.indices.int())
+            torch.testing.assert_close(vals, top.values)

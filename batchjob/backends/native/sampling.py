@@ -259,19 +259,33 @@ def finish_codes(
     return np.where(stop, STOP, np.where(length, LENGTH, CONTINUE)).astype(np.int8)
 
 
+LOGPROB_SLICE_BYTES = 1 << 28  # float32 log-softmax rows computed at a time (256 MiB)
+
+
 def token_logprobs(
     logits: torch.Tensor,  # [K, V], the raw logits
     tokens: torch.Tensor,  # int64 [K]: the sampled token of each row
     top_n: int,
+    slice_bytes: int = LOGPROB_SLICE_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob of each sampled token [K], top-N ids [K, N], their logprobs [K, N]): float32
-    log-softmax of the raw logits, before temperature/top-k/top-p (as vLLM by default)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, tokens.long()[:, None]).squeeze(1)
-    top = lp.topk(top_n, dim=-1, sorted=True) if top_n else None
-    k = lp.shape[0]
-    ids = top.indices.int() if top is not None else torch.zeros(k, 0, dtype=torch.int32)
-    vals = top.values if top is not None else torch.zeros(k, 0)
+    log-softmax of the raw logits, before temperature/top-k/top-p (as vLLM by default).
+
+    Computed over slices of rows of at most ``slice_bytes`` of float32 log-softmax: a prefill
+    chunk's prompt log-probs are thousands of rows, and a whole [K, V] float32 copy of them
+    at a 128k vocabulary is 0.5 GB per 1,000 rows on top of the logits themselves."""
+    k, v = logits.shape
+    step = max(1, slice_bytes // (4 * max(v, 1)))
+    tokens = tokens.long().to(logits.device)
+    chosen = torch.empty(k, dtype=torch.float32, device=logits.device)
+    ids = torch.zeros(k, top_n, dtype=torch.int32, device=logits.device)
+    vals = torch.zeros(k, top_n, dtype=torch.float32, device=logits.device)
+    for a in range(0, k, step):
+        lp = torch.log_softmax(logits[a : a + step].float(), dim=-1)
+        chosen[a : a + step] = lp.gather(1, tokens[a : a + step, None]).squeeze(1)
+        if top_n:
+            top = lp.topk(top_n, dim=-1, sorted=True)
+            ids[a : a + step], vals[a : a + step] = top.indices, top.values
     return chosen, ids, vals
 
 
