@@ -1,11 +1,11 @@
 """Host wrappers: validate inputs (checks.py), then launch the jit kernels.
 
-``prefix_attention`` is the entry: variant "fused" (the production path, one launch) or
-"cascade" (three launches, for comparison), also named ``fused_prefix_attention`` and
-``cascade_prefix_attention``. ``paged_attention`` (no sharing; variants.py builds its
-inputs) is the other comparison variant; ``write_kv`` stores new K/V in the paged caches.
-On CPU tensors the kernels run under Triton's interpreter, which needs TRITON_INTERPRET=1
-set before triton is first imported.
+``prefix_attention`` is the entry: variant "fused" (one launch) or "cascade" (three
+launches), also named ``fused_prefix_attention`` and ``cascade_prefix_attention``;
+``choose_variant`` picks the faster for a batch (the engine's default). ``paged_attention``
+(no sharing; variants.py builds its inputs) is the comparison variant; ``write_kv`` stores
+new K/V in the paged caches. On CPU tensors the kernels run under Triton's interpreter,
+which needs TRITON_INTERPRET=1 set before triton is first imported.
 """
 
 from __future__ import annotations
@@ -284,9 +284,9 @@ def prefix_attention(
 ) -> torch.Tensor:
     """Prefix-shared paged attention. q: [T, Hq, D] -> out: [T, Hq, D].
 
-    ``variant="fused"`` (production) runs prefix part, own part and merge in ONE launch;
-    ``"cascade"`` in three (prefix, own, merge: FlashInfer-cascade style) with the same
-    tiles, prefix pieces and partials (for comparison).
+    ``variant="fused"`` runs prefix part, own part and merge in ONE launch; ``"cascade"`` in
+    three (prefix, own, merge: FlashInfer-cascade style) with the same tiles, prefix pieces
+    and partials. ``choose_variant(meta)`` says which is faster for a batch.
     ``order`` (int32 [G], from ``group_order(meta)``) may be passed to reuse it across layers.
     ``config`` (fused only: BLOCK_M_P, BLOCK_N_P, BLOCK_M_O, BLOCK_N_O, optional num_warps,
     num_stages) fixes the tiles instead of autotuning (or of the interpreter's small tiles).
