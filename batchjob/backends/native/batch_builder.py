@@ -68,20 +68,18 @@ def upload(
         }
     out: dict[str, torch.Tensor] = {}
     for dt in dict.fromkeys(dt for _, dt in arrays.values()):
-        names = [k for k, (_, d) in arrays.items() if d == dt]
         step = _ALIGN // torch.empty(0, dtype=dt).element_size()
-        starts, at = [], 0
-        for k in names:
-            starts.append(at)
-            at += -(-arrays[k][0].size // step) * step
+        placed, at = [], 0  # (name, array, its offset in the buffer)
+        for k, (a, d) in arrays.items():
+            if d == dt:
+                placed.append((k, a, at))
+                at += -(-a.size // step) * step
         host = torch.empty(max(at, 1), dtype=dt, pin_memory=device.type == "cuda")
         view = host.numpy()
-        for k, start in zip(names, starts, strict=True):
-            a = arrays[k][0]
+        for _, a, start in placed:
             view[start : start + a.size] = a.reshape(-1)
         dev = host.to(device=device, non_blocking=True)
-        for k, start in zip(names, starts, strict=True):
-            a = arrays[k][0]
+        for k, a, start in placed:
             out[k] = dev[start : start + a.size].view(a.shape)
     return out
 

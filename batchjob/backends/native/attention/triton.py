@@ -32,7 +32,7 @@ class TritonAttention:
 
     def __init__(self, variant: str = "auto") -> None:
         if variant != "auto" and variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; choose one of auto, {VARIANTS}")
+            raise ValueError(f"unknown variant {variant!r}; choose one of {('auto', *VARIANTS)}")
         self.variant = variant
         self._workspace = Workspace()
         self._plan = BatchMemo()
