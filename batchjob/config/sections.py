@@ -344,6 +344,10 @@ def _json_schema(v: Any) -> str:
         raise ConfigError(f"{key}: {e}, got {v!r}") from None
 
 
+KV_THRESHOLD_NATIVE = 0.95  # scheduler.kv_threshold unset, by backend (kv_threshold_for)
+KV_THRESHOLD_VLLM = 1.0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The native scheduler's settings; it takes this section as is, with the engine's
@@ -351,7 +355,8 @@ class SchedulerConfig:
 
     policy: str = "batchllm"  # batchllm: groups, KV admission; baseline: vLLM v1-like
     chunk_size: int | None = None  # tokens per iteration; unset: 2048 native, vLLM's default
-    kv_threshold: float = 0.95  # KV fraction above which no new prefill is admitted
+    # KV fraction above which no new prefill is admitted; unset: 0.95 native, 1.0 vllm
+    kv_threshold: float | None = None
     max_num_seqs: int = 256  # running-request cap (baseline policy only)
     enlarge: bool = True  # first-level enlargement of the plan's groups (Algo 1)
     reorder: bool = True  # order groups by decode/prefill ratio (Eq. 4)
@@ -360,15 +365,25 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _str("scheduler.policy", self.policy, SCHEDULING_POLICIES)
         _int("scheduler.chunk_size", self.chunk_size, lo=1, optional=True)
-        _float(self, "kv_threshold", "scheduler.kv_threshold", 0.0, 1.0, lo_open=True)
+        if self.kv_threshold is not None:
+            _float(self, "kv_threshold", "scheduler.kv_threshold", 0.0, 1.0, lo_open=True)
         _int("scheduler.max_num_seqs", self.max_num_seqs, lo=1)
         _bool("scheduler.enlarge", self.enlarge)
         _bool("scheduler.reorder", self.reorder)
         _bool("scheduler.decode_reserve", self.decode_reserve)
 
+    def kv_threshold_for(self, backend: str) -> float:
+        """The admission threshold ``backend`` runs: the job's, else that backend's default.
+        The native scheduler keeps the paper's M_threshold margin below its block count. The
+        vllm backend's scheduler class admits against a projected peak counted in vLLM's own
+        blocks, and vLLM preempts on any overrun, so a margin there only idles KV: 1.0."""
+        if self.kv_threshold is not None:
+            return self.kv_threshold
+        return KV_THRESHOLD_VLLM if backend == "vllm" else KV_THRESHOLD_NATIVE
+
     def kv_cap_blocks(self, num_blocks: int) -> int:
-        """M_threshold in blocks: floor(kv_threshold * num_blocks)."""
-        return math.floor(self.kv_threshold * num_blocks + 1e-9)
+        """The native scheduler's M_threshold in blocks: floor(threshold * num_blocks)."""
+        return math.floor(self.kv_threshold_for("native") * num_blocks + 1e-9)
 
 
 @dataclass(frozen=True)

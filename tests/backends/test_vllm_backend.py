@@ -95,7 +95,9 @@ def assert_equal_to_native(done, native, prompts):
 def test_batchllm_scheduler_equals_native_without_preemption(batchllm, native):
     done, info, records = batchllm.run()
     assert_equal_to_native(done, native, batchllm.prompts)
-    # admission by KV memory with a decode reserve: nothing is ever preempted
+    # admission by KV memory with a decode reserve, up to every block of vLLM's pool
+    # (scheduler.kv_threshold unset: 1.0 here): nothing is ever preempted
+    assert batchllm.backend.scheduler.bj_kv_threshold == 1.0
     assert info.preemptions == 0 and info.recomputed_tokens == 0
     # per-iteration records: every prefill token counted once, every later token a decode
     assert sum(r.prefill_tokens for r in records) == info.computed_prefill_tokens

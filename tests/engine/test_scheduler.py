@@ -343,6 +343,8 @@ def test_settings_are_checked_at_load_time() -> None:
     with pytest.raises(ConfigError, match=r"scheduler\.chunk_size"):
         SchedulerConfig(chunk_size=0)
     assert SchedulerConfig(kv_threshold=0.95).kv_cap_blocks(10) == 9
+    assert SchedulerConfig().kv_cap_blocks(10) == 9  # unset: 0.95 on the native engine
+    assert SchedulerConfig(kv_threshold=0.5).kv_threshold_for("vllm") == 0.5  # the job's wins
     empty = TokenizedPrompts.from_lists([], max_tokens=1)
     s = make_scheduler(SchedulerConfig(kv_threshold=0.95), KVLayout(10, 1), empty, None)
     assert s.kv_cap_blocks == 9

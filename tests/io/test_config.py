@@ -118,7 +118,10 @@ def test_defaults(tmp_path: Path) -> None:
     assert job.model.path is None and job.model.dtype == "auto" and job.model.device == "auto"
     assert job.sampling.max_tokens == 128 and job.sampling.temperature == 0.0
     assert job.scheduler.policy == "batchllm" and job.scheduler.chunk_size is None
-    assert job.scheduler.kv_threshold == 0.95 and job.scheduler.enlarge and job.scheduler.reorder
+    assert job.scheduler.kv_threshold is None and job.scheduler.enlarge and job.scheduler.reorder
+    # unset: the paper's margin on the native engine, vLLM's whole block pool on vllm
+    assert job.scheduler.kv_threshold_for("native") == 0.95
+    assert job.scheduler.kv_threshold_for("vllm") == 1.0
     assert job.engine.backend == "native" and job.engine.kv_cache_bytes is None
     assert job.engine.block_size is None and job.engine.attention == "auto"
     assert job.output.overwrite is False and job.output.rows_per_file == 100000

@@ -138,7 +138,7 @@ class VllmBackend:
             raise VllmError(f"vLLM failed to start: {msg}{_log_hint()}") from e
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         if self.cfg.scheduler.policy == "batchllm":
-            self.scheduler.bj_kv_threshold = self.cfg.scheduler.kv_threshold
+            self.scheduler.bj_kv_threshold = self.cfg.scheduler.kv_threshold_for("vllm")
 
     @property
     def block_size(self) -> int:

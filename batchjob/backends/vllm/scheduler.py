@@ -143,7 +143,7 @@ class _Group:
 class _BatchLLMMixin(_RecordingMixin):
     def _bj_setup(self) -> None:
         super()._bj_setup()
-        self.bj_kv_threshold = 0.95  # scheduler.kv_threshold, set by the backend
+        self.bj_kv_threshold = 1.0  # scheduler.kv_threshold_for("vllm"), set by the backend
         self._bj_groups: dict[str, _Group] = {}
 
     # --- group bookkeeping ------------------------------------------------------------
