@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -499,6 +500,10 @@ def _batchjob_runner(args):
 
         engine_args.BATCHLLM_MAX_SEQS = args.batchllm_max_seqs
     job = peer.job_for(ns, args.data)
+    if args.kv_threshold is not None:
+        job = dataclasses.replace(
+            job, scheduler=dataclasses.replace(job.scheduler, kv_threshold=args.kv_threshold)
+        )
     loaded, model = load_prompts(job.input, job.model, job.sampling, job.engine.backend)
     prompts = loaded.prompts
     backend = VllmBackend(backend_config(job), lambda ids: "", model)
@@ -766,6 +771,13 @@ def main() -> None:
         "min(1024, chunk_size)); set in this script's process, batchjob's files unchanged",
     )
     p.add_argument(
+        "--kv-threshold",
+        type=float,
+        default=None,
+        help="batchjob-vllm only: scheduler.kv_threshold (default: the job's default, 1.0 "
+        "on this backend: admission up to every block of vLLM's pool)",
+    )
+    p.add_argument(
         "--vllm-max-seqs",
         type=int,
         default=None,
@@ -835,7 +847,7 @@ def parent(args) -> None:
         f"max_num_batched_tokens {args.chunk_size if args.vllm_budget else 'vLLM default'}; "
         f"{args.repeats} runs per system, alternating"
     )
-    for flag in ("batchllm_max_seqs", "vllm_max_seqs"):
+    for flag in ("batchllm_max_seqs", "kv_threshold", "vllm_max_seqs"):
         if getattr(args, flag) is not None:
             header += f"; {flag} {getattr(args, flag)}"
     print(header, flush=True)
@@ -866,7 +878,7 @@ def parent(args) -> None:
                     cmd += ["--chunk-size", str(args.chunk_size)]
                 if args.vllm_budget and args.chunk_size:
                     cmd += ["--vllm-chunk", str(args.chunk_size)]
-                for flag in ("batchllm_max_seqs", "vllm_max_seqs"):
+                for flag in ("batchllm_max_seqs", "kv_threshold", "vllm_max_seqs"):
                     if getattr(args, flag) is not None:
                         cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
                 log = stack.enter_context(open(d / "log.txt", "w"))
