@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -493,6 +492,7 @@ def _batchjob_runner(args):
         policy=POLICY[args.system],
         kv_bytes=int(args.kv_gib * (1 << 30)),
         chunk_size=args.chunk_size,
+        kv_threshold=args.kv_threshold,
         max_model_len=4096,  # batchjob_vllm_peer.py's default, the model's own
     )
     if args.batchllm_max_seqs is not None:
@@ -500,10 +500,6 @@ def _batchjob_runner(args):
 
         engine_args.BATCHLLM_MAX_SEQS = args.batchllm_max_seqs
     job = peer.job_for(ns, args.data)
-    if args.kv_threshold is not None:
-        job = dataclasses.replace(
-            job, scheduler=dataclasses.replace(job.scheduler, kv_threshold=args.kv_threshold)
-        )
     loaded, model = load_prompts(job.input, job.model, job.sampling, job.engine.backend)
     prompts = loaded.prompts
     backend = VllmBackend(backend_config(job), lambda ids: "", model)

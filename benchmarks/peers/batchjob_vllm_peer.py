@@ -44,7 +44,12 @@ def job_for(args: argparse.Namespace, data: str):
             "sampling.ignore_eos": "true",
             "sampling.temperature": "0",
         }
-        | ({"scheduler.chunk_size": str(args.chunk_size)} if args.chunk_size else {}),
+        | ({"scheduler.chunk_size": str(args.chunk_size)} if args.chunk_size else {})
+        | (
+            {"scheduler.kv_threshold": str(args.kv_threshold)}
+            if getattr(args, "kv_threshold", None) is not None
+            else {}
+        ),
     )
 
 

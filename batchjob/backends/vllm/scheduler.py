@@ -41,6 +41,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from batchjob.backends.base import IterationRecord
 from batchjob.backends.kv_projection import projected_peak_blocks
+from batchjob.config.sections import KV_THRESHOLD_VLLM
 from batchjob.plan.intmath import cdiv
 
 EXTRA_KEY = "batchjob"  # SamplingParams.extra_args key
@@ -143,7 +144,7 @@ class _Group:
 class _BatchLLMMixin(_RecordingMixin):
     def _bj_setup(self) -> None:
         super()._bj_setup()
-        self.bj_kv_threshold = 1.0  # scheduler.kv_threshold_for("vllm"), set by the backend
+        self.bj_kv_threshold = KV_THRESHOLD_VLLM  # kv_threshold_for("vllm"), set by the backend
         self._bj_groups: dict[str, _Group] = {}
 
     # --- group bookkeeping ------------------------------------------------------------
