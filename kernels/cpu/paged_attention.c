@@ -80,6 +80,19 @@
    row, so small groups (decode over a prefix shared by 4-7 rows, GQA decode) run 5-13% faster
    row-major, at every head dim, on AVX-512 and AVX2 (measured; 4 before). */
 #define FEW_ROWS 8
+/* float32 caches: where a key-major tile's broadcasts cost more against short heads or narrow
+   vectors, row-major wins up to more rows a head (decode over a prefix shared by 8-15
+   members; measured per ISA and head dim, AMD EPYC Zen 5): avx512 d64 9-10 rows 1.06-1.09x,
+   12-15 rows 0.95-0.98x (d128: 9 rows even, 10 rows 0.97x); avx2 d64 9-15 rows 1.04-1.18x,
+   d128 9-11 rows 1.03-1.09x. bfloat16 caches keep FEW_ROWS (their key-major units run on
+   vdpbf16ps or AMX). */
+#if L == 16
+#define FEW_ROWS_F32(D) ((D) <= 64 ? 11 : FEW_ROWS)
+#elif L == 8
+#define FEW_ROWS_F32(D) ((D) <= 64 ? 16 : 12)
+#else
+#define FEW_ROWS_F32(D) FEW_ROWS
+#endif
 #define SC 256 /* keys per softmax span: one rescale of the accumulators per span */
 
 typedef float vf __attribute__((vector_size(4 * L)));
@@ -690,7 +703,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
     const int rh = (int)(nq * R), rows = (int)(nh * rh); /* rows per head, in all */
-    const int few = rh < FEW_ROWS; /* row-major dot products; else key-major tiles */
+    const int few = rh < (BF ? FEW_ROWS : FEW_ROWS_F32(D)); /* row-major; else key-major */
     const int NV = few ? 0 : tile_nv(rh);
     const int RP = NV * L, hs = few ? rh : RP; /* a head's tile rows; its m, l stride */
 #ifdef HAVE_BF16DP
@@ -1262,7 +1275,8 @@ int batchjob_kernel_max_rows(void) { return MAX_ROWS; }
 /* All-KV-head units: Hkv x head_rows(rows per head) <= max_whole_rows. */
 int batchjob_kernel_max_whole_rows(void) { return MAX_WROWS; }
 
-/* Scratch rows one KV head takes in an all-head unit of rh rows per head. */
+/* Scratch rows one KV head takes in an all-head unit of rh rows per head (at most: float32
+   units row-major past FEW_ROWS take rh <= these). */
 int batchjob_kernel_head_rows(int64_t rh) { return rh < FEW_ROWS ? (int)rh : tile_nv((int)rh) * L; }
 
 /* Per-thread scratch, allocated on a thread's first call and kept (OpenMP threads persist):

@@ -97,8 +97,9 @@ def test_isa_path_many_decodes_over_one_prefix(isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_isa_path_small_groups_take_all_heads_in_one_unit(isa, dtype):
-    """Decode over prefixes shared by 4-7 rows (row-major dot products) and by 8-24 rows
-    (a key-major tile per head): one unit per group over all 8 KV heads, read as whole
+    """Decode over prefixes shared by few rows (row-major dot products: under 8 to 16 rows
+    a head, by ISA and head dim) and by more (a key-major tile per head), 4-24 rows: one unit
+    per group over all 8 KV heads, read as whole
     blocks, where all heads' rows fit the scratch; a group of 40 rows a head: per head. Equal
     to the reference."""
     sizes = (4, 5, 7, 8, 13, 24, 40)

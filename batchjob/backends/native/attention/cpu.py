@@ -34,7 +34,9 @@ from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 from batchjob.plan.intmath import cdiv
 
 MAX_ROWS = 64  # the widest build's (avx512) rows per unit; each build reports its own
-WHOLE_ROWS = 8  # under this many rows a head, a unit's heads are row-major (the kernel's FEW_ROWS)
+# under this many rows a head, a unit's heads are row-major (the kernel's FEW_ROWS); float32
+# units at some ISAs and head dims stay row-major up to 16 rows, within the scratch sized here
+WHOLE_ROWS = 8
 MAX_WHOLE_ROWS = 256  # an all-head unit's scratch rows (the kernel's MAX_WROWS)
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # unit fields, in the kernel's order
