@@ -306,9 +306,9 @@ INLINE void pf_rows(pf_t f, int r0, int r1) { /* rows r0 .. r1 - 1 of f */
 }
 
 /* Key-major tiles: o[r] += sum_j p[j * RP + r] v_j over nv keys, 4 rows x AV vectors of D
-   per step (4 * AV accumulators), then single rows. V rows are packed: [nv][D]. */
+   per step (4 * AV accumulators), then single rows. V rows are vs apart. */
 INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_t D,
-                          const float *V, int nv, pf_t f) {
+                          const float *V, int64_t vs, int nv, pf_t f) {
     const int AV = div_le((int)(D / L), ACC / 4), steps = rows / 4;
     if (!steps) pf_rows(f, 0, CH);
     int r = 0;
@@ -320,7 +320,7 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
             for (int i = 0; i < 4; i++)
                 for (int v = 0; v < AV; v++) acc[i][v] = ld(o0 + i * D + d + v * L);
             for (int j = 0; j < nv; j++) {
-                const float *vj = V + j * D + d, *pj = p + j * RP + r;
+                const float *vj = V + j * vs + d, *pj = p + j * RP + r;
                 for (int v = 0; v < AV; v++) {
                     const vf x = ld(vj + v * L);
                     for (int i = 0; i < 4; i++) acc[i][v] += pj[i] * x;
@@ -334,7 +334,7 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
         float *o = obase + r * D;
         for (int64_t d = 0; d < D; d += L) {
             vf acc = ld(o + d);
-            for (int j = 0; j < nv; j++) acc += p[j * RP + r] * ld(V + j * D + d);
+            for (int j = 0; j < nv; j++) acc += p[j * RP + r] * ld(V + j * vs + d);
             st(o + d, acc);
         }
     }
@@ -821,11 +821,15 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                         else
                             scores_dot(w->qs + hh * rh * D, s, rh, D, x, st, nv);
                     }
-                else if (pass_v) /* V rows re-read per 4 query rows: a packed copy */
-                    for (int64_t hh = 0; hh < nh; hh++)
+                else if (pass_v) /* V rows re-read per 4 query rows: a packed copy where */
+                    for (int64_t hh = 0; hh < nh; hh++) { /* they share an L1 set (pack), */
+                        const int inplace = !BF && ks * 4 % 4096; /* else in place: 1-2% */
+                        const float *x = inplace ? (const float *)cache + at + hh * a->hstr
+                                                 : packed_rows(w->kv, cache, at + hh * a->hstr,
+                                                               nv, D, ks, BF);
                         accumulate_km(w->o + hh * rh * D, w->s + hh * SC * RP + c * RP, RP, rh,
-                                      D, packed_rows(w->kv, cache, at + hh * a->hstr, nv, D, ks, BF), nv,
-                                      PF(hh));
+                                      D, x, inplace ? ks : D, nv, PF(hh));
+                    }
                 else if (NV >= 4) /* K read in place: once per 4 row vectors, 4 keys at a */
                     for (int64_t hh = 0; hh < nh; hh++) { /* time (more rows Hkv * D apart */
                         int64_t st;                         /* thrash an L1 set) */
