@@ -225,7 +225,7 @@ typedef struct {
     float qs[SROWS * MAX_D];  /* scaled queries; rows past the unit's are zero */
     float o[SROWS * MAX_D];   /* unnormalised output accumulators */
     float s[SROWS * SC];      /* scores, then probabilities, of one span of keys */
-    float kv[CH * MAX_D];     /* one chunk of K or V rows, contiguous: [16][D] */
+    float kv[2 * CH * MAX_D]; /* one or two chunks of K or V rows, contiguous: [32][D] */
     float qtk[MAX_D * SROWS]; /* key-major tiles: query rows transposed, [D][RP] per head */
     float m[SROWS], l[SROWS];
 #ifdef HAVE_BF16DP
@@ -305,22 +305,34 @@ INLINE void pf_rows(pf_t f, int r0, int r1) { /* rows r0 .. r1 - 1 of f */
         for (int64_t l = 0; l < f.bytes; l += 64) __builtin_prefetch(f.p + r * f.stride + l, 0, 2);
 }
 
-/* Key-major tiles: o[r] += sum_j p[j * RP + r] v_j over nv keys, 4 rows x AV vectors of D
-   per step (4 * AV accumulators), then single rows. V rows are vs apart. */
+/* Key-major tiles: o[r] += sum_j p[j * RP + r] v_j over two chunks' keys (nv0 from V0, then
+   nv1 from V1; rows vs apart), 4 rows x AV vectors of D per step (4 * AV accumulators), then
+   single rows. Two chunks per load and store of the accumulators: their traffic halves
+   (f0, f1: the lines of the walk's next two chunks, spread over the steps). */
 INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_t D,
-                          const float *V, int64_t vs, int nv, pf_t f) {
+                          const float *V0, const float *V1, int64_t vs, int nv0, int nv1,
+                          pf_t f0, pf_t f1) {
     const int AV = div_le((int)(D / L), ACC / 4), steps = rows / 4;
-    if (!steps) pf_rows(f, 0, CH);
+    const float *p1 = p + CH * RP;
+    if (!steps) pf_rows(f0, 0, CH), pf_rows(f1, 0, CH);
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
-        pf_rows(f, r / 4 * CH / steps, (r / 4 + 1) * CH / steps);
+        pf_rows(f0, r / 4 * CH / steps, (r / 4 + 1) * CH / steps);
+        pf_rows(f1, r / 4 * CH / steps, (r / 4 + 1) * CH / steps);
         float *o0 = obase + r * D;
         for (int64_t d = 0; d < D; d += AV * L) {
             vf acc[4][ACC / 4];
             for (int i = 0; i < 4; i++)
                 for (int v = 0; v < AV; v++) acc[i][v] = ld(o0 + i * D + d + v * L);
-            for (int j = 0; j < nv; j++) {
-                const float *vj = V + j * vs + d, *pj = p + j * RP + r;
+            for (int j = 0; j < nv0; j++) {
+                const float *vj = V0 + j * vs + d, *pj = p + j * RP + r;
+                for (int v = 0; v < AV; v++) {
+                    const vf x = ld(vj + v * L);
+                    for (int i = 0; i < 4; i++) acc[i][v] += pj[i] * x;
+                }
+            }
+            for (int j = 0; j < nv1; j++) {
+                const float *vj = V1 + j * vs + d, *pj = p1 + j * RP + r;
                 for (int v = 0; v < AV; v++) {
                     const vf x = ld(vj + v * L);
                     for (int i = 0; i < 4; i++) acc[i][v] += pj[i] * x;
@@ -334,7 +346,8 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
         float *o = obase + r * D;
         for (int64_t d = 0; d < D; d += L) {
             vf acc = ld(o + d);
-            for (int j = 0; j < nv; j++) acc += p[j * RP + r] * ld(V + j * vs + d);
+            for (int j = 0; j < nv0; j++) acc += p[j * RP + r] * ld(V0 + j * vs + d);
+            for (int j = 0; j < nv1; j++) acc += p1[j * RP + r] * ld(V1 + j * vs + d);
             st(o + d, acc);
         }
     }
@@ -786,9 +799,11 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                 if (!spread)
                     PREFETCH(nc, nk);
 /* one head's prefill-size tile: every line of its next chunk, spread over the tile's steps */
-#define PF(hh)                                                                                \
-    ((pf_t){spread && nk < kend ? (const char *)nc + (KV_AT(nk) + (hh) * a->hstr) * eb : NULL,  \
-            ks * eb, D * eb, kend - nk < CH ? (int)(kend - nk) : CH})
+#define PF_KEY(base, key, hh)                                                                 \
+    ((pf_t){spread && (key) < kend ? (const char *)(base) + (KV_AT(key) + (hh) * a->hstr) * eb \
+                                   : NULL,                                                     \
+            ks * eb, D * eb, kend - (key) < CH ? (int)(kend - (key)) : CH})
+#define PF(hh) PF_KEY(nc, nk, hh)
                 if (few)
                     for (int64_t hh = 0; hh < nh; hh++) {
                         /* float32 all-head units at D <= 64 too: a head's 2-4 lines a row,
@@ -821,15 +836,34 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                         else
                             scores_dot(w->qs + hh * rh * D, s, rh, D, x, st, nv);
                     }
-                else if (pass_v) /* V rows re-read per 4 query rows: a packed copy where */
-                    for (int64_t hh = 0; hh < nh; hh++) { /* they share an L1 set (pack), */
-                        const int inplace = !BF && ks * 4 % 4096; /* else in place: 1-2% */
-                        const float *x = inplace ? (const float *)cache + at + hh * a->hstr
-                                                 : packed_rows(w->kv, cache, at + hh * a->hstr,
-                                                               nv, D, ks, BF);
+                else if (pass_v) { /* chunks in pairs (accumulate_km): at the first */
+                    /* avx512 at D > 64: 1-4% less time on 8/2 and 8/8 x 128 prefill and
+                       shared-prefix decode; d64 (accumulators stay in L1) and avx2: none */
+                    const int pair = L == 16 && D > 64;
+                    if (pair && c % (2 * CH)) continue;
+                    const int rest = n - c - CH; /* keys after this chunk in the span */
+                    const int nv1 = !pair || rest <= 0 ? 0 : rest < CH ? rest : CH;
+                    const int64_t at1 = nv1 ? KV_AT(kb + c + CH) : at;
+                    /* the walk's two chunks after the pair: this span's V, or the next K */
+#define PF_AT(off, hh)                                                                        \
+    (c + (off) < n ? PF_KEY(a->v, kb + c + (off), hh) : PF_KEY(a->k, kb + SC + c + (off) - n, hh))
+                    for (int64_t hh = 0; hh < nh; hh++) {
+                        /* V rows re-read per 4 query rows: a packed copy where they share an
+                           L1 set (pack), else in place (1-2% less time) */
+                        const int inplace = !BF && ks * 4 % 4096;
+                        const int64_t ho = hh * a->hstr;
+                        const float *x0 = inplace ? (const float *)cache + at + ho
+                                                  : packed_rows(w->kv, cache, at + ho, nv, D, ks, BF);
+                        const float *x1 = inplace ? (const float *)cache + at1 + ho
+                                                  : packed_rows(w->kv + CH * D, cache, at1 + ho,
+                                                                nv1, D, ks, BF);
                         accumulate_km(w->o + hh * rh * D, w->s + hh * SC * RP + c * RP, RP, rh,
-                                      D, x, inplace ? ks : D, nv, PF(hh));
+                                      D, x0, x1, inplace ? ks : D, nv, nv1,
+                                      pair ? PF_AT(2 * CH, hh) : PF(hh),
+                                      pair ? PF_AT(3 * CH, hh) : (pf_t){0});
                     }
+#undef PF_AT
+                }
                 else if (NV >= 4) /* K read in place: once per 4 row vectors, 4 keys at a */
                     for (int64_t hh = 0; hh < nh; hh++) { /* time (more rows Hkv * D apart */
                         int64_t st;                         /* thrash an L1 set) */
@@ -849,6 +883,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 #undef PREFETCH
 #undef PREFETCH_HEAD
 #undef PF
+#undef PF_KEY
 #undef TILE
     finish_unit(a, u, w, rows, rh, hs, h0, D);
 }
