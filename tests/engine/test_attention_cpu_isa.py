@@ -141,6 +141,28 @@ def test_all_head_units_keep_threads_balanced():
         assert sorted(units[units[:, 5] == 1][:, 6].tolist()) == kvh
 
 
+def test_decode_rows_over_own_kv_run_between_the_tiles():
+    """Decode rows over their own KV (few rows a head: memory-bound) are spread evenly
+    between the shared-prefix tiles (compute-bound), each kind costliest first, so threads
+    taking units in turn overlap the two; the result still equals the reference."""
+    seqs = tuple(ref.SeqSpec(1, 20 + 9 * i % 50, group=i // 16) for i in range(48))
+    spec = ref.BatchSpec(seqs, (300, 200, 100), num_q_heads=8, num_kv_heads=2, head_dim=32)
+    b = ref.build_batch(spec, seed=2)
+    units, _ = build_units(b.meta, 8, 2, 64, 16, threads=2)
+    stream = units[:, 1] * 4 < 8  # NQ x 4 query heads a KV head: row-major
+    assert stream.sum() == 48 and (~stream).sum() >= 3
+    where = np.flatnonzero(stream)
+    assert where[0] <= 1 and where[-1] == len(units) - 1  # from the start to the end
+    gaps = np.diff(np.flatnonzero(~stream))
+    assert gaps.max() - gaps.min() <= 1 + 48 // (~stream).sum()  # evenly spread
+    work = units[:, 1] * np.minimum(units[:, 2], units[:, 4] + units[:, 1])
+    for kind in (stream, ~stream):
+        assert (np.diff(work[kind]) <= 0).all()  # costliest first within a kind
+    out = CpuAttention(calibrate=False).attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("head_dim", (32, 128))
 @pytest.mark.parametrize("case", range(2))
