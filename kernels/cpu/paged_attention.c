@@ -314,7 +314,10 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
                           pf_t f0, pf_t f1) {
     const int AV = div_le((int)(D / L), ACC / 4), steps = rows / 4;
     const float *p1 = p + CH * RP;
-    if (!steps) pf_rows(f0, 0, CH), pf_rows(f1, 0, CH);
+    if (!steps) {
+        pf_rows(f0, 0, CH);
+        pf_rows(f1, 0, CH);
+    }
     int r = 0;
     for (; r + 4 <= rows; r += 4) {
         pf_rows(f0, r / 4 * CH / steps, (r / 4 + 1) * CH / steps);
@@ -497,6 +500,10 @@ INLINE void softmax_span(scratch_t *w, int rows, int rh, int64_t R, int64_t D, i
 
 /* Cache rows of one head are Hkv * D floats apart (4 KiB for 8 x 128): 16 of them share
    one L1 set and evict each other while a tile re-reads them, so tiles read a packed copy. */
+
+/* Whether a tile may re-read a float32 cache's rows (ks elements apart) in place: they do not
+   all share an L1 set, i.e. are not a multiple of 4 KiB apart (8/2 x 128, 8/8 x 64). */
+INLINE int rows_in_place(int64_t ks, const int BF) { return !BF && ks * 4 % 4096; }
 INLINE const float *pack(float *dst, const float *src, int nv, int64_t D, int64_t ks) {
     for (int j = 0; j < nv; j++) /* vector copies: memcpy became rep movs (slow to start) */
         for (int64_t d = 0; d < D; d += L) st(dst + j * D + d, ld(src + j * ks + d));
@@ -850,7 +857,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                     for (int64_t hh = 0; hh < nh; hh++) {
                         /* V rows re-read per 4 query rows: a packed copy where they share an
                            L1 set (pack), else in place (1-2% less time) */
-                        const int inplace = !BF && ks * 4 % 4096;
+                        const int inplace = rows_in_place(ks, BF);
                         const int64_t ho = hh * a->hstr;
                         const float *x0 = inplace ? (const float *)cache + at + ho
                                                   : packed_rows(w->kv, cache, at + ho, nv, D, ks, BF);
@@ -877,7 +884,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                            at D <= 64 on avx512 (8/8 x 64 decode over prefixes shared by 16-24
                            rows 1.04-1.10x; d128 and avx2 measured none: a compile-time test,
                            as a runtime one slowed the D = 128 clone's code by 5-9%) */
-                        const int inplace = L == 16 && D <= 64 && !BF && ks * 4 % 4096;
+                        const int inplace = L == 16 && D <= 64 && rows_in_place(ks, BF);
                         scores_km(w->qtk + hh * D * RP, w->s + hh * SC * RP + c * RP, NV, D,
                                   inplace ? (const float *)cache + at + hh * a->hstr
                                           : packed_rows(w->kv, cache, at + hh * a->hstr, nv, D,

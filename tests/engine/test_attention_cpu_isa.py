@@ -99,9 +99,8 @@ def test_isa_path_many_decodes_over_one_prefix(isa):
 def test_isa_path_small_groups_take_all_heads_in_one_unit(isa, dtype):
     """Decode over prefixes shared by few rows (row-major dot products: under 8 to 16 rows
     a head, by ISA and head dim) and by more (a key-major tile per head), 4-24 rows: one unit
-    per group over all 8 KV heads, read as whole
-    blocks, where all heads' rows fit the scratch; a group of 40 rows a head: per head. Equal
-    to the reference."""
+    per group over all 8 KV heads, read as whole blocks, where all heads' rows fit the
+    scratch; a group of 40 rows a head: per head. Equal to the reference."""
     sizes = (4, 5, 7, 8, 13, 24, 40)
     seqs = tuple(
         ref.SeqSpec(1, 3 + 7 * i % 40, group=g) for g, n in enumerate(sizes) for i in range(n)
