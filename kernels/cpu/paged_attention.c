@@ -696,7 +696,7 @@ INLINE void prefetch_head(const void *p, int rows, int64_t bytes, int64_t stride
    one contiguous run of every head's rows; head `part` of `parts` fetches its share of the
    lines into L1, in address order, while its tile computes. With PREFETCH's first line of each
    row alone, the rest of every head's rows were demand misses: 8/8 x 64 decode over groups of
-   16 now takes 1/1.2-1.26 of the time, 8/8 x 32 1/1.4 (AMD Zen 5, avx512 and avx2 builds; into
+   16 takes 1/1.1-1.26 of that time, 8/8 x 32 1/1.4 (AMD Zen 5, avx512 and avx2 builds; into
    L2 only, 1/1.2 on those prefix units against 1/1.3 into L1). The rest keep PREFETCH: larger
    tiles (prefill, caches hot in L2) ran 2-3% slower with this, d128 rows (8 lines) gained
    nothing, and in the bfloat16 clones the added code slowed row-major decode 8-14%. */
@@ -818,7 +818,8 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                    span's first V chunk */
                 const int64_t nk = c + CH < n ? kb + c + CH : pass_v ? kb + SC : kb;
                 const void *nc = c + CH < n ? cache : pass_v ? a->k : a->v;
-                const int share = !BF && D <= 64 && !few && nh > 1 && NV < 4; /* prefetch_share */
+                /* all-head float32 tiles of one or two row vectors at D <= 64: prefetch_share */
+                const int share = !BF && D <= 64 && !few && nh > 1 && NV < 4;
                 if (!spread && !share)
                     PREFETCH(nc, nk);
 #define PF_SHARE(base, key, hh)                                                               \
@@ -878,13 +879,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 #define PF_AT(off, hh)                                                                        \
     (c + (off) < n ? PF_KEY(a->v, kb + c + (off), hh) : PF_KEY(a->k, kb + SC + c + (off) - n, hh))
                     for (int64_t hh = 0; hh < nh; hh++) {
-                        if (pair) {
-                            if (c + 2 * CH < n) PF_SHARE(a->v, kb + c + 2 * CH, hh);
-                            else PF_SHARE(a->k, kb + SC + c + 2 * CH - n, hh);
-                            if (c + 3 * CH < n) PF_SHARE(a->v, kb + c + 3 * CH, hh);
-                            else PF_SHARE(a->k, kb + SC + c + 3 * CH - n, hh);
-                        } else
-                            PF_SHARE(nc, nk, hh);
+                        PF_SHARE(nc, nk, hh); /* share: D <= 64, so never in pairs */
                         /* V rows re-read per 4 query rows: a packed copy where they share an
                            L1 set (pack), else in place (1-2% less time) */
                         const int inplace = rows_in_place(ks, BF);
