@@ -498,12 +498,12 @@ INLINE void softmax_span(scratch_t *w, int rows, int rh, int64_t R, int64_t D, i
     }
 }
 
-/* Cache rows of one head are Hkv * D floats apart (4 KiB for 8 x 128): 16 of them share
-   one L1 set and evict each other while a tile re-reads them, so tiles read a packed copy. */
-
 /* Whether a tile may re-read a float32 cache's rows (ks elements apart) in place: they do not
    all share an L1 set, i.e. are not a multiple of 4 KiB apart (8/2 x 128, 8/8 x 64). */
 INLINE int rows_in_place(int64_t ks, const int BF) { return !BF && ks * 4 % 4096; }
+
+/* Cache rows of one head are Hkv * D floats apart (4 KiB for 8 x 128): 16 of them share
+   one L1 set and evict each other while a tile re-reads them, so tiles read a packed copy. */
 INLINE const float *pack(float *dst, const float *src, int nv, int64_t D, int64_t ks) {
     for (int j = 0; j < nv; j++) /* vector copies: memcpy became rep movs (slow to start) */
         for (int64_t d = 0; d < D; d += L) st(dst + j * D + d, ld(src + j * ks + d));
@@ -780,6 +780,8 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
    avx2 build 0-3%). The others (decode rows, all-head units, small tiles, whose compute per
    chunk is short) prefetch each row's first line, as before. */
     const int spread = !few && nh == 1 && NV >= 4;
+    /* all-head float32 tiles of one or two row vectors at D <= 64: prefetch_share */
+    const int share = !BF && D <= 64 && !few && nh > 1 && NV < 4;
 #define PREFETCH(base, key)                                                                   \
     do {                                                                                      \
         if ((key) < kend)                                                                     \
@@ -818,8 +820,6 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
                    span's first V chunk */
                 const int64_t nk = c + CH < n ? kb + c + CH : pass_v ? kb + SC : kb;
                 const void *nc = c + CH < n ? cache : pass_v ? a->k : a->v;
-                /* all-head float32 tiles of one or two row vectors at D <= 64: prefetch_share */
-                const int share = !BF && D <= 64 && !few && nh > 1 && NV < 4;
                 if (!spread && !share)
                     PREFETCH(nc, nk);
 #define PF_SHARE(base, key, hh)                                                               \
