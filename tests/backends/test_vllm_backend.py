@@ -152,6 +152,44 @@ def test_sampled_rows_run_and_differ_from_greedy(batchllm):
     assert len(differ) > len(greedy) // 2
 
 
+@pytest.fixture(scope="module")
+def stopping(model_dir, tmp_path_factory):
+    """Rows capped at 200 tokens whose answers mostly stop far sooner: at the tokens the
+    rows emit most (varied lengths, as EOS gives), the native engine's results as reference."""
+    from collections import Counter
+
+    tmp = tmp_path_factory.mktemp("stopping")
+    short = build_dataset(tmp / "short.parquet", seed=7, scale=0.03, max_tokens=(48, 49))
+    free = native_results(model_dir, short, tmp / "free.parquet")
+    counts = Counter(t for r in free for t in r["output_token_ids"][1:])
+    sets = {"sampling.stop_token_ids": str([t for t, _ in counts.most_common(8)])}
+    data = build_dataset(tmp / "p.parquet", seed=7, scale=0.03, max_tokens=(200, 201))
+    native = {r["row_id"]: r for r in native_results(model_dir, data, tmp / "n.parquet", **sets)}
+    opened = Opened(job_for(model_dir, data, tmp / "r.parquet", "vllm", **sets))
+    yield opened, native
+    opened.backend.close()
+
+
+def test_learned_decode_lengths_fill_the_batch(stopping, monkeypatch):
+    """The scheduler class projects each row's remaining tokens from the rows that finished:
+    more rows run at once and the run takes fewer steps than projecting every row to its
+    200-token cap, with the same outputs."""
+    from batchjob.backends.decode_lengths import DecodeLengths, RemainingTable
+
+    opened, native = stopping
+    learned, _, records = opened.run()
+    assert_equal_to_native(learned, native, opened.prompts)
+    lengths = [len(o.token_ids) for o in learned.values()]
+    assert sum(n < 50 for n in lengths) > len(lengths) // 2  # most rows stopped early
+    monkeypatch.setattr(DecodeLengths, "table", lambda self, running: RemainingTable(None))
+    capped, _, capped_records = opened.run()
+    assert {r: o.token_ids.tolist() for r, o in capped.items()} == {
+        r: o.token_ids.tolist() for r, o in learned.items()
+    }
+    assert max(r.num_seqs for r in records) > max(r.num_seqs for r in capped_records)
+    assert len(records) < len(capped_records)
+
+
 # --- settings that cannot map: ConfigError naming the key, before vLLM starts ----------
 
 

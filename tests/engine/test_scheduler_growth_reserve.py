@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from batchjob.backends.decode_lengths import RemainingTable
 from batchjob.backends.kv_projection import projected_peak_blocks
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.batchllm import BatchLLMScheduler, _Projection
@@ -90,3 +91,40 @@ def test_incremental_projection_equals_projected_peak_blocks() -> None:
             if rng.integers(0, 2):
                 proj.add(t, r)
                 tok, rem, n = np.append(tok, t), np.append(rem, r), n + 1
+
+
+def _stopping_early() -> tuple[TokenizedPrompts, np.ndarray]:
+    """Rows capped at 200 tokens whose answers stop far sooner (geometric, mean ~12)."""
+    rng = np.random.default_rng(3)
+    n = 80
+    lens = rng.integers(3, 9, n)
+    seqs = [[100 + i, *rng.integers(0, 50, int(k) - 1).tolist()] for i, k in enumerate(lens)]
+    natural = np.minimum(rng.geometric(1 / 12, n), 200)
+    return TokenizedPrompts.from_lists(seqs, max_tokens=[200] * n), natural
+
+
+def _run_stopping(kv: KVLayout, reserve: bool, learn: bool = True) -> tuple[int, int]:
+    prompts, natural = _stopping_early()
+    cfg = SchedulerConfig(chunk_size=64, kv_threshold=0.9, decode_reserve=reserve)
+    sched = BatchLLMScheduler(cfg, kv, prompts, None)
+    if not learn:  # the reserve before it: every request projected to its max_tokens
+        sched._lengths.table = lambda running: RemainingTable(None)  # type: ignore[method-assign]
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sampled = {c.seq_id: 7 for c in out.chunks if c.samples}
+        stop = {s for s in sampled if len(sched._live[s].outputs) + 1 >= natural[s]}
+        sched.update(out, sampled, stop)
+    return sched.stats.preemptions, sched.stats.iterations
+
+
+def test_learned_reserve_admits_by_how_long_rows_really_run() -> None:
+    """A 200-token cap over ~12-token answers: projecting every row to its cap keeps most of
+    the cache idle; the lengths learned from the finished rows fill it, and still preempt
+    no more than admitting by blocks in use alone."""
+    kv = KVLayout(num_blocks=64, block_size=4)
+    capped_pre, capped_iters = _run_stopping(kv, True, learn=False)
+    learned_pre, learned_iters = _run_stopping(kv, True)
+    loose_pre, _ = _run_stopping(kv, False)
+    assert capped_pre == 0
+    assert learned_iters < 0.7 * capped_iters, (learned_iters, capped_iters)
+    assert learned_pre <= loose_pre

@@ -248,6 +248,8 @@ class VllmBackend:
         engine, counters = self.engine, self.scheduler.bj
         if not engine.reset_prefix_cache():  # no run reuses another's prefixes
             raise VllmError("vLLM could not reset its prefix cache (requests still running)")
+        if (new_run := getattr(self.scheduler, "bj_new_run", None)) is not None:
+            new_run()  # batchllm: decode lengths learned per run
         positions: dict[str, int] = {}
         first_step, first_prefill, first_preempt = (
             counters.steps,

@@ -19,9 +19,11 @@ methods and leave vLLM's scheduling loop, KV manager and prefix cache as they ar
   * admission by KV memory, not by request count: before each step the admission limit
     (``max_num_active_reqs``) is set to the running requests plus the most waiting requests,
     in queue order, that keep the projected KV peak under ``kv_threshold`` of the cache: every
-    request grows by one block per ``block_size`` decode steps up to prompt + max_tokens and
-    frees its own blocks when it finishes (``projected_peak_blocks``): a decode-growth
-    reserve that does not assume all requests reach their maximum length at once.
+    request grows by one block per ``block_size`` decode steps for its projected remaining
+    tokens and frees its own blocks when it finishes (``projected_peak_blocks``): a
+    decode-growth reserve that does not assume all requests reach their maximum length at
+    once. Remaining tokens are learned from the finished requests' output lengths
+    (``decode_lengths``; ``max_tokens`` until stops are seen).
 
 Group membership travels with each request in ``SamplingParams.extra_args["batchjob"]``:
 ``[group key, prefix_len, group size]``. Records are read in-process by the backend (the
@@ -38,8 +40,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from batchjob.backends.base import IterationRecord
+from batchjob.backends.decode_lengths import DecodeLengths
 from batchjob.backends.kv_projection import projected_peak_blocks
 from batchjob.config.sections import KV_THRESHOLD_VLLM
 from batchjob.plan.intmath import cdiv
@@ -146,6 +150,11 @@ class _BatchLLMMixin(_RecordingMixin):
         super()._bj_setup()
         self.bj_kv_threshold = KV_THRESHOLD_VLLM  # kv_threshold_for("vllm"), set by the backend
         self._bj_groups: dict[str, _Group] = {}
+        self._bj_lengths = DecodeLengths()  # finished requests' output lengths (the reserve)
+
+    def bj_new_run(self) -> None:
+        """A new run (another dataset): its decode lengths are learned afresh."""
+        self._bj_lengths = DecodeLengths()
 
     # --- group bookkeeping ------------------------------------------------------------
     def add_request(self, request) -> None:
@@ -161,6 +170,9 @@ class _BatchLLMMixin(_RecordingMixin):
 
     def _free_request(self, request, *args, **kwargs):
         out = super()._free_request(request, *args, **kwargs)
+        if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+            capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+            self._bj_lengths.finished(request.num_output_tokens, capped)
         info = group_info(request)
         g = None if info is None else self._bj_groups.get(info[0])
         if g is not None:
@@ -205,11 +217,15 @@ class _BatchLLMMixin(_RecordingMixin):
             return max(1, len(self.running))
         # what runs: tokens now, decode steps left, own blocks (a pinned prefix stays held)
         tok, rem, shared, held = [], [], [], 0
+        # decode tokens still to come: learned from finished requests (decode_lengths)
+        est = self._bj_lengths.table(
+            np.fromiter((r.num_output_tokens for r in self.running), np.int64)
+        )
         for r in self.running:
             g = self._bj_group(r)
             pinned = g.prefix_blocks if g is not None and g.pinned else 0
             tok.append(max(r.num_computed_tokens, r.num_tokens))  # a prefill ends whole
-            rem.append(max(r.max_tokens - r.num_output_tokens, 1))
+            rem.append(est.remaining(r.num_output_tokens, r.max_tokens))
             shared.append(pinned)
             held += max(cdiv(r.num_computed_tokens, bs) - pinned, 0)
         base = self.bj_blocks_in_use() - held  # blocks no running request frees
@@ -221,7 +237,7 @@ class _BatchLLMMixin(_RecordingMixin):
                 break
             g = self._bj_group(r)
             tok.append(r.num_tokens)  # its prompt (+ outputs, if preempted) within a step
-            rem.append(max(r.max_tokens - r.num_output_tokens, 1))
+            rem.append(est.remaining(r.num_output_tokens, r.max_tokens))
             shared.append(g.prefix_blocks if g is not None and id(g) in started else 0)
             if g is not None:
                 started.add(id(g))

@@ -20,9 +20,13 @@ not capped by the threshold. An iteration that preempted starts no new sequence.
 
 Decode-growth reserve: a new request (or a group start, with its prefix) is admitted only if
 the projected KV peak of the running requests, those admitted before it in the pass and it
-stays under the threshold, every request growing one token a step up to its ``max_tokens``
-and freeing its blocks when it finishes (``projected_peak_blocks``, shared with the vLLM
-backend's scheduler; kept incrementally here, ``_Projection``). Decode growth then rarely
+stays under the threshold, every request growing one token a step for its projected
+remaining tokens and freeing its blocks when it finishes (``projected_peak_blocks``, shared
+with the vLLM backend's scheduler; kept incrementally here, ``_Projection``). Remaining
+tokens are learned from the output lengths of the requests that finished
+(``decode_lengths``: a high quantile, ``max_tokens`` until stops are seen, and always where
+rows run to their limit), so a large ``max_tokens`` cap over short answers does not starve
+the batch. Decode growth then rarely
 overruns the cache: preemption is the exception, not the steady state of a decode-heavy
 batch (``scheduler.decode_reserve``, on by default; off: admission by blocks in use alone).
 
@@ -56,6 +60,7 @@ from collections import deque
 
 import numpy as np
 
+from batchjob.backends.decode_lengths import DecodeLengths, RemainingTable
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.base import (
     LabelSteps,
@@ -175,6 +180,7 @@ class BatchLLMScheduler(Scheduler):
         self._parked: dict[int, list[Sequence]] = {}  # by the sibling whose prompt they await
         self._copies: list[tuple[list[int], list[int]]] = []  # this pass's (src, dst) blocks
         self._prefilled_now: set[int] = set()  # requests with prompt/recompute chunks this pass
+        self._lengths = DecodeLengths()  # finished requests' output lengths (the reserve)
 
     def _group(self, g: int) -> _Group:
         """Live group ``g``, created (with its members' sequences) on first use."""
@@ -207,6 +213,8 @@ class BatchLLMScheduler(Scheduler):
         self._groups[req.group].num_running -= 1
 
     def _on_finish(self, req: Sequence) -> None:
+        if req.steps is None:  # scoring requests run their labels, no open-ended decode
+            self._lengths.finished(len(req.outputs), len(req.outputs) >= req.max_tokens)
         if self._samples:
             row = int(self._prompts.row_ids[req.seq_id])
             seqs = self._row_seqs[row]
@@ -504,9 +512,11 @@ class BatchLLMScheduler(Scheduler):
 class _GrowthReserve:
     """Admission with a decode-growth reserve, for one prefill pass: a new request is admitted
     only if the projected KV peak (``projected_peak_blocks``: each running request grows one
-    token a step up to its ``max_tokens`` and frees its own blocks when it finishes) of the
-    running requests, those admitted earlier in the pass and it, plus the blocks no request
-    owns (group prefixes), stays under ``cap``. Preemption is then the exception.
+    token a step for its projected remaining tokens and frees its own blocks when it
+    finishes) of the running requests, those admitted earlier in the pass and it, plus the
+    blocks no request owns (group prefixes), stays under ``cap``. Preemption is then the
+    exception. Remaining tokens: learned from the lengths of the requests that finished
+    (``decode_lengths``), the request's ``max_tokens`` until they say otherwise.
 
     The projection is kept incrementally (``_Projection``): built once per pass over the
     running requests, then each candidate costs O(distinct finish steps), not O(running)."""
@@ -514,6 +524,7 @@ class _GrowthReserve:
     def __init__(self, sched: BatchLLMScheduler) -> None:
         self._sched = sched
         self._proj: _Projection | None = None  # built on first use
+        self._est: RemainingTable | None = None
         self._own = 0  # blocks owned by the requests running at the start of the pass
         self._admitted: list[Sequence] = []  # admitted in this pass
 
@@ -523,12 +534,14 @@ class _GrowthReserve:
         if self._proj is None:
             run = list(s._running.values())
             tok = np.fromiter(map(_grown_from, run), np.int64, len(run))  # prefill whole
-            rem = np.fromiter((r.max_tokens - len(r.outputs) for r in run), np.int64, len(run))
-            self._proj = _Projection(tok, np.maximum(rem, 1), s.block_size)
+            out = np.fromiter((len(r.outputs) for r in run), np.int64, len(run))
+            self._est = s._lengths.table(out)
+            rem = np.fromiter((_remaining(r, self._est) for r in run), np.int64, len(run))
+            self._proj = _Projection(tok, rem, s.block_size)
             self._own = sum(len(r.blocks) for r in run)
         # blocks no request owns: group prefixes, those started in this pass included
         base = s.pool.num_used - self._own - sum(len(r.blocks) for r in self._admitted)
-        peak = self._proj.peak_with(_grown_from(req), _remaining(req))
+        peak = self._proj.peak_with(_grown_from(req), _remaining(req, self._est))
         return base + extra_blocks + peak <= cap
 
     def admit(self, req: Sequence, extra_blocks: int, cap: int) -> bool:
@@ -536,7 +549,7 @@ class _GrowthReserve:
         if not self.fits(req, extra_blocks, cap):
             return False
         assert self._proj is not None
-        self._proj.add(_grown_from(req), _remaining(req))
+        self._proj.add(_grown_from(req), _remaining(req, self._est))
         self._admitted.append(req)
         return True
 
@@ -547,8 +560,12 @@ def _grown_from(req: Sequence) -> int:
     return req.num_own_prompt + len(req.outputs)
 
 
-def _remaining(req: Sequence) -> int:
-    return max(req.max_tokens - len(req.outputs), 1)
+def _remaining(req: Sequence, est: RemainingTable | None) -> int:
+    """Decode tokens ``req`` is projected to add: the learned estimate (scoring requests,
+    whose labels are known: their ``max_tokens``)."""
+    if est is None or req.steps is not None:
+        return max(req.max_tokens - len(req.outputs), 1)
+    return est.remaining(len(req.outputs), req.max_tokens)
 
 
 class _Projection:
