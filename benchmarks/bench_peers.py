@@ -221,6 +221,20 @@ def reap(proc: subprocess.Popen, cmd: list[str], log: Path) -> tuple[float, floa
     return ru.ru_maxrss / 1024, ru.ru_utime + ru.ru_stime
 
 
+STOP_IDS: list[int] = []  # --stop-ids: rows end at these ids (else every row runs to max)
+
+
+def stop_settings() -> str:
+    """[sampling] lines: every row decodes max_tokens, or stops at a STOP_IDS token."""
+    if not STOP_IDS:
+        return "ignore_eos = true"
+    return f"ignore_eos = false\nstop_token_ids = {STOP_IDS}"
+
+
+def stop_args() -> list[str]:
+    return ["--stop-ids", ",".join(map(str, STOP_IDS))] if STOP_IDS else []
+
+
 def job_toml(
     data: Path,
     model: Path,
@@ -242,7 +256,7 @@ device = "cpu"
 [sampling]
 max_tokens = {max_tokens}
 temperature = 0.0
-ignore_eos = true
+{stop_settings()}
 [scheduler]
 policy = "{policy}"
 chunk_size = {chunk_size}
@@ -392,6 +406,7 @@ def vllm_plan_cmd(
     cmd = [str(VLLM_PY), str(ROOT / "benchmarks/peers/vllm_peer.py"), "--omp-bind", "0-1"]
     cmd += ["--block-size", "32", "--kv-gib", str(kv_gib), "--dtype", dtype]
     cmd += ["--no-min-tokens", "--warmup", "--model", str(model), "--plan", str(d / "plan.json")]
+    cmd += stop_args()
     if chunk_size is not None:  # the same token budget per step as every other system
         cmd += ["--max-num-batched-tokens", str(chunk_size)]
     if max_model_len is not None:
@@ -466,7 +481,7 @@ def run_backend_plan(
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     cmd = [PY, str(ROOT / "benchmarks/peers/batchjob_vllm_peer.py"), "--model", str(model)]
     cmd += ["--policy", BACKEND_POLICY[system], "--plan", str(d / "plan.json")]
-    cmd += ["--kv-bytes", str(kv_bytes)]
+    cmd += ["--kv-bytes", str(kv_bytes), *stop_args()]
     if chunk_size is not None:
         cmd += ["--chunk-size", str(chunk_size)]
     if max_model_len is not None:
@@ -714,6 +729,7 @@ def profile_split(stats_path: Path) -> dict[str, float]:
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--scale", type=float, default=None, help="Override every workload's scale.")
 @click.option("--len-scale", type=float, default=None, help="Override every len_scale.")
+@click.option("--max-tokens", type=int, default=None, help="Override every max_tokens.")
 @click.option("--kv-gib", type=float, default=1.0, show_default=True)
 @click.option("--chunk-size", default=2048, show_default=True)
 @click.option(
@@ -767,6 +783,13 @@ def profile_split(stats_path: Path) -> dict[str, float]:
     "engine (start-up outside run_s, as always). Default: all batchjob runs, then all vLLM "
     "runs of a head dim in one process, then each batchjob-vllm system's in one process.",
 )
+@click.option(
+    "--stop-ids",
+    default=0,
+    show_default=True,
+    help="Rows stop at any of N token ids (100 .. 100 + N - 1), greedy, so their output "
+    "lengths vary as answers do; 0: every row decodes max_tokens (ignore_eos).",
+)
 @click.option("--smoke", is_flag=True, help="Tiny model and workload; vLLM only with --with-vllm.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "bench_peers")
 @click.option(
@@ -788,6 +811,7 @@ def main(
     repeats,
     scale,
     len_scale,
+    max_tokens,
     kv_gib,
     chunk_size,
     vllm_budget,
@@ -797,12 +821,14 @@ def main(
     kv_heads,
     dtype,
     interleave,
+    stop_ids,
     smoke,
     out,
     resume,
     profile_stats,
 ) -> None:
     backend_chunk = backend_chunk_size or (chunk_size if vllm_budget else None)
+    STOP_IDS[:] = range(100, 100 + stop_ids)
     if profile_stats is not None:
         split = profile_split(profile_stats)
         total = sum(split.values())
@@ -822,8 +848,10 @@ def main(
             dims = [32]  # the tiny model's own (hidden 64, 2 heads)
     else:
         scales = {n: WORKLOADS[n] for n in workloads.split(",")}
-        if scale or len_scale:
-            scales = {n: (scale or a, len_scale or b, c) for n, (a, b, c) in scales.items()}
+        if scale or len_scale or max_tokens:
+            scales = {
+                n: (scale or a, len_scale or b, max_tokens or c) for n, (a, b, c) in scales.items()
+            }
     if not with_vllm or not VLLM_PY.exists():
         chosen = [s for s in chosen if not s.startswith("vllm")]
     if not with_vllm or not HAVE_VLLM:

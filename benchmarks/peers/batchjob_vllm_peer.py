@@ -41,9 +41,10 @@ def job_for(args: argparse.Namespace, data: str):
             "engine.block_size": "32",
             "engine.kv_cache_bytes": str(args.kv_bytes),
             "scheduler.policy": args.policy,
-            "sampling.ignore_eos": "true",
+            "sampling.ignore_eos": "false" if args.stop_ids else "true",
             "sampling.temperature": "0",
         }
+        | ({"sampling.stop_token_ids": f"[{args.stop_ids}]"} if args.stop_ids else {})
         | ({"scheduler.chunk_size": str(args.chunk_size)} if args.chunk_size else {})
         | (
             {"scheduler.kv_threshold": str(args.kv_threshold)}
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         "--chunk-size", type=int, default=None, help="scheduler.chunk_size (unset: the backend's)"
     )
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--stop-ids", default="", help="comma list: rows stop at these ids, not at max")
     args = p.parse_args(argv)
 
     from batchjob.backends.base import RunSink

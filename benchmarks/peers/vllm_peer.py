@@ -173,6 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--block-size", type=int, default=32, help="KV block (multiple of 32 on CPU)")
     p.add_argument(
+        "--stop-ids", default="", help="comma list: rows stop at these ids (EOS too), not at max"
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -291,11 +294,13 @@ def generate_run(
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=work.prompts[i]) for i in work.order]
+    stop = [int(x) for x in args.stop_ids.split(",") if x]
     params = [
         SamplingParams(
             max_tokens=work.max_tokens[i],
-            min_tokens=0 if args.no_min_tokens else work.max_tokens[i],
-            ignore_eos=True,
+            min_tokens=0 if args.no_min_tokens or stop else work.max_tokens[i],
+            ignore_eos=not stop,
+            stop_token_ids=stop or None,
             temperature=0.0,
             detokenize=False,
         )
