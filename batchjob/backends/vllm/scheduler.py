@@ -229,6 +229,9 @@ class _BatchLLMMixin(_RecordingMixin):
             shared.append(pinned)
             held += max(cdiv(r.num_computed_tokens, bs) - pinned, 0)
         base = self.bj_blocks_in_use() - held  # blocks no running request frees
+        # the peak is at least every request's blocks now: candidates past the one that
+        # breaks that bound cannot fit, so they are not projected at all
+        floor = base + sum(max(cdiv(t, bs) - p, 0) for t, p in zip(tok, shared, strict=True))
         # groups whose prefix blocks are held: a waiting member needs its own part only
         started = {id(g) for g in self._bj_groups.values() if g.pinned}
         started |= {id(g) for r in self.running if (g := self._bj_group(r)) is not None}
@@ -236,9 +239,13 @@ class _BatchLLMMixin(_RecordingMixin):
             if len(tok) - len(self.running) >= min(room, 256):
                 break
             g = self._bj_group(r)
+            held_prefix = g.prefix_blocks if g is not None and id(g) in started else 0
+            floor += max(cdiv(r.num_tokens, bs) - held_prefix, 0)
+            if floor > cap:
+                break
             tok.append(r.num_tokens)  # its prompt (+ outputs, if preempted) within a step
             rem.append(est.remaining(r.num_output_tokens, r.max_tokens))
-            shared.append(g.prefix_blocks if g is not None and id(g) in started else 0)
+            shared.append(held_prefix)
             if g is not None:
                 started.add(id(g))
         tok_a, rem_a, shared_a = (np.asarray(x, dtype=np.int64) for x in (tok, rem, shared))
