@@ -476,6 +476,11 @@ def _engine_config(vllm_config) -> dict:
     }
 
 
+def _stop_list(args) -> str:
+    """--stop-ids N as the peers take it: ids 100 .. 100 + N - 1, comma-separated."""
+    return ",".join(str(100 + i) for i in range(args.stop_ids or 0))
+
+
 def _batchjob_runner(args):
     import batchjob_vllm_peer as peer
 
@@ -494,6 +499,7 @@ def _batchjob_runner(args):
         chunk_size=args.chunk_size,
         kv_threshold=args.kv_threshold,
         max_model_len=4096,  # batchjob_vllm_peer.py's default, the model's own
+        stop_ids=_stop_list(args),
     )
     if args.batchllm_max_seqs is not None:
         from batchjob.backends.vllm import engine_args
@@ -550,11 +556,13 @@ def _vllm_runner(args):
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=work.prompts[i]) for i in work.order]
+    stop = [int(x) for x in _stop_list(args).split(",") if x]
     params = [
         SamplingParams(
             max_tokens=work.max_tokens[i],
             min_tokens=0,
-            ignore_eos=True,
+            ignore_eos=not stop,
+            stop_token_ids=stop or None,
             temperature=0.0,
             detokenize=False,
         )
@@ -785,6 +793,13 @@ def main() -> None:
         help="save every step's batch (layer 0's metadata) to WORK/<workload>-<system>/steps "
         "for bench_vllm_attention.py --steps (warm-up included: use with --repeats 1)",
     )
+    p.add_argument(
+        "--stop-ids",
+        type=int,
+        default=None,
+        help="rows stop at any of N token ids (100 ..), greedy; default: every row decodes "
+        "max_tokens",
+    )
     p.add_argument("--out", type=Path, default=None, help="also write the tables here (.txt)")
     p.add_argument("--work", type=Path, default=ROOT / "out" / "profile_vllm_backend")
     # one system in this process (the parent runs each so)
@@ -874,7 +889,7 @@ def parent(args) -> None:
                     cmd += ["--chunk-size", str(args.chunk_size)]
                 if args.vllm_budget and args.chunk_size:
                     cmd += ["--vllm-chunk", str(args.chunk_size)]
-                for flag in ("batchllm_max_seqs", "kv_threshold", "vllm_max_seqs"):
+                for flag in ("batchllm_max_seqs", "kv_threshold", "vllm_max_seqs", "stop_ids"):
                     if getattr(args, flag) is not None:
                         cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
                 log = stack.enter_context(open(d / "log.txt", "w"))
