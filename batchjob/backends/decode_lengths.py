@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-QUANTILE = 0.75  # of a running request's final length (the sum over many requests: near its mean)
+QUANTILE = 0.5  # of a running request's final length: its median, given how far it has got
 MIN_ENDS = 8  # requests that stopped by themselves before any estimate is used
 
 
