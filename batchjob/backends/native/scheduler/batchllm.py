@@ -24,9 +24,9 @@ stays under the threshold, every request growing one token a step for its projec
 remaining tokens and freeing its blocks when it finishes (``projected_peak_blocks``, shared
 with the vLLM backend's scheduler; kept incrementally here, ``_Projection``). Remaining
 tokens are learned from the output lengths of the requests that finished
-(``decode_lengths``: a high quantile, ``max_tokens`` until stops are seen, and always where
-rows run to their limit), so a large ``max_tokens`` cap over short answers does not starve
-the batch. Decode growth then rarely
+(``decode_lengths``: the median of a row's final length given how far it has got;
+``max_tokens`` until stops are seen, and always where rows run to their limit), so a large
+``max_tokens`` cap over short answers does not starve the batch. Decode growth then rarely
 overruns the cache: preemption is the exception, not the steady state of a decode-heavy
 batch (``scheduler.decode_reserve``, on by default; off: admission by blocks in use alone).
 
