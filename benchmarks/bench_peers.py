@@ -34,7 +34,8 @@ every system as in the default order (run_s: vLLM ``generate``, batchjob-vllm pl
 ``VllmBackend.run``, both after their engine's start-up and one warm-up request), and inside
 end_to_end_s. Match fractions are filled in once the repeat's batchjob run is done.
 EOS: every system decodes exactly max_tokens tokens and EOS may be sampled (batchjob
-``ignore_eos``; vllm_peer ``--no-min-tokens``), so outputs compare token by token.
+``ignore_eos``; vllm_peer ``--no-min-tokens``), so outputs compare token by token;
+``--stop-ids N``: every system stops a row at EOS or any of N ids instead (still greedy).
 Throughput excludes start-up everywhere: batchjob engine_s + plan_s, vLLM/HF generate_s.
 """
 
