@@ -524,7 +524,7 @@ class _GrowthReserve:
     def __init__(self, sched: BatchLLMScheduler) -> None:
         self._sched = sched
         self._proj: _Projection | None = None  # built on first use
-        self._est: RemainingTable | None = None
+        self._est = _LIMITS  # the learned estimate, with the projection
         self._own = 0  # blocks owned by the requests running at the start of the pass
         self._admitted: list[Sequence] = []  # admitted in this pass
 
@@ -560,12 +560,14 @@ def _grown_from(req: Sequence) -> int:
     return req.num_own_prompt + len(req.outputs)
 
 
-def _remaining(req: Sequence, est: RemainingTable | None) -> int:
+_LIMITS = RemainingTable(None)  # nothing learned: every request to its max_tokens
+
+
+def _remaining(req: Sequence, est: RemainingTable) -> int:
     """Decode tokens ``req`` is projected to add: the learned estimate (scoring requests,
     whose labels are known: their ``max_tokens``)."""
-    if est is None or req.steps is not None:
-        return max(req.max_tokens - len(req.outputs), 1)
-    return est.remaining(len(req.outputs), req.max_tokens)
+    table = est if req.steps is None else _LIMITS
+    return table.remaining(len(req.outputs), req.max_tokens)
 
 
 class _Projection:
