@@ -225,6 +225,11 @@ def reap(proc: subprocess.Popen, cmd: list[str], log: Path) -> tuple[float, floa
 STOP_IDS: list[int] = []  # --stop-ids: rows end at these ids (else every row runs to max)
 
 
+def stop_id_list(n: int) -> list[int]:
+    """The ids ``--stop-ids N`` stops rows at: 100 .. 100 + N - 1."""
+    return list(range(100, 100 + n))
+
+
 def stop_settings() -> str:
     """[sampling] lines: every row decodes max_tokens, or stops at a STOP_IDS token."""
     if not STOP_IDS:
@@ -829,7 +834,7 @@ def main(
     profile_stats,
 ) -> None:
     backend_chunk = backend_chunk_size or (chunk_size if vllm_budget else None)
-    STOP_IDS[:] = range(100, 100 + stop_ids)
+    STOP_IDS[:] = stop_id_list(stop_ids)
     if profile_stats is not None:
         split = profile_split(profile_stats)
         total = sum(split.values())

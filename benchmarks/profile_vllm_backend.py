@@ -476,9 +476,11 @@ def _engine_config(vllm_config) -> dict:
     }
 
 
-def _stop_list(args) -> str:
-    """--stop-ids N as the peers take it: ids 100 .. 100 + N - 1, comma-separated."""
-    return ",".join(str(100 + i) for i in range(args.stop_ids or 0))
+def _stop_ids(args) -> list[int]:
+    """--stop-ids N: the ids bench_peers.py stops rows at."""
+    import bench_peers as bp
+
+    return bp.stop_id_list(args.stop_ids or 0)
 
 
 def _batchjob_runner(args):
@@ -499,7 +501,7 @@ def _batchjob_runner(args):
         chunk_size=args.chunk_size,
         kv_threshold=args.kv_threshold,
         max_model_len=4096,  # batchjob_vllm_peer.py's default, the model's own
-        stop_ids=_stop_list(args),
+        stop_ids=",".join(map(str, _stop_ids(args))),  # as batchjob_vllm_peer.py takes them
     )
     if args.batchllm_max_seqs is not None:
         from batchjob.backends.vllm import engine_args
@@ -556,7 +558,7 @@ def _vllm_runner(args):
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=work.prompts[i]) for i in work.order]
-    stop = [int(x) for x in _stop_list(args).split(",") if x]
+    stop = _stop_ids(args)
     params = [
         SamplingParams(
             max_tokens=work.max_tokens[i],
