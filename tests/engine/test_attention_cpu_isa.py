@@ -124,6 +124,35 @@ def test_isa_path_small_groups_take_all_heads_in_one_unit(isa, dtype):
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", (96, 128))
+def test_isa_path_grouped_query_decode_over_widely_shared_prefixes(isa, head_dim):
+    """Decode rows of 4 query heads a KV head over prefixes shared by 9-16 rows: key-major
+    tiles of 36-64 rows a head, both KV heads in one unit (each head's next chunk fetched
+    while its tile computes), prefixes ending mid-chunk and mid-block. Equal to the
+    reference."""
+    sizes, prefixes = (16, 16, 12, 10, 9, 9), (203, 190, 170, 150, 100, 77)
+    seqs = tuple(
+        ref.SeqSpec(1, 2 + 5 * i % 23, group=g) for g, n in enumerate(sizes) for i in range(n)
+    )
+    spec = ref.BatchSpec(seqs, prefixes, num_q_heads=8, num_kv_heads=2, head_dim=head_dim)
+    b = ref.build_batch(spec, seed=head_dim)
+    backend = CpuAttention(isa, calibrate=False)
+    kn = backend.kernel
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # every group under a thread's share: all-head units
+    try:
+        units, _ = build_units(b.meta, 8, 2, kn.max_rows, kn.lanes, threads=2)
+        out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    finally:
+        torch.set_num_threads(threads)
+    prefix_units = units[units[:, 5] == 1]
+    assert (prefix_units[:, 6] == -1).all()
+    assert (prefix_units[:, 1] * 4 > 2 * kn.lanes).any()  # tiles of 4+ row vectors a head
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    torch.testing.assert_close(out, want, atol=3e-5, rtol=3e-5)
+
+
 def test_all_head_units_keep_threads_balanced():
     """A unit over all KV heads holding more than a thread's share of the batch's work is
     split per head: one group's prefix with 4 threads, not with 1. Nor are key-major tiles
