@@ -5,13 +5,16 @@ attention call at a time: vLLM's ``cpu_attention_with_kv_cache`` on its cache la
 ``batchjob_paged_attention_strided`` on the same cache tensor in the native layout, with the
 step's work built from vLLM-style block tables (``step_work``: prefix groups found from equal
 leading block ids, requests in shuffled batch order). float32, block 32, both kernels on the
-threads torch has; times are the best of 3 rounds of 10 calls, the two alternating.
+threads torch has; times are the best of 3 rounds of 10 calls, the two alternating
+(``--layers 8``: each call on the next of 8 caches, as cold as a model's other layers leave
+them).
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/bench_vllm_attention.py \\
         [--out benchmarks/results/vllm_attention_zen4.txt]
     # the batches of a real run, step by step (profile_vllm_backend.py --capture-steps):
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/bench_vllm_attention.py \\
-        --heads 8/2x128 --steps out/profile_vllm_backend/micro-2000-200-s16-vllm-sorted/steps
+        --heads 8/2x128 --steps out/profile_vllm_backend/micro-2000-200-s16-vllm-sorted/steps \\
+        [--layers 8]
 """
 
 from __future__ import annotations
@@ -71,10 +74,6 @@ def best_ms(fns: dict[str, Callable[[], None]], rounds: int = 3, calls: int = 10
     return {k: min(v) for k, v in times.items()}
 
 
-def measure(hq: int, hkv: int, d: int, shape: tuple) -> tuple[float, float, int]:
-    return measure_batch(hq, hkv, d, *block_tables(shape))
-
-
 def measure_batch(
     hq: int,
     hkv: int,
@@ -85,9 +84,12 @@ def measure_batch(
     qsl: torch.Tensor,
     rounds: int = 3,
     calls: int = 10,
+    layers: int = 1,
 ) -> tuple[float, float, int]:
     """(vLLM ms, batchjob ms, prefix groups) of one batch: block tables [R, M] int32 into a
-    cache of ``nblocks`` blocks, sequence lengths [R], query start offsets [R + 1]."""
+    cache of ``nblocks`` blocks, sequence lengths [R], query start offsets [R + 1]. Each call
+    reads the next of ``layers`` caches, so a cache is as cold as a model's other layers
+    leave it (1: the same cache every call, warm where it fits L3)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -97,8 +99,10 @@ def measure_batch(
     kn = pa.kernel()
     assert kn is not None, "no C kernel build"
     r, t = len(seq), int(qsl[-1])
-    kv = torch.randn(nblocks, hkv, BS, 2 * d)
-    key_cache, value_cache = kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2)
+    kvs = [torch.randn(nblocks, hkv, BS, 2 * d) for _ in range(layers)]
+    halves = [kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2) for kv in kvs]
+    natives = [pa.native_cache(kv) for kv in kvs]
+    turn = {"vllm": 0, "ours": 0}
     q = torch.randn(t, hq, d)
     out = torch.empty(t, hq, d)
     meta = ops.cpu_attn_get_scheduler_metadata(
@@ -108,6 +112,8 @@ def measure_batch(
     )  # fmt: skip
 
     def vllm() -> None:
+        key_cache, value_cache = halves[turn["vllm"] % layers]
+        turn["vllm"] += 1
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
@@ -118,19 +124,21 @@ def measure_batch(
     work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv)
 
     def ours() -> None:  # the backend's forward, without the module around it
+        cache = natives[turn["ours"] % layers]
+        turn["ours"] += 1
         run_units(
-            kn, q, *pa.native_cache(kv), work.units, work.blocks, work.has_prefix, work.threads,
+            kn, q, *cache, work.units, work.blocks, work.has_prefix, work.threads,
             False, d**-0.5, out, work.batch.token_order,
         )  # fmt: skip
 
-    ms = best_ms({"vllm": vllm, "ours": ours}, rounds, calls)
+    ms = best_ms({"vllm": vllm, "ours": ours}, rounds, layers * -(-calls // layers))
     return ms["vllm"], ms["ours"], work.batch.meta.num_groups
 
 
-def replay(folder: Path, hq: int, hkv: int, d: int) -> list[str]:
+def replay(folder: Path, hq: int, hkv: int, d: int, layers: int = 1) -> list[str]:
     """Both kernels on every step batch saved in ``folder`` (profile_vllm_backend.py
-    --capture-steps), on random queries and caches: per-step-kind totals of one layer's
-    calls, and the steps with prompt tokens one by one."""
+    --capture-steps), on random queries and caches (``layers`` of them, each call the next):
+    per-step-kind totals of one layer's calls, and the steps with prompt tokens one by one."""
     files = sorted(folder.glob("step-*.npz"))
     if not files:
         raise SystemExit(f"--steps: no step-*.npz in {folder}")
@@ -146,7 +154,7 @@ def replay(folder: Path, hq: int, hkv: int, d: int) -> list[str]:
         qlen = (qsl[1:] - qsl[:-1]).numpy()
         kind = "decode" if (qlen == 1).all() else "prefill"
         nblocks = int(table.max()) + 1
-        v, o, g = measure_batch(hq, hkv, d, nblocks, table, seq, qsl, rounds=3, calls=2)
+        v, o, g = measure_batch(hq, hkv, d, nblocks, table, seq, qsl, 3, 2, layers)
         tot = totals[kind]
         tot[0], tot[1], tot[2] = tot[0] + v, tot[1] + o, tot[2] + 1
         if kind == "prefill":
@@ -156,7 +164,7 @@ def replay(folder: Path, hq: int, hkv: int, d: int) -> list[str]:
                 f"{int(seq.max())} | {g} | {v:.2f} | {o:.2f} | {v / o:.2f}x |"
             )
     lines = [
-        f"steps of {folder} at {hq}/{hkv} x {d}: one layer's calls summed",
+        f"steps of {folder} at {hq}/{hkv} x {d}: one layer's calls summed, {layers} layers' caches",
         "",
         "| steps | count | vLLM ms | batchjob ms | vLLM / batchjob |",
         "|---|---:|---:|---:|---:|",
@@ -186,6 +194,9 @@ def main() -> None:
         help="instead of the shapes, replay the step batches saved in this folder by "
         "profile_vllm_backend.py --capture-steps (one --heads shape)",
     )
+    p.add_argument(
+        "--layers", type=int, default=1, help="caches the calls cycle through (8: cold as in a run)"
+    )
     args = p.parse_args()
     heads = HEADS
     if args.heads:
@@ -208,13 +219,13 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     if args.steps is not None:
         for hq, hkv, d in heads[:1]:
-            out = replay(args.steps, hq, hkv, d)
+            out = replay(args.steps, hq, hkv, d, args.layers)
             print("\n".join(out), flush=True)
             lines += out
         shapes = []
     for hq, hkv, d in heads:
         for shape in shapes:
-            v, o, g = measure(hq, hkv, d, shape)
+            v, o, g = measure_batch(hq, hkv, d, *block_tables(shape), layers=args.layers)
             line = f"| {hq}/{hkv} x {d} | {shape[0]} | {v:.2f} | {o:.2f} | {v / o:.2f}x | {g} |"
             print(line, flush=True)
             lines.append(line)
