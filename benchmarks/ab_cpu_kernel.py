@@ -6,10 +6,10 @@ sources as checked out; both must take the checked-out entry point's arguments,
 libraries, then run alternately on the same
 batches (vLLM's block-table batches with the native layout, as the vLLM backend runs them:
 ``prefix_attention.step_work``), so machine drift hits both alike. Prints each version's
-median of ``--rounds`` rounds of at least 10 calls, the ratio A / B (> 1: B faster) and the largest
-output difference. Each call reads the next of ``--layers`` caches, as a model's layers do: a
-cache read again by the very next call stays in L3 where a real step's would not (one layer:
-``--layers 1``).
+median of ``--rounds`` rounds of at least 10 calls, the ratio A / B (> 1: B faster) and the
+largest output difference. Each call reads the next of ``--layers`` caches, as a model's
+layers do: a cache read again by the very next call stays in L3 where a real step's would
+not (one layer: ``--layers 1``).
 
     git show HEAD~1:kernels/cpu/paged_attention.c > /tmp/old.c
     .venv/bin/python benchmarks/ab_cpu_kernel.py /tmp/old.c kernels/cpu/paged_attention.c \\
@@ -100,15 +100,15 @@ def main() -> None:
                 call(ka)
             diff = (ref - call(kb)).abs().max().item()
             times: dict[str, list[float]] = {"a": [], "b": []}
-            n = args.layers * -(-10 // args.layers)  # >= 10 calls, whole cycles
+            reps = args.layers * -(-10 // args.layers)  # >= 10 calls, whole cycles
             for _ in range(args.rounds):
                 for name, k in (("a", ka), ("b", kb)):
                     for _ in range(args.layers):
                         call(k)
                     t = time.perf_counter()
-                    for _ in range(n):
+                    for _ in range(reps):
                         call(k)
-                    times[name].append((time.perf_counter() - t) / n * 1e3)
+                    times[name].append((time.perf_counter() - t) / reps * 1e3)
             ta, tb = (statistics.median(times[n]) for n in ("a", "b"))
             print(f"| {spec} | {shape[0]} | {ta:.2f} | {tb:.2f} | {ta / tb:.2f}x | {diff:.1e} |")
 
