@@ -778,12 +778,13 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
    rows of 4 query heads a KV head) fetch every line of each head's next chunk, a few rows per
    step of that head's tile (pf_t); with the cheaper exp2v, 4-13% less time on the prefill
    shapes at 8/2 and 8/8 x 128 and 8/8 x 64 (one thread, Intel Xeon, avx512 build; avx2 build
-   0-3%). In all-head units at D > 64 too, where head 0's first lines alone were fetched:
-   8/2 x 128 decode over groups of 16, caches cold as a model's layers leave them, 1/1.11-1.17
-   of the time, its small-batch prefill 1/1.04-1.13 (AMD Zen 5, avx512 and avx2 builds; at
-   8/8 x 32 0.93x, so not at D <= 64). The others (decode rows, small tiles, whose compute per
-   chunk is short) prefetch each row's first line. */
-    const int spread = !few && NV >= 4 && (nh == 1 || D > 64);
+   0-3%). In all-head units at D > 32 too, where head 0's first lines alone were fetched:
+   decode over groups of 16, caches cold as a model's layers leave them, 8/2 x 128 1/1.11-1.17
+   of the time, 8/2 and 16/2 x 64 1/1.38-1.41 (avx2 1/1.14-1.18), small-batch prefill
+   1/1.04-1.13 (AMD Zen 5; bf16 caches even; at 8/8 x 32 0.93x, so not at D = 32). The others
+   (decode rows, small tiles, whose compute per chunk is short) prefetch each row's first
+   line. */
+    const int spread = !few && NV >= 4 && (nh == 1 || D > 32);
     /* all-head float32 tiles of one or two row vectors at D <= 64: prefetch_share */
     const int share = !BF && D <= 64 && !few && nh > 1 && NV < 4;
 #define PREFETCH(base, key)                                                                   \

@@ -125,7 +125,7 @@ def test_isa_path_small_groups_take_all_heads_in_one_unit(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("head_dim", (96, 128))
+@pytest.mark.parametrize("head_dim", (32, 64, 96, 128))
 def test_isa_path_grouped_query_decode_over_widely_shared_prefixes(isa, head_dim):
     """Decode rows of 4 query heads a KV head over prefixes shared by 9-16 rows: key-major
     tiles of 36-64 rows a head, both KV heads in one unit (each head's next chunk fetched
