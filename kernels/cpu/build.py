@@ -203,7 +203,7 @@ def _load(isa: str) -> CpuKernel | None:
     rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, ctypes.c_int, ctypes.c_int]
     rope.restype = ctypes.c_int
     write_kv = lib.batchjob_write_kv
-    write_kv.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    write_kv.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int, i64]
     write_kv.restype = ctypes.c_int
     linear, linear_pack = lib.batchjob_linear, lib.batchjob_linear_pack
     linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]

@@ -117,6 +117,32 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
         torch.testing.assert_close(out[starts[r] : starts[r + 1]], ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_update_in_c_writes_the_native_layout(pa, dtype):
+    """The KV update maps vLLM's slots to the native rows in C: the cache equals the one the
+    torch path writes (the C call refused), K and V rows of fused-projection views with more
+    rows than slots (vLLM pads the batch); a slot out of range raises."""
+    hq, hkv, d, bs, nblocks = 8, 2, 64, 32, 6
+    impl = pa.PrefixSharedImpl(hq, d, d**-0.5, hkv, None, None, "auto")
+    fused = torch.randn(12, 2 * hkv, d).to(dtype)
+    k, v = fused[:, :hkv], fused[:, hkv:]
+    slots = torch.tensor([0, 31, 32, 33, 64, 100, 191, 150, 5])  # 9 of the 12 rows
+    got = torch.full((nblocks, hkv, bs, 2 * d), float("nan"), dtype=dtype)
+    want = got.clone()
+    impl.do_kv_cache_update(None, k, v, got, slots)
+    assert impl._native
+    # the torch path: the same slots, not contiguous (the C call takes contiguous ones only)
+    wide = torch.stack([slots, slots], dim=1)[:, 0]
+    assert not wide.is_contiguous()
+    impl.do_kv_cache_update(None, k, v, want, wide)
+    assert torch.equal(got.isnan(), want.isnan()) and int((~got.isnan()).sum()) == 9 * 2 * hkv * d
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    view = pa.native_view(got)
+    assert torch.equal(view[100 // bs, 0, 100 % bs], k[5]) and torch.equal(view[5, 1, 31], v[6])
+    with pytest.raises(IndexError):
+        impl.do_kv_cache_update(None, k, v, got, torch.tensor([3, nblocks * bs]))
+
+
 @pytest.mark.parametrize("hkv,grouped", [(8, 3), (2, 2)])
 def test_a_prefill_that_fills_a_tile_alone_joins_no_group(pa, hkv, grouped):
     """Two decodes and a 40-token prefill over one document: with 8 query heads per 8 KV

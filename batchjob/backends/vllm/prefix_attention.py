@@ -200,24 +200,29 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
     ) -> None:
         if not self._uses_native(kv_cache):
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        kv = native_view(kv_cache)  # [blocks, 2, BS, Hkv, D]
-        nb, _, bs, hkv, d = kv.shape
+        # one call into C with plain attributes (no torch op first): in a run, each torch
+        # op here costs 10-40 us, its state evicted by the layer's weights
+        nb, hkv, bs, two_d = kv_cache.shape
+        d = two_d // 2
         n = slot_mapping.shape[0]
-        k, v = key[:n], value[:n]
         kn = kernel()
-        # vLLM's slot s (block s // BS, row s % BS) as a row of the cache seen as [2 * BS *
-        # blocks] rows of Hkv * D: the K row; its V row is BS rows on
-        rows = slot_mapping + slot_mapping // bs * bs
-        fits = kv_rows_fit(k, v, slot_mapping, kv.dtype, hkv, d)
+        fits = (
+            key.shape[0] >= n
+            and value.shape[0] >= n
+            and slot_mapping.is_contiguous()
+            and kv_rows_fit(key, value, slot_mapping, kv_cache.dtype, hkv, d)
+        )
+        elt = kv_cache.element_size()
         if not fits or kn is None or kn.write_kv(
-            k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kv.data_ptr(),
-            kv[:, 1].data_ptr(), rows.data_ptr(), n, (2 * nb - 1) * bs, hkv * d,
-            kv.element_size(), torch.get_num_threads(),
+            key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), kv_cache.data_ptr(),
+            kv_cache.data_ptr() + bs * hkv * d * elt, slot_mapping.data_ptr(), n, nb * bs,
+            hkv * d, elt, torch.get_num_threads(), bs,
         ) != 0:  # fmt: skip
             # the torch path (a slot out of range raises the index error here)
+            kv = native_view(kv_cache)  # [blocks, 2, BS, Hkv, D]
             blk, pos = slot_mapping // bs, slot_mapping % bs
-            kv[blk, 0, pos] = k.to(kv.dtype)
-            kv[blk, 1, pos] = v.to(kv.dtype)
+            kv[blk, 0, pos] = key[:n].to(kv.dtype)
+            kv[blk, 1, pos] = value[:n].to(kv.dtype)
 
     def forward(
         self,

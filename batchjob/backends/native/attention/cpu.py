@@ -269,7 +269,7 @@ class CpuAttention:
             or kn.write_kv(
                 k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
                 v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], nb * bs, hkv * d,
-                k.element_size(), torch.get_num_threads(),
+                k.element_size(), torch.get_num_threads(), 0,
             ) != 0  # a slot out of range: the torch path raises the index error
         ):  # fmt: skip
             self.fallback.write_kv(k_cache, v_cache, k, v, slot_mapping)
