@@ -85,3 +85,13 @@ class RemainingTable:
         if q is None or out >= len(q) or not out < q[out] < self._none:
             return cap  # past the data, or no stop seen that far
         return int(min(q[out] - out, cap))
+
+    def remaining_array(self, out: np.ndarray, limit: np.ndarray) -> np.ndarray:
+        """``remaining`` of many requests at once (int64 arrays of outputs and limits)."""
+        cap = np.maximum(limit - out, 1)
+        q = self._quantile_end
+        if q is None:
+            return cap
+        end = q[np.clip(out, 0, len(q) - 1)]
+        known = (out < len(q)) & (out < end) & (end < self._none)
+        return np.where(known, np.minimum(end - out, cap), cap)

@@ -22,3 +22,19 @@ def projected_peak_blocks(
     alive = remaining[None, :] > steps[:, None]  # [T, N]
     own = cdiv(tokens[None, :] + steps[:, None], block_size) - shared[None, :]
     return int(np.where(alive, np.maximum(own, 0), 0).sum(axis=1).max())
+
+
+def prefix_peaks(
+    tokens: np.ndarray, remaining: np.ndarray, shared: np.ndarray, block_size: int
+) -> np.ndarray:
+    """``projected_peak_blocks`` of the first m requests for every m = 1 .. N, in one pass
+    (the vLLM scheduler's admission asks it of every prefix of its candidates). Evaluated at
+    the finish steps of all N: between two finish steps of its own a prefix's load only grows,
+    so the extra steps never raise its maximum. Nondecreasing in m."""
+    if len(tokens) == 0:
+        return np.zeros(0, np.int64)
+    steps = np.unique(remaining) - 1  # [T]
+    alive = remaining[None, :] > steps[:, None]  # [T, N]
+    own = cdiv(tokens[None, :] + steps[:, None], block_size) - shared[None, :]
+    load = np.where(alive, np.maximum(own, 0), 0)
+    return np.cumsum(load, axis=1).max(axis=0).astype(np.int64)

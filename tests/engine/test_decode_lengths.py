@@ -98,3 +98,17 @@ def test_estimate_is_at_least_one_and_at_most_the_limit() -> None:
     for out in range(0, 260, 7):
         for limit in (out, out + 1, out + 3, 1000):
             assert 1 <= table.remaining(out, limit) <= max(limit - out, 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_remaining_array_is_remaining_of_each(seed: int) -> None:
+    """The vLLM scheduler's vectorised estimate: element for element the scalar one, with
+    nothing learned, with a learned curve, and past its end."""
+    rng = np.random.default_rng(seed)
+    ended, capped = rng.integers(1, 150, rng.integers(0, 40)), rng.integers(1, 150, 5)
+    running = rng.integers(0, 300, 20)
+    table = _learned(ended, capped).table(running)
+    out = np.concatenate([running, rng.integers(0, 400, 50), [0, 1]])
+    limit = out + rng.integers(-5, 300, len(out))
+    want = [table.remaining(int(o), int(m)) for o, m in zip(out, limit, strict=True)]
+    assert table.remaining_array(out, limit).tolist() == want

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from batchjob.backends.decode_lengths import RemainingTable
-from batchjob.backends.kv_projection import projected_peak_blocks
+from batchjob.backends.kv_projection import prefix_peaks, projected_peak_blocks
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.batchllm import BatchLLMScheduler, _Projection
 from batchjob.config import SchedulerConfig
@@ -72,6 +72,21 @@ def test_projected_peak_equals_a_step_by_step_simulation() -> None:
             for t in range(int(rem.max()))
         )
         assert projected_peak_blocks(tok, rem, shared, bs) == sim
+
+
+def test_prefix_peaks_equal_projected_peak_blocks_of_each_prefix() -> None:
+    """The vLLM scheduler's one-pass peaks of every prefix of its candidates, against
+    ``projected_peak_blocks`` of each prefix on its own (shared prefixes above a request's
+    own blocks included: its load is then 0)."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n, bs = int(rng.integers(1, 30)), int(rng.choice([4, 16, 32]))
+        tok, rem = rng.integers(1, 200, n), rng.integers(1, 60, n)
+        shared = rng.integers(0, 8, n)
+        got = prefix_peaks(tok, rem, shared, bs)
+        want = [projected_peak_blocks(tok[:m], rem[:m], shared[:m], bs) for m in range(1, n + 1)]
+        assert got.tolist() == want
+    assert len(prefix_peaks(*(np.zeros(0, np.int64),) * 3, 16)) == 0
 
 
 def test_incremental_projection_equals_projected_peak_blocks() -> None:
