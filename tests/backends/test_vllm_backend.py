@@ -231,19 +231,3 @@ def test_seeds_depend_on_row_and_job_seed_only():
     assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
     assert request_seed(1, 5) != request_seed(0, 5) and request_seed(0, 5) == request_seed(0, 5)
     assert np.unique([request_seed(s, 3) for s in range(50)]).size == 50
-
-
-def test_projected_peak_equals_a_step_by_step_simulation():
-    from batchjob.backends.vllm.scheduler import projected_peak_blocks
-
-    rng = np.random.default_rng(0)
-    for _ in range(50):
-        n, bs = int(rng.integers(1, 12)), int(rng.choice([16, 32]))
-        tok = rng.integers(1, 300, n)
-        rem = rng.integers(1, 60, n)
-        shared = np.minimum(rng.integers(0, 4, n), tok // bs)
-        sim = max(
-            sum(-(-(tok[i] + t) // bs) - shared[i] for i in range(n) if rem[i] > t)
-            for t in range(int(rem.max()))
-        )
-        assert projected_peak_blocks(tok, rem, shared, bs) == sim

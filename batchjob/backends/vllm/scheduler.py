@@ -44,7 +44,7 @@ from vllm.v1.request import RequestStatus
 
 from batchjob.backends.base import IterationRecord
 from batchjob.backends.decode_lengths import DecodeLengths
-from batchjob.backends.kv_projection import projected_peak_blocks
+from batchjob.backends.kv_projection import prefix_peaks
 from batchjob.config.sections import KV_THRESHOLD_VLLM
 from batchjob.plan.intmath import cdiv
 
@@ -137,12 +137,13 @@ class _RecordingMixin(_SchedulerBase):
 
 
 class _Group:
-    __slots__ = ("pinned", "prefix_blocks", "unfinished")
+    __slots__ = ("closed", "pinned", "prefix_blocks", "unfinished")
 
     def __init__(self, prefix_blocks: int, size: int) -> None:
         self.prefix_blocks = prefix_blocks  # full blocks of the shared prefix
         self.unfinished = size
         self.pinned: list | None = None  # prefix blocks held by the group
+        self.closed = False  # its last member finished: its prefix blocks went back
 
 
 class _BatchLLMMixin(_RecordingMixin):
@@ -150,6 +151,7 @@ class _BatchLLMMixin(_RecordingMixin):
         super()._bj_setup()
         self.bj_kv_threshold = KV_THRESHOLD_VLLM  # kv_threshold_for("vllm"), set by the backend
         self._bj_groups: dict[str, _Group] = {}
+        self._bj_req_groups: dict[str, _Group | None] = {}  # request id -> its group
         self._bj_lengths = DecodeLengths()  # finished requests' output lengths (the reserve)
 
     def bj_new_run(self) -> None:
@@ -159,14 +161,21 @@ class _BatchLLMMixin(_RecordingMixin):
     # --- group bookkeeping ------------------------------------------------------------
     def add_request(self, request) -> None:
         super().add_request(request)
+        self._bj_remember(request)
+
+    def _bj_remember(self, request) -> None:
+        """Its group (made by its first member), kept by request id: admission looks up the
+        group of every running and waiting request each step."""
         info = group_info(request)
         if info is not None and info[0] not in self._bj_groups:
             key, prefix_len, size = info
             self._bj_groups[key] = _Group(prefix_len // self.block_size, size)
+        group = None if info is None else self._bj_groups[info[0]]
+        self._bj_req_groups[request.request_id] = group
 
     def _bj_group(self, request) -> _Group | None:
-        info = group_info(request)
-        return None if info is None else self._bj_groups.get(info[0])
+        g = self._bj_req_groups.get(request.request_id)
+        return None if g is None or g.closed else g
 
     def _free_request(self, request, *args, **kwargs):
         out = super()._free_request(request, *args, **kwargs)
@@ -174,12 +183,13 @@ class _BatchLLMMixin(_RecordingMixin):
             capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
             self._bj_lengths.finished(request.num_output_tokens, capped)
         info = group_info(request)
-        g = None if info is None else self._bj_groups.get(info[0])
-        if g is not None:
+        g = self._bj_req_groups.pop(request.request_id, None)
+        if g is not None and not g.closed and info is not None:
             g.unfinished -= 1
             if g.unfinished <= 0:  # the group's last member: its prefix may go now
                 if g.pinned:
                     self.kv_cache_manager.block_pool.free_blocks(reversed(g.pinned))
+                g.closed = True
                 del self._bj_groups[info[0]]
         return out
 
@@ -206,6 +216,16 @@ class _BatchLLMMixin(_RecordingMixin):
         self.max_num_active_reqs = self._bj_admission_limit()
         return super().schedule(*args, **kwargs)
 
+    def _bj_first_waiting_blocked(self, cap: int) -> bool:
+        """Whether the first waiting request cannot fit on top of the blocks in use (its
+        blocks past its group's prefix): then the pass below stops at it and admits nothing
+        more, so a KV-full step skips that pass over every running request. Exact: the pass's
+        floor is at least the blocks in use, and its share of the first request at least this."""
+        first = next(iter(self.waiting))
+        g = self._bj_group(first)
+        own = cdiv(first.num_tokens, self.block_size) - (g.prefix_blocks if g is not None else 0)
+        return self.bj_blocks_in_use() + max(own, 0) > cap
+
     def _bj_admission_limit(self) -> int:
         """Running requests + the most waiting ones (in order) whose admission keeps the
         projected KV peak under the threshold (``projected_peak_blocks``)."""
@@ -213,30 +233,37 @@ class _BatchLLMMixin(_RecordingMixin):
         total = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         cap = int(self.bj_kv_threshold * total)
         room = self.max_num_running_reqs - len(self.running)
-        if room <= 0 or not self.waiting:
+        if room <= 0 or not self.waiting or self._bj_first_waiting_blocked(cap):
             return max(1, len(self.running))
         # what runs: tokens now, decode steps left, own blocks (a pinned prefix stays held)
-        tok, rem, shared, held = [], [], [], 0
+        run = self.running
+        n = len(run)
+        groups = [self._bj_group(r) for r in run]
+
+        def column(values) -> np.ndarray:
+            return np.fromiter(values, np.int64, n)
+
+        computed = column(r.num_computed_tokens for r in run)
+        outs = column(r.num_output_tokens for r in run)
+        pinned = column(g.prefix_blocks if g is not None and g.pinned else 0 for g in groups)
+        run_tok = np.maximum(computed, column(r.num_tokens for r in run))  # a prefill ends whole
         # decode tokens still to come: learned from finished requests (decode_lengths)
-        est = self._bj_lengths.table(
-            np.fromiter((r.num_output_tokens for r in self.running), np.int64)
-        )
-        for r in self.running:
-            g = self._bj_group(r)
-            pinned = g.prefix_blocks if g is not None and g.pinned else 0
-            tok.append(max(r.num_computed_tokens, r.num_tokens))  # a prefill ends whole
-            rem.append(est.remaining(r.num_output_tokens, r.max_tokens))
-            shared.append(pinned)
-            held += max(cdiv(r.num_computed_tokens, bs) - pinned, 0)
+        est = self._bj_lengths.table(outs)
+        run_rem = est.remaining_array(outs, column(r.max_tokens for r in run))
+        held = int(np.maximum(cdiv(computed, bs) - pinned, 0).sum())
         base = self.bj_blocks_in_use() - held  # blocks no running request frees
         # the peak is at least every request's blocks now: candidates past the one that
         # breaks that bound cannot fit, so they are not projected at all
-        floor = base + sum(max(cdiv(t, bs) - p, 0) for t, p in zip(tok, shared, strict=True))
+        floor = base + int(np.maximum(cdiv(run_tok, bs) - pinned, 0).sum())
         # groups whose prefix blocks are held: a waiting member needs its own part only
         started = {id(g) for g in self._bj_groups.values() if g.pinned}
-        started |= {id(g) for r in self.running if (g := self._bj_group(r)) is not None}
+        started |= {id(g) for g in groups if g is not None}
+        tok: list[int] = []
+        outs_w: list[int] = []
+        limits_w: list[int] = []
+        shared: list[int] = []
         for r in self.waiting:
-            if len(tok) - len(self.running) >= min(room, 256):
+            if len(tok) >= min(room, 256):
                 break
             g = self._bj_group(r)
             held_prefix = g.prefix_blocks if g is not None and id(g) in started else 0
@@ -244,25 +271,21 @@ class _BatchLLMMixin(_RecordingMixin):
             if floor > cap:
                 break
             tok.append(r.num_tokens)  # its prompt (+ outputs, if preempted) within a step
-            rem.append(est.remaining(r.num_output_tokens, r.max_tokens))
+            outs_w.append(r.num_output_tokens)
+            limits_w.append(r.max_tokens)
             shared.append(held_prefix)
             if g is not None:
                 started.add(id(g))
-        tok_a, rem_a, shared_a = (np.asarray(x, dtype=np.int64) for x in (tok, rem, shared))
-        n = len(self.running)
-
-        def fits(k: int) -> bool:
-            m = n + k
-            peak = projected_peak_blocks(tok_a[:m], rem_a[:m], shared_a[:m], bs)
-            return base + peak <= cap
-
-        lo, hi = 0, len(tok) - n  # the largest k that fits (the peak grows with k)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
+        wait_rem = est.remaining_array(np.asarray(outs_w, np.int64), np.asarray(limits_w, np.int64))
+        # the peak with the running requests and the first k candidates, for every k at
+        # once (nondecreasing): the largest k that keeps it under the cap
+        peaks = prefix_peaks(
+            np.concatenate([run_tok, np.asarray(tok, np.int64)]),
+            np.concatenate([run_rem, wait_rem]),
+            np.concatenate([pinned, np.asarray(shared, np.int64)]),
+            bs,
+        )[n:]
+        lo = int(np.searchsorted(peaks, cap - base, side="right"))
         admitted = lo if self.running else max(lo, 1)  # progress: vLLM refuses what cannot fit
         return max(1, min(n + admitted, self.max_num_running_reqs))
 
