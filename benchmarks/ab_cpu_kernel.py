@@ -19,6 +19,7 @@ not (one layer: ``--layers 1``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -54,18 +55,14 @@ def batch(
     nblocks, table, seq, qsl = vllm_attention.block_tables(shape)
     bs = vllm_attention.BS
     dtype = torch.bfloat16 if bf16 else torch.float32
-    kvs = [torch.randn(nblocks, hkv, bs, 2 * d).to(dtype) for _ in range(layers)]
+    kvs = itertools.cycle([torch.randn(nblocks, hkv, bs, 2 * d).to(dtype) for _ in range(layers)])
     q = torch.randn(int(qsl[-1]), hq, d)
     work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), bs, hq, hkv)
-    calls = 0
 
     def call(k: CpuKernel) -> torch.Tensor:
-        nonlocal calls
-        kv = kvs[calls % layers]
-        calls += 1
         return run_units(
-            k, q, *pa.native_cache(kv), work.units, work.blocks, work.has_prefix, work.threads,
-            bf16, d**-0.5, None, work.batch.token_order,
+            k, q, *pa.native_cache(next(kvs)), work.units, work.blocks, work.has_prefix,
+            work.threads, bf16, d**-0.5, None, work.batch.token_order,
         )  # fmt: skip
 
     return call
@@ -100,7 +97,7 @@ def main() -> None:
                 call(ka)
             diff = (ref - call(kb)).abs().max().item()
             times: dict[str, list[float]] = {"a": [], "b": []}
-            reps = args.layers * -(-10 // args.layers)  # >= 10 calls, whole cycles
+            reps = vllm_attention.whole_cycles(10, args.layers)
             for _ in range(args.rounds):
                 for name, k in (("a", ka), ("b", kb)):
                     for _ in range(args.layers):

@@ -20,6 +20,7 @@ them).
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,11 @@ def block_tables(shape: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.T
     return nblocks, table, seq, qsl
 
 
+def whole_cycles(calls: int, layers: int) -> int:
+    """At least ``calls`` calls, in whole cycles over ``layers`` caches."""
+    return layers * -(-calls // layers)
+
+
 def best_ms(fns: dict[str, Callable[[], None]], rounds: int = 3, calls: int = 10):
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
@@ -100,9 +106,8 @@ def measure_batch(
     assert kn is not None, "no C kernel build"
     r, t = len(seq), int(qsl[-1])
     kvs = [torch.randn(nblocks, hkv, BS, 2 * d) for _ in range(layers)]
-    halves = [kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2) for kv in kvs]
-    natives = [pa.native_cache(kv) for kv in kvs]
-    turn = {"vllm": 0, "ours": 0}
+    halves = itertools.cycle([kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2) for kv in kvs])
+    natives = itertools.cycle([pa.native_cache(kv) for kv in kvs])
     q = torch.randn(t, hq, d)
     out = torch.empty(t, hq, d)
     meta = ops.cpu_attn_get_scheduler_metadata(
@@ -112,8 +117,7 @@ def measure_batch(
     )  # fmt: skip
 
     def vllm() -> None:
-        key_cache, value_cache = halves[turn["vllm"] % layers]
-        turn["vllm"] += 1
+        key_cache, value_cache = next(halves)
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out,
             query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
@@ -124,14 +128,12 @@ def measure_batch(
     work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv)
 
     def ours() -> None:  # the backend's forward, without the module around it
-        cache = natives[turn["ours"] % layers]
-        turn["ours"] += 1
         run_units(
-            kn, q, *cache, work.units, work.blocks, work.has_prefix, work.threads,
+            kn, q, *next(natives), work.units, work.blocks, work.has_prefix, work.threads,
             False, d**-0.5, out, work.batch.token_order,
         )  # fmt: skip
 
-    ms = best_ms({"vllm": vllm, "ours": ours}, rounds, layers * -(-calls // layers))
+    ms = best_ms({"vllm": vllm, "ours": ours}, rounds, whole_cycles(calls, layers))
     return ms["vllm"], ms["ours"], work.batch.meta.num_groups
 
 
