@@ -29,7 +29,7 @@ def _scheduler(rng: random.Random):
         key = f"g{rng.randint(0, 8)}"
         prefix = rng.choice([0, 100, 512, 1000])
         if key not in groups:
-            groups[key] = _Group(prefix // bs, rng.randint(2, 9))
+            groups[key] = _Group(key, prefix // bs, rng.randint(2, 9))
             if prefix and rng.random() < 0.5:
                 groups[key].pinned = [object()] * (prefix // bs)
         own = rng.randint(1, 600)
@@ -80,9 +80,9 @@ def test_the_kv_full_shortcut_returns_what_the_full_pass_returns(seed, monkeypat
     for _ in range(300):
         s = _scheduler(rng)
         cap = int(s.bj_kv_threshold * (s.kv_cache_manager.block_pool.num_gpu_blocks - 1))
-        blocked = bool(s.waiting) and s._bj_first_waiting_blocked(cap)
+        blocked = bool(s.waiting) and s._bj_first_waiting_blocked(s.bj_blocks_in_use(), cap)
         got = s._bj_admission_limit()
-        monkeypatch.setattr(s, "_bj_first_waiting_blocked", lambda cap: False)
+        monkeypatch.setattr(s, "_bj_first_waiting_blocked", lambda used, cap: False)
         assert got == s._bj_admission_limit()
         took += blocked
     assert 20 < took < 280  # both paths taken

@@ -137,9 +137,10 @@ class _RecordingMixin(_SchedulerBase):
 
 
 class _Group:
-    __slots__ = ("closed", "pinned", "prefix_blocks", "unfinished")
+    __slots__ = ("closed", "key", "pinned", "prefix_blocks", "unfinished")
 
-    def __init__(self, prefix_blocks: int, size: int) -> None:
+    def __init__(self, key: str, prefix_blocks: int, size: int) -> None:
+        self.key = key
         self.prefix_blocks = prefix_blocks  # full blocks of the shared prefix
         self.unfinished = size
         self.pinned: list | None = None  # prefix blocks held by the group
@@ -169,7 +170,7 @@ class _BatchLLMMixin(_RecordingMixin):
         info = group_info(request)
         if info is not None and info[0] not in self._bj_groups:
             key, prefix_len, size = info
-            self._bj_groups[key] = _Group(prefix_len // self.block_size, size)
+            self._bj_groups[key] = _Group(key, prefix_len // self.block_size, size)
         group = None if info is None else self._bj_groups[info[0]]
         self._bj_req_groups[request.request_id] = group
 
@@ -182,15 +183,14 @@ class _BatchLLMMixin(_RecordingMixin):
         if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             capped = request.status == RequestStatus.FINISHED_LENGTH_CAPPED
             self._bj_lengths.finished(request.num_output_tokens, capped)
-        info = group_info(request)
         g = self._bj_req_groups.pop(request.request_id, None)
-        if g is not None and not g.closed and info is not None:
+        if g is not None and not g.closed:
             g.unfinished -= 1
             if g.unfinished <= 0:  # the group's last member: its prefix may go now
                 if g.pinned:
                     self.kv_cache_manager.block_pool.free_blocks(reversed(g.pinned))
                 g.closed = True
-                del self._bj_groups[info[0]]
+                del self._bj_groups[g.key]
         return out
 
     def _update_after_schedule(self, scheduler_output) -> None:
@@ -216,7 +216,7 @@ class _BatchLLMMixin(_RecordingMixin):
         self.max_num_active_reqs = self._bj_admission_limit()
         return super().schedule(*args, **kwargs)
 
-    def _bj_first_waiting_blocked(self, cap: int) -> bool:
+    def _bj_first_waiting_blocked(self, used: int, cap: int) -> bool:
         """Whether the first waiting request cannot fit on top of the blocks in use (its
         blocks past its group's prefix): then the pass below stops at it and admits nothing
         more, so a KV-full step skips that pass over every running request. Exact: the pass's
@@ -224,7 +224,7 @@ class _BatchLLMMixin(_RecordingMixin):
         first = next(iter(self.waiting))
         g = self._bj_group(first)
         own = cdiv(first.num_tokens, self.block_size) - (g.prefix_blocks if g is not None else 0)
-        return self.bj_blocks_in_use() + max(own, 0) > cap
+        return used + max(own, 0) > cap
 
     def _bj_admission_limit(self) -> int:
         """Running requests + the most waiting ones (in order) whose admission keeps the
@@ -233,7 +233,10 @@ class _BatchLLMMixin(_RecordingMixin):
         total = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         cap = int(self.bj_kv_threshold * total)
         room = self.max_num_running_reqs - len(self.running)
-        if room <= 0 or not self.waiting or self._bj_first_waiting_blocked(cap):
+        if room <= 0 or not self.waiting:
+            return max(1, len(self.running))
+        used = self.bj_blocks_in_use()
+        if self._bj_first_waiting_blocked(used, cap):
             return max(1, len(self.running))
         # what runs: tokens now, decode steps left, own blocks (a pinned prefix stays held)
         run = self.running
@@ -251,7 +254,7 @@ class _BatchLLMMixin(_RecordingMixin):
         est = self._bj_lengths.table(outs)
         run_rem = est.remaining_array(outs, column(r.max_tokens for r in run))
         held = int(np.maximum(cdiv(computed, bs) - pinned, 0).sum())
-        base = self.bj_blocks_in_use() - held  # blocks no running request frees
+        base = used - held  # blocks no running request frees
         # the peak is at least every request's blocks now: candidates past the one that
         # breaks that bound cannot fit, so they are not projected at all
         floor = base + int(np.maximum(cdiv(run_tok, bs) - pinned, 0).sum())
