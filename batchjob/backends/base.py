@@ -4,13 +4,17 @@ A backend is opened for one job (``open_backend``), then ``run`` executes the pl
 every finished request to ``sink.on_finish`` as soon as it finishes (results stream to disk), and
 every iteration's record to ``sink.on_iteration`` (report, timeline plot, progress). Backends know
 nothing of Parquet; the pipeline knows nothing of models, KV caches or schedulers.
+
+``Backend`` is an abstract class: every backend implements every method, so a rule the
+pipeline applies through the contract (a row over the KV budget is reported, the rest runs)
+holds on all of them.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -110,20 +114,30 @@ class RunSink:
     on_iteration: OnIteration | None = None
 
 
-class Backend(Protocol):
-    """An engine that executes a plan. Open one with ``batchjob.backends.open_backend``."""
+class Backend(abc.ABC):
+    """An engine that executes a plan. Open one with ``batchjob.backends.open_backend``.
 
-    name: str
+    The pipeline calls, in order: ``rows_over_budget`` (those rows get status
+    ``kv_budget_exceeded``), ``check_fits`` on the rest, ``run``; ``close`` once at the end
+    (one backend may run several plans: ``batchjob.Generator``)."""
+
+    name: str  # engine.backend
     device: str  # where it runs, for the report ("cpu", "cuda:0", ...)
 
+    @abc.abstractmethod
+    def rows_over_budget(self, prompts: TokenizedPrompts, plan: Plan) -> np.ndarray:
+        """bool [N]: the requests that cannot fit the backend's KV budget even alone (prompt +
+        max_tokens, in the backend's own blocks). The pipeline reports those rows as
+        ``kv_budget_exceeded`` and runs the rest (every row over: ``check_fits`` raises)."""
+
+    @abc.abstractmethod
     def check_fits(self, prompts: TokenizedPrompts, plan: Plan) -> None:
         """Raise ``ConfigError`` naming the row when a request cannot fit the KV budget."""
-        ...
 
-    # Optional (the pipeline uses it when present): ``rows_over_budget(prompts, plan)`` ->
-    # bool [N], the requests that cannot fit the KV budget even alone. Those rows get status
-    # ``kv_budget_exceeded`` and the rest of the job runs; without it ``check_fits`` decides.
+    @abc.abstractmethod
+    def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
+        """Execute ``plan``: every finished request to ``sink.on_finish`` as it finishes."""
 
-    def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun: ...
-
-    def close(self) -> None: ...
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the model and the KV cache (the backend runs no more plans)."""

@@ -126,13 +126,11 @@ def job_samples(sampling: SamplingConfig, inp: InputConfig) -> tuple[int, bool]:
     return sampling.n, inp.n_column is not None
 
 
-def _rows_over_budget(backend, prompts: TokenizedPrompts, plan) -> np.ndarray:
-    """bool [N]: rows the backend says cannot fit its KV budget even alone (none if it
-    cannot tell: then ``check_fits`` alone decides)."""
-    probe = getattr(backend, "rows_over_budget", None)
-    if probe is None or not len(prompts):
-        return np.zeros(len(prompts), dtype=bool)
-    return np.asarray(probe(prompts, plan), dtype=bool)
+def _rows_over_budget(backend: Backend, prompts: TokenizedPrompts, plan: Plan) -> np.ndarray:
+    """bool [N]: rows the backend says cannot fit its KV budget even alone."""
+    if not len(prompts):
+        return np.zeros(0, dtype=bool)
+    return np.asarray(backend.rows_over_budget(prompts, plan), dtype=bool)
 
 
 def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> ResultRow:

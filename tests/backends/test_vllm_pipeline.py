@@ -146,3 +146,28 @@ def test_kv_budget_below_the_longest_request_names_the_row(tmp_path, model_dir, 
     res = CliRunner().invoke(main, ["run", str(job)])
     assert res.exit_code == EXIT_CONFIG, res.output
     assert "engine.kv_cache_bytes" in res.output and "row_id" in res.output
+
+
+def test_row_over_the_kv_budget_gets_a_status_and_the_rest_runs_as_on_native(tmp_path, model_dir):
+    """The Backend contract's rule on both backends: a request that cannot fit the KV cache
+    even alone is reported as ``kv_budget_exceeded`` and every other row runs (on vLLM it
+    used to stop the job with a config error)."""
+    from batchjob.testing.workloads import WORDS
+
+    short = [" ".join(WORDS[i : i + 5]) for i in range(0, 15, 5)]
+    data = tmp_path / "mixed.parquet"
+    pq.write_table(pa.table({"prompt": [*short[:2], " ".join(WORDS[100:400]), short[2]]}), data)
+    # 256 KiB: 8 blocks of 32 tokens of this model (1 KiB a token); 300 words need more alone
+    budget = {"engine__kv_cache_bytes": '"256KiB"'}
+    statuses = {}
+    for backend in ("native", "vllm"):
+        job = write_job(tmp_path, model_dir, data, f"{backend}/r.parquet", backend, **budget)
+        res = CliRunner().invoke(main, ["run", str(job)])
+        assert res.exit_code == 0, res.output
+        out = pq.read_table(tmp_path / backend / "r.parquet").sort_by("row_id").to_pylist()
+        assert [r["row_id"] for r in out] == [0, 1, 2, 3]
+        assert "engine.kv_cache_bytes" in out[2]["message"]
+        assert all(r["num_output_tokens"] > 0 for r in out if r["status"] == "ok")
+        assert "4 rows: 3 ok, 1 rejected" in res.stdout
+        statuses[backend] = [r["status"] for r in out]
+    assert statuses["vllm"] == statuses["native"] == ["ok", "ok", "kv_budget_exceeded", "ok"]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from batchjob.backends.base import (
+    Backend,
     BackendConfig,
     BackendRun,
     Detokenize,
@@ -39,7 +40,7 @@ def check_device(device: str) -> None:
         raise ConfigError(f"model.device: {device!r} is not available ({count} CUDA devices here)")
 
 
-class NativeBackend:
+class NativeBackend(Backend):
     """batchjob's own engine: paged KV, BatchLLM scheduler, prefix-shared attention."""
 
     name = "native"
@@ -75,7 +76,9 @@ class NativeBackend:
             raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
 
     def rows_over_budget(self, prompts: TokenizedPrompts, plan: Plan) -> np.ndarray:
-        return self.engine.rows_over_budget(prompts, plan)
+        """Blocks of the engine's KV layout each request needs alone (its group prefix + own
+        prompt + max_tokens) over the blocks the cache holds."""
+        return np.asarray(self.engine.rows_over_budget(prompts, plan), dtype=bool)
 
     def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
         on_finish, on_iteration = sink.on_finish, sink.on_iteration

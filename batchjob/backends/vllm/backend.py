@@ -1,8 +1,9 @@
 """vLLM behind the ``Backend`` interface: the plan executed by vLLM's offline engine.
 
-The engine starts in ``check_fits`` (its ``max_model_len`` defaults to the job's longest
-request, so a small KV budget still starts) with its engine core in this process and the
-model in a worker process. ``run`` submits requests group by group in plan order (Eq. 4),
+The engine starts in ``rows_over_budget`` or ``check_fits``, whichever is called first (its
+``max_model_len`` defaults to the job's longest request that fits the KV budget, so a small
+budget still starts), with its engine core in this process and the model in a worker
+process. ``run`` submits requests group by group in plan order (Eq. 4),
 whole groups at a time while fewer than ``window`` requests are in flight, steps the engine,
 and hands each request to ``on_finish`` as soon as it finishes (results stream to disk);
 the scheduler class (``scheduler.py``) records every step for ``on_iteration``. One engine
@@ -17,7 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from batchjob.backends.base import (
+    Backend,
     BackendConfig,
     BackendRun,
     Detokenize,
@@ -73,7 +77,7 @@ def _key_for(message: str) -> str:
     return "engine.vllm"
 
 
-class VllmBackend:
+class VllmBackend(Backend):
     """vLLM's engine running batchjob's plan (``scheduler.policy``: batchllm | baseline)."""
 
     name = "vllm"
@@ -86,8 +90,8 @@ class VllmBackend:
             raise ConfigError('model.path: required with engine.backend = "vllm"')
         self.model: ModelInfo = info
         self.device = "cpu"
-        # vLLM objects, made in check_fits (vLLM is imported lazily): its LLMEngine, and our
-        # scheduler subclass inside its engine core (with the bj_* attributes it adds)
+        # vLLM objects, made at start-up (``_start_for``; vLLM is imported lazily): its
+        # LLMEngine, and our scheduler subclass in its engine core (scheduler.py: bj_* members)
         self.engine: Any = None
         self.scheduler: Any = None
         self.window = 0
@@ -167,16 +171,50 @@ class VllmBackend:
                 f"row_id {row_id} needs {cdiv(tokens, bs)} ({tokens} tokens)"
             )
 
+    def _start_for(self, longest: int, row_id: int) -> None:
+        """Start vLLM for requests of at most ``longest`` tokens (its default max_model_len)."""
+        s = engine_settings(self.cfg, self.model.dtype, longest)
+        self._check_budget(s, longest, row_id)
+        self._start(s, longest, row_id)
+
+    def _over_before_start(self, need: np.ndarray) -> np.ndarray:
+        """bool [N]: requests of ``need`` tokens over the KV blocks vLLM will have, as
+        ``_check_budget`` counts them: ``kv_cache_memory_bytes`` (engine.kv_cache_bytes, or
+        the CPU default) at the block size it will run. None over where vLLM sizes the cache
+        itself at start-up (a GPU's engine.gpu_memory_fraction): known once it runs."""
+        s = engine_settings(self.cfg, self.model.dtype, int(need.max()))
+        budget = s.kwargs.get("kv_cache_memory_bytes")
+        if budget is None:
+            return np.zeros(len(need), dtype=bool)
+        bs = int(s.kwargs.get("block_size", 16))
+        blocks = int(budget) // (bs * self.model.kv_bytes_per_token)
+        return np.asarray(cdiv(need, bs) > blocks, dtype=bool)
+
+    def rows_over_budget(self, prompts: TokenizedPrompts, plan: Plan) -> np.ndarray:
+        """Requests whose prompt + max_tokens need more of vLLM's KV blocks than its cache
+        holds (its block size; its blocks less the null block), what ``check_fits`` refuses.
+        Before vLLM runs, estimated from the budget it will start with
+        (``_over_before_start``), and vLLM is started for the longest request that fits, so
+        its max_model_len leaves the others out; the started engine's own count decides."""
+        need = (prompts.lengths + prompts.max_tokens).astype(np.int64)
+        if not len(need):
+            return np.zeros(0, dtype=bool)
+        over = np.zeros(len(need), dtype=bool)
+        if self.engine is None:
+            over = self._over_before_start(need)
+            if over.all():
+                return over  # nothing can run: check_fits raises, naming the row
+            i = int(np.argmax(np.where(over, -1, need)))
+            self._start_for(int(need[i]), int(prompts.row_ids[i]))
+        return over | np.asarray(cdiv(need, self.block_size) > self.num_blocks, dtype=bool)
+
     def check_fits(self, prompts: TokenizedPrompts, plan: Plan) -> None:
         if len(prompts) == 0:
             return
         need = prompts.lengths + prompts.max_tokens
         i = int(need.argmax())
         if self.engine is None:
-            longest, row = int(need[i]), int(prompts.row_ids[i])
-            s = engine_settings(self.cfg, self.model.dtype, longest)
-            self._check_budget(s, longest, row)
-            self._start(s, longest, row)
+            self._start_for(int(need[i]), int(prompts.row_ids[i]))
         max_len = self.engine.vllm_config.model_config.max_model_len
         blocks = -(-int(need[i]) // self.block_size)
         problem = None
@@ -248,8 +286,7 @@ class VllmBackend:
         engine, counters = self.engine, self.scheduler.bj
         if not engine.reset_prefix_cache():  # no run reuses another's prefixes
             raise VllmError("vLLM could not reset its prefix cache (requests still running)")
-        if (new_run := getattr(self.scheduler, "bj_new_run", None)) is not None:
-            new_run()  # batchllm: decode lengths learned per run
+        self.scheduler.bj_new_run()  # batchllm: decode lengths learned per run
         positions: dict[str, int] = {}
         first_step, first_prefill, first_preempt = (
             counters.steps,

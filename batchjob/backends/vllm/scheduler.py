@@ -88,6 +88,9 @@ class _RecordingMixin(_SchedulerBase):
         # steps scheduled, not yet processed (FIFO: async scheduling keeps two in flight)
         self._bj_pending: deque[tuple[float, int, int, int, int]] = deque()
 
+    def bj_new_run(self) -> None:
+        """A new run (another dataset) starts: what a policy learns per run is reset."""
+
     def bj_blocks_in_use(self) -> int:
         pool = self.kv_cache_manager.block_pool
         return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # minus the null block
