@@ -6,7 +6,7 @@ input row, in input order, with the same columns as the results files of ``batch
 input's columns passed through). It runs the stages ``batchjob run`` runs, the same functions:
 the table is read as an in-memory dataset (``batchjob.inputs.table``), tokenized with the
 per-row settings (``load_prompts``), its rejected rows reported (``rows_to_run``), planned
-(``build_plan``) and run on the job's backend (``execute``) into an in-memory sink
+(``plan_job``) and run on the job's backend (``execute``) into an in-memory sink
 (``batchjob.outputs.memory``) instead of part files. Nothing is written to disk.
 
 Settings are the job file's sections, as keyword arguments holding tables of their keys::
@@ -236,7 +236,7 @@ class Generator:
         from batchjob.inputs.table import open_table
         from batchjob.outputs.memory import MemorySink
         from batchjob.outputs.score_columns import job_columns
-        from batchjob.plan.build import build_plan
+        from batchjob.plan.build import plan_job
         from batchjob.runner.execute import (
             backend_config,
             execute,
@@ -257,7 +257,7 @@ class Generator:
         samples = job_samples(job.sampling, job.input)
         prompts = rows_to_run(loaded, info, sink, samples=samples)  # rejected rows: to the sink
         if len(prompts):
-            plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
+            plan = plan_job(prompts, job.scheduler)
             cfg = backend_config(job)
             if self._backend is None:
                 self._backend = open_job_backend(cfg, tokenizer, info)

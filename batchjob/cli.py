@@ -141,7 +141,7 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     """Read, tokenize and plan a job; print a summary and write the plan (no model run)."""
     from batchjob.outputs.layout import OutputLayout
     from batchjob.outputs.plan_summary import summarize
-    from batchjob.plan.build import build_plan
+    from batchjob.plan.build import plan_job
     from batchjob.plan.plan_io import write_plan
     from batchjob.timing import StageTiming
     from batchjob.tokenize.batched import load_prompts
@@ -149,7 +149,7 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     data, info = load_prompts(job.input, job.model, job.sampling, job.engine.backend)
     log.info("stage tokenize done: %d rows, %d tokens", data.num_rows, len(data.prompts.tokens))
     t0 = time.perf_counter()
-    plan = build_plan(data.prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
+    plan = plan_job(data.prompts, job.scheduler)
     plan_s = time.perf_counter() - t0
     log.info("stage plan done in %.2f s", plan_s)
     logical = len(data.prompts.tokens)

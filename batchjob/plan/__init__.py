@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchjob.plan.build import build_plan
+from batchjob.plan.build import build_plan, plan_job
 from batchjob.plan.plan import Plan, PlanStats
 from batchjob.plan.plan_io import read_plan, write_plan
 from batchjob.plan.prefix_tree import PrefixTree, build_prefix_tree
@@ -30,6 +30,7 @@ __all__ = [
     "largest_group_kv_bytes",
     "optimal_groups",
     "paper_groups",
+    "plan_job",
     "plan_stats",
     "read_plan",
     "sort_sequences",

@@ -1,4 +1,5 @@
-"""build_plan: TokenizedPrompts -> Plan (sort, prefix tree, first-level reuse, order).
+"""build_plan: TokenizedPrompts -> Plan (sort, prefix tree, first-level reuse, order);
+``plan_job``: the same under a job's ``[scheduler]`` section.
 
 Stages (names passed to ``on_stage`` when each one ends, for benchmarks):
 - ``sort``: lexicographic order of the prompts and the LCP of sorted neighbours (one pass);
@@ -107,6 +108,14 @@ def build_plan(
     )
     stage("stats")
     return plan
+
+
+def plan_job(prompts: TokenizedPrompts, scheduler: SchedulerConfig) -> Plan:
+    """The plan of a job's requests under its ``[scheduler]`` section (``scheduler.enlarge``,
+    ``scheduler.reorder``): the one entry point of the plan stage for a job, whoever plans
+    (``batchjob plan``, ``batchjob run``, ``batchjob.generate``, a cluster's driver, a backend
+    that re-plans the requests it expands)."""
+    return build_plan(prompts, enlarge=scheduler.enlarge, order=scheduler.reorder)
 
 
 def _plan_samples(

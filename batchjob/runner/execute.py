@@ -24,7 +24,7 @@ from batchjob.config import InputConfig, JobConfig, ModelConfig, SamplingConfig
 from batchjob.errors import ConfigError, ModelError
 from batchjob.model.info import ModelInfo
 from batchjob.outputs.results import ResultRow, RowSink
-from batchjob.plan.build import build_plan
+from batchjob.plan.build import plan_job
 from batchjob.plan.plan import Plan
 from batchjob.plan.plan_io import write_plan
 from batchjob.runner.heartbeat import Heartbeat
@@ -200,7 +200,7 @@ def execute(
         for i in np.flatnonzero(over):
             sink.add(_over_budget_row(prompts, int(i), cfg.engine.kv_cache_bytes))
         prompts = select_rows(prompts, ~over)
-        plan = build_plan(prompts, enlarge=cfg.scheduler.enlarge, order=cfg.scheduler.reorder)
+        plan = plan_job(prompts, cfg.scheduler)
     backend.check_fits(prompts, plan)
     if plan_file is not None:
         write_plan(plan, plan_file)

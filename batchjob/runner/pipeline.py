@@ -26,7 +26,7 @@ from batchjob.outputs.manifest import difference, manifest, read_manifest
 from batchjob.outputs.report import RunSummary, summarize, write_report
 from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
-from batchjob.plan.build import build_plan
+from batchjob.plan.build import plan_job
 from batchjob.plan.plan_io import write_plan
 from batchjob.runner.execute import (
     backend_config,
@@ -186,7 +186,7 @@ def _run_locked(
     each = f" x {job.sampling.n} samples" if job.sampling.n > 1 else ""
 
     t0 = time.perf_counter()
-    plan = build_plan(prompts, enlarge=job.scheduler.enlarge, order=job.scheduler.reorder)
+    plan = plan_job(prompts, job.scheduler)
     stage["plan_s"] = time.perf_counter() - t0
     log.info("stage plan done in %.2f s", stage["plan_s"])
 

@@ -126,3 +126,31 @@ def test_summary_and_largest_group_kv():
     assert summary.to_dict()["share_degree_histogram"] == {"1": 1, "3": 1}
     # KV tokens: group 0 = 3 + (1 + 1 + 2) + 3 * 5 = 22; group 1 = 2 + 50 = 52
     assert largest_group_kv_bytes(plan, prompts, bytes_per_token=10) == (1, 520)
+
+
+def test_plan_job_is_build_plan_under_the_scheduler_section():
+    from batchjob.config import SchedulerConfig
+    from batchjob.plan.build import plan_job
+
+    prompts = TokenizedPrompts.from_lists([[1, 2, 3, 4], [1, 2, 3, 5], [9, 8], [1, 2, 7]])
+    for enlarge in (True, False):
+        for reorder in (True, False):
+            got = plan_job(prompts, SchedulerConfig(enlarge=enlarge, reorder=reorder))
+            want = build_plan(prompts, enlarge=enlarge, order=reorder)
+            for f in ("group_prefix_len", "group_offsets", "members"):
+                assert np.array_equal(getattr(got, f), getattr(want, f)), f
+            assert got.stats == want.stats
+
+
+def test_jobs_plan_through_plan_job_only():
+    """Every stage plans a job through ``plan_job`` (the scheduler section), so
+    ``build_plan(`` is called twice in batchjob/: by plan_job and for a row's samples."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        ["grep", "-rn", "build_plan(", "batchjob"], cwd=root, capture_output=True, text=True
+    ).stdout
+    calls = [x for x in out.splitlines() if "def build_plan" not in x]
+    assert len(calls) <= 2, calls

@@ -41,7 +41,7 @@ from batchjob.backends.vllm.requests import OutputTracker, ScoreTracker, Submiss
 from batchjob.backends.vllm.scheduler import scheduler_class_path
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
 from batchjob.model.info import ModelInfo, model_info_for
-from batchjob.plan.build import build_plan
+from batchjob.plan.build import plan_job
 from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
@@ -259,9 +259,8 @@ class VllmBackend(Backend):
                 f"{key}: {widest} labels differ at the same token; the vLLM backend scores at "
                 f"most {MAX_LOGPROB_TOKEN_IDS} (vLLM's logprob_token_ids limit)"
             )
-        sched = self.cfg.scheduler
         if not req.same_rows:
-            plan = build_plan(req.prompts, enlarge=sched.enlarge, order=sched.reorder)
+            plan = plan_job(req.prompts, self.cfg.scheduler)
         self.check_fits(req.prompts, plan)
         self._runs += 1
         combiner = LabelCombiner(req, prompts.row_ids, sink.on_finish)

@@ -28,7 +28,7 @@ from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
 from batchjob.outputs.layout import OutputLayout
 from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
-from batchjob.plan.build import build_plan
+from batchjob.plan.build import plan_job
 from batchjob.plan.plan import Plan
 from batchjob.plan.shard import shard_plan, split
 from batchjob.runner.cluster.worker import DriverInfo, ShardWorker, workers_dir
@@ -169,12 +169,7 @@ class _Driver:
         rest = select_rows(work.prompts, ~np.isin(work.prompts.keys, done))
         if not len(rest):
             return None
-        sched = self.job.scheduler
-        return _Work(
-            f"{len(rest)} rows left by {work.what}",
-            rest,
-            build_plan(rest, enlarge=sched.enlarge, order=sched.reorder),
-        )
+        return _Work(f"{len(rest)} rows left by {work.what}", rest, plan_job(rest, job.scheduler))
 
     def run(self, prompts: TokenizedPrompts, plan: Plan) -> Execution:
         ray, cfg = self.ray, self.job.cluster

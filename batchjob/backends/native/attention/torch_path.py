@@ -108,7 +108,7 @@ class TorchAttention:
         _, bs, hkv, _ = k_cache.shape  # [num_blocks, bs, Hkv, D]
         r = h // hkv
         row = hkv * d
-        plan = self._plans.get(meta, (bs, h, row), lambda: self._build_plan(meta, bs, h, row))
+        plan = self._plans.get(meta, (bs, h, row), lambda: self._segment_plan(meta, bs, h, row))
         qf = q.float().view(t, hkv, r, d)  # [T, Hkv, R, D]: head = kv_head * R + i
         acc = torch.empty(t, hkv, r, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(t, hkv, r, dtype=torch.float32, device=q.device)
@@ -148,7 +148,7 @@ class TorchAttention:
 
     # ---- plan: index tensors that depend only on the metadata -----------------------------
 
-    def _build_plan(self, meta: AttentionMetadata, bs: int, h: int, row: int) -> list[_Segment]:
+    def _segment_plan(self, meta: AttentionMetadata, bs: int, h: int, row: int) -> list[_Segment]:
         """``row``: elements of one token's K (Hkv * D)."""
         dev = meta.kv_len.device
         cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
