@@ -5,7 +5,8 @@ or a list of prompts (text, or token-id lists) and returns one pyarrow Table: a 
 input row, in input order, with the same columns as the results files of ``batchjob run`` (the
 input's columns passed through). It runs the stages ``batchjob run`` runs, the same functions:
 the table is read as an in-memory dataset (``batchjob.inputs.table``), tokenized with the
-per-row settings (``load_prompts``), its rejected rows reported (``rows_to_run``), planned
+per-row settings and its rows expanded into requests (``batchjob.runner.prepare``), its
+rejected rows reported, planned
 (``plan_job``) and run on the job's backend (``execute``) into an in-memory sink
 (``batchjob.outputs.memory``) instead of part files. Nothing is written to disk.
 
@@ -237,25 +238,17 @@ class Generator:
         from batchjob.outputs.memory import MemorySink
         from batchjob.outputs.score_columns import job_columns
         from batchjob.plan.build import plan_job
-        from batchjob.runner.execute import (
-            backend_config,
-            execute,
-            expected_results,
-            job_samples,
-            open_job_backend,
-            rows_to_run,
-        )
-        from batchjob.tokenize.batched import load_prompts
+        from batchjob.runner.execute import backend_config, execute, open_job_backend
+        from batchjob.runner.prepare import prepare
 
         job = self.job
         sink = MemorySink(job_columns(job.sampling, job.input))
         dataset = open_table(job.input, job.model, table, row_base=row_base)
         tokenizer = self._tokenizer_once(dataset.prompt_is_text)
-        loaded, info = load_prompts(
-            job.input, job.model, job.sampling, job.engine.backend, tokenizer, dataset=dataset
-        )
-        samples = job_samples(job.sampling, job.input)
-        prompts = rows_to_run(loaded, info, sink, samples=samples)  # rejected rows: to the sink
+        prep = prepare(job, tokenizer, dataset=dataset)
+        info = prep.model
+        prompts = prep.requests()  # every row's samples
+        prep.report_rejected(sink)  # one result row per rejected row
         if len(prompts):
             plan = plan_job(prompts, job.scheduler)
             cfg = backend_config(job)
@@ -271,7 +264,7 @@ class Generator:
                 backend=self._backend,
                 progress=self.progress,
             )
-        return sink.table(loaded.passthrough, expected_results(loaded, samples))
+        return sink.table(prep.loaded.passthrough, prep.expected)
 
     def _tokenizer_once(self, text: bool) -> PromptTokenizer | None:
         """The model's tokenizer, loaded once; None for token-id prompts when the folder has

@@ -143,16 +143,19 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     from batchjob.outputs.plan_summary import summarize
     from batchjob.plan.build import plan_job
     from batchjob.plan.plan_io import write_plan
+    from batchjob.runner.prepare import prepare
     from batchjob.timing import StageTiming
-    from batchjob.tokenize.batched import load_prompts
 
-    data, info = load_prompts(job.input, job.model, job.sampling, job.engine.backend)
-    log.info("stage tokenize done: %d rows, %d tokens", data.num_rows, len(data.prompts.tokens))
+    # the requests `batchjob run` runs: every row's samples (sampling.n), context-capped
+    data = prepare(job)
+    prompts = data.requests()
+    loaded = data.loaded
+    log.info("stage tokenize done: %d rows, %d tokens", loaded.num_rows, len(loaded.prompts.tokens))
     t0 = time.perf_counter()
-    plan = plan_job(data.prompts, job.scheduler)
+    plan = plan_job(prompts, job.scheduler)
     plan_s = time.perf_counter() - t0
     log.info("stage plan done in %.2f s", plan_s)
-    logical = len(data.prompts.tokens)
+    logical = len(prompts.tokens)
     target = plan_out or OutputLayout.of(job.output).plan_file
     path = target.expanduser().resolve() if isinstance(target, Path) else target  # or a URI
     try:
@@ -163,14 +166,9 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
         key = "--plan-out" if plan_out else "output.path"
         raise ConfigError(f"{key}: cannot write the plan to {path}: {e.strerror or e}") from None
     log.info("stage write done (plan file)")
-    stages = (data.read, data.tokenize, StageTiming("plan", plan_s, len(data.prompts), logical))
+    stages = (loaded.read, loaded.tokenize, StageTiming("plan", plan_s, len(prompts), logical))
     summary = summarize(
-        plan,
-        data.prompts,
-        data.rejected,
-        stages,
-        model=info,
-        plan_path=str(path),
+        plan, prompts, loaded.rejected, stages, model=data.model, plan_path=str(path)
     )
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))

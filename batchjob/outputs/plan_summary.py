@@ -34,8 +34,8 @@ class KvEstimate:
 
 @dataclass(frozen=True)
 class PlanReport:
-    requests: int  # input rows
-    ok: int  # rows planned
+    requests: int  # requests planned (every sample of a row: sampling.n) + rejected rows
+    ok: int  # requests planned
     rejected: dict[str, int]  # status -> rows rejected per row
     share_buckets: dict[str, int]  # "1", "2-4", "5-16", "17+" -> number of groups
     stats: PlanStats

@@ -31,8 +31,8 @@ from batchjob.runner.heartbeat import Heartbeat
 from batchjob.status import STATUS_KV_BUDGET, STATUS_OK
 from batchjob.storage.atomic import Target
 from batchjob.tokenize.batched import TokenizedInput
-from batchjob.tokenize.prompts import TokenizedPrompts, request_keys
-from batchjob.tokenize.samples import expand_samples, sample_counts
+from batchjob.tokenize.prompts import TokenizedPrompts
+from batchjob.tokenize.samples import sample_counts
 from batchjob.tokenize.tokenizer import PromptTokenizer, detokenize, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -87,33 +87,6 @@ def cap_to_context(prompts: TokenizedPrompts, max_model_len: int) -> TokenizedPr
     return dataclasses.replace(prompts, max_tokens=capped)
 
 
-def rows_to_run(
-    loaded: TokenizedInput,
-    model: ModelInfo | None,
-    sink: RowSink,
-    done: np.ndarray | None = None,
-    samples: tuple[int, bool] = (1, False),
-) -> TokenizedPrompts:
-    """The requests still to run: every row's samples (``samples``: the job's ``sampling.n``,
-    whether rows set their own), less the ones in ``done`` (result keys written by an earlier
-    run, ``request_keys``), max_tokens capped to the model's context; every rejected row not
-    done goes to ``sink`` as its one result row. The step between reading and planning of
-    every job and of ``batchjob.generate``."""
-    prompts = expand_samples(loaded.prompts, *samples)
-    if done is not None and len(done):
-        prompts = select_rows(prompts, ~np.isin(prompts.keys, done))
-    if model is not None:
-        prompts = cap_to_context(prompts, model.max_model_len)
-    rejected = loaded.rejected
-    todo = np.ones(len(rejected), dtype=bool)
-    if done is not None:
-        todo = ~np.isin(request_keys(rejected.row_ids), done)
-    for i in np.flatnonzero(todo):
-        rid = int(rejected.row_ids[i])
-        sink.add(ResultRow(rid, None, None, 0, 0, None, rejected.status[i], rejected.message[i]))
-    return prompts
-
-
 def expected_results(loaded: TokenizedInput, samples: tuple[int, bool] = (1, False)) -> int:
     """How many result rows a job of ``loaded`` has: one per sample of every valid row, one
     per rejected row."""
@@ -122,7 +95,7 @@ def expected_results(loaded: TokenizedInput, samples: tuple[int, bool] = (1, Fal
 
 
 def job_samples(sampling: SamplingConfig, inp: InputConfig) -> tuple[int, bool]:
-    """(sampling.n, whether rows set their own n): what ``rows_to_run`` expands."""
+    """(sampling.n, whether rows set their own n): what ``Prepared.requests`` expands."""
     return sampling.n, inp.n_column is not None
 
 

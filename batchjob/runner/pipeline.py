@@ -28,20 +28,13 @@ from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.build import plan_job
 from batchjob.plan.plan_io import write_plan
-from batchjob.runner.execute import (
-    backend_config,
-    execute,
-    expected_results,
-    job_samples,
-    job_tokenizer,
-    rows_to_run,
-)
+from batchjob.runner.execute import backend_config, execute, job_tokenizer
 from batchjob.runner.execute import cap_to_context as cap_to_context
+from batchjob.runner.prepare import prepare
 from batchjob.storage.faults import fault_point
 from batchjob.storage.lock import output_lock
 from batchjob.storage.stores import ObjectPath
 from batchjob.storage.stores import configure as configure_storage
-from batchjob.tokenize.batched import load_prompts
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +152,10 @@ def _run_locked(
     tokenizer = job_tokenizer(
         job.model, job.sampling, text_prompts
     )  # once: encodes text, decodes outputs
-    if job.cluster.address == "none":
-        loaded, model = load_prompts(  # model: the folder, read once
-            job.input, job.model, job.sampling, job.engine.backend, tokenizer
-        )
-    else:  # read + tokenize as Ray tasks over the input's row groups (batchjob.runner.cluster.read)
-        from batchjob.runner.cluster import load_prompts_on_cluster
-
-        loaded, model = load_prompts_on_cluster(job, tokenizer)
+    # read + tokenize (on a cluster: Ray tasks over the input's row groups); the model folder
+    # is read once, for the later stages
+    prep = prepare(job, tokenizer, on_cluster=job.cluster.address != "none")
+    loaded, model = prep.loaded, prep.model
     stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
     log.info("stage tokenize done (read + tokenize: %d rows)", loaded.num_rows)
     if len(loaded.prompts) == 0:
@@ -180,9 +169,9 @@ def _run_locked(
         extra_columns=job_columns(job.sampling, job.input),
     )
     done = sink.done_keys()
-    samples = job_samples(job.sampling, job.input)
-    prompts = rows_to_run(loaded, model, sink, done, samples)  # rejected rows: to the sink
-    expected = expected_results(loaded, samples)  # result rows: one per sample or rejected row
+    prompts = prep.requests(done)  # every row's samples, less those done earlier
+    prep.report_rejected(sink, done)  # one result row per rejected row
+    expected = prep.expected  # result rows: one per sample or rejected row
     each = f" x {job.sampling.n} samples" if job.sampling.n > 1 else ""
 
     t0 = time.perf_counter()

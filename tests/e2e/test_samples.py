@@ -164,3 +164,22 @@ def test_generate_returns_every_sample(run_model):
     ids = got["output_token_ids"].to_pylist()
     assert ids[0] == ids[1] == ids[2] and ids[3] == ids[4] == ids[5]  # greedy
     assert np.all(np.asarray(got["status"].to_pylist()) == "ok")
+
+
+def test_plan_and_run_agree_on_the_computed_prompt_tokens_with_n_4(tmp_path, run_model, run_data):
+    """``batchjob plan`` plans what ``batchjob run`` runs (one prepare step): with
+    ``sampling.n = 4`` both count every row's 4 samples, and the prompt tokens the plan says
+    will be computed are the ones the run computed."""
+    job = write_job(tmp_path, run_model, run_data, tmp_path / "n4")
+    n4 = ("--set", "sampling.n=4")
+    planned = cli("plan", job, "--json", *n4)
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads(planned.stdout)
+    ran = cli("run", job, "--json", "--no-progress", *n4)
+    assert ran.exit_code == 0, ran.output
+    run = json.loads(ran.stdout)
+    rows = len(pq.read_table(run_data))
+    assert plan["ok"] == run["requests_run"] == 4 * rows
+    assert plan["logical_prefill_tokens"] == run["prompt_tokens"]
+    assert run["recomputed_tokens"] == 0
+    assert plan["single_level_prefill_tokens"] == run["computed_prefill_tokens"]
