@@ -40,9 +40,10 @@ import torch  # noqa: F401  (loads torch's libgomp before ours)
 log = logging.getLogger(__name__)
 
 # one library: the attention kernel, the layer glue that gained from C (RoPE in place, the KV
-# write) and the linear layers over packed weights
+# write, bf16 RMSNorm) and the linear layers over packed weights
 SOURCES = tuple(
-    Path(__file__).parent / f for f in ("paged_attention.c", "rope.c", "kv_write.c", "linear.c")
+    Path(__file__).parent / f
+    for f in ("paged_attention.c", "rope.c", "kv_write.c", "linear.c", "glue.c")
 )
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-fno-trapping-math"]
 FLAGS += ["-std=gnu11"]
@@ -86,6 +87,7 @@ class CpuKernel:
     linear_panel_cols: int
     # batchjob_paged_attention_strided: ``fn`` for caches of another layout (vLLM's)
     strided: ctypes._CFuncPtr  # type: ignore[name-defined]
+    rms_norm_bf16: ctypes._CFuncPtr  # type: ignore[name-defined]  # glue.c
 
 
 def cpu_flags() -> frozenset[str]:
@@ -210,9 +212,14 @@ def _load(isa: str) -> CpuKernel | None:
     linear.restype = ctypes.c_int
     linear_pack.argtypes = [p, p, i64, i64]
     linear_pack.restype = None
+    norm = lib.batchjob_rms_norm_bf16
+    norm.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    norm.restype = ctypes.c_int
     lanes, rows = lib.batchjob_kernel_lanes(), lib.batchjob_kernel_max_rows()
     cols = lib.batchjob_linear_panel_cols()
-    return CpuKernel(isa, path, lanes, rows, fn, rope, write_kv, linear, linear_pack, cols, strided)
+    return CpuKernel(
+        isa, path, lanes, rows, fn, rope, write_kv, linear, linear_pack, cols, strided, norm
+    )
 
 
 def load_kernel(isa: str | None = None) -> CpuKernel | None:

@@ -6,7 +6,8 @@ together; attention is the only place that knows about sequences, through
 gate/up projections are fused into one matmul each at load time (weights concatenated).
 
 Glue done in place: residual adds (``add_``); RMSNorm with torch's fused ``rms_norm`` in
-float32 (bit-equal to HF's formula; HF's two roundings kept in bf16/fp16); RoPE on q and k
+float32 (bit-equal to HF's formula; HF's two roundings kept in bf16/fp16), in bf16 on the CPU
+one C pass with the residual add before the MLP fused into it (``cpu_glue``); RoPE on q and k
 together as one strided view of the qkv output with cos/sin cached per position
 (``RopeTable``, bit-equal to HF's); SiLU-mul written into the gate half of the gate_up output,
 which the down projection reads in place (torch's strided loops may differ from HF's
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchjob.backends.native.attention.meta import AttentionMetadata
+from batchjob.backends.native.models import cpu_glue
 from batchjob.backends.native.models.config import ModelConfig
 from batchjob.backends.native.models.rope import RopeTable, apply_rope_, inv_frequencies
 from batchjob.errors import ModelError
@@ -39,9 +41,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, round to x's dtype, then scale by ``weight``."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, bit-equal in float32
+    out = torch.empty_like(x)
+    if x.dim() == 2 and cpu_glue.rms_norm_bf16(x, weight, eps, out):
+        return out  # one pass in C (bf16 on the CPU)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """h += delta in place (the residual stream), then ``norm(h)``; one pass in C for bf16 on
+    the CPU (vLLM's fused_add_rms_norm), else the two torch steps."""
+    out = torch.empty_like(h)
+    if cpu_glue.rms_norm_bf16(h, norm.weight, norm.eps, out, residual_delta=delta):
+        return out
+    return norm(h.add_(delta))
 
 
 def silu_mul_(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
@@ -143,8 +157,8 @@ class DecoderLayer(nn.Module):
     def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] (the residual stream) updated in place with attention's output o
         [T, q_size] and the MLP, and returned."""
-        h.add_(self.attn.o_proj(o))
-        return h.add_(self.mlp(self.post_norm(h)))
+        x = add_rms_norm_(h, self.attn.o_proj(o), self.post_norm)
+        return h.add_(self.mlp(x))
 
     def forward(self, h, cos, sin, layer_cache, meta, backend) -> torch.Tensor:
         q, k, v = self.pre_attention(h, cos, sin)
