@@ -10,6 +10,7 @@ peer workload, in-process, with the peer benchmark's model and 1 GiB KV budget.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -25,6 +26,7 @@ from batchjob.backends.native.attention.calibrate import KINDS, batch_kind  # no
 from batchjob.backends.native.models import cpu_linear  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
 from batchjob.runner import pipeline  # noqa: E402
+from batchjob.testing.model_shapes import SHAPES, make_shaped_model  # noqa: E402
 
 GROUPS = {  # torch ops, by what they do in the model
     "linear layers": ("aten::mm", "aten::addmm", "aten::linear", "linear: C kernel"),
@@ -36,11 +38,11 @@ def _traced(backend_cls: type) -> None:
     """Name every ``attend`` call in the profile, whatever it runs inside."""
     attend = backend_cls.attend
 
-    def wrapped(self, *args):
+    def wrapped(self, *args, **kwargs):
         kind = batch_kind(args[3])  # (q, k_cache, v_cache, meta, scale)
         record = torch.profiler.record_function
         with record("attention"), record(f"attention: {kind}"):
-            return attend(self, *args)
+            return attend(self, *args, **kwargs)
 
     backend_cls.attend = wrapped
 
@@ -68,14 +70,21 @@ def _traced_linear() -> None:
 @click.option("--kv-heads", default=8, show_default=True, help="< 8: grouped-query attention.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               show_default=True, help="model.dtype (the model folder is float32).")  # fmt: skip
+@click.option("--model-shape", type=click.Choice(sorted(SHAPES)), default=None,
+              help="A real checkpoint's shape (models/<name>, random weights).")  # fmt: skip
 @click.option("--profile", is_flag=True, help="Split engine time with torch.profiler.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "out" / "profile_engine")
 def main(
-    workload, scale, len_scale, max_tokens, attn, linear, head_dim, kv_heads, dtype, profile, out
-) -> None:
-    model = build_model(model_dir(head_dim, kv_heads), False, head_dim, kv_heads)
-    data = out / f"{workload}-{scale}-{len_scale}-{max_tokens}.parquet"
-    write_workload(workload, scale, len_scale, max_tokens, 1000, data)
+    workload, scale, len_scale, max_tokens, attn, linear, head_dim, kv_heads, dtype, model_shape,
+    profile, out,
+) -> None:  # fmt: skip
+    if model_shape:
+        model = make_shaped_model(ROOT / "models" / model_shape, model_shape)
+    else:
+        model = build_model(model_dir(head_dim, kv_heads), False, head_dim, kv_heads)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    data = out / f"{workload}-{scale}-{len_scale}-{max_tokens}-v{vocab}.parquet"
+    write_workload(workload, scale, len_scale, max_tokens, vocab, data)
     toml = job_toml(
         data, model, out / "results.parquet", "batchllm", max_tokens, 1 << 30, 2048, dtype
     )

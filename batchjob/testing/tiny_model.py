@@ -120,12 +120,14 @@ def make_tiny_model(
     max_position: int = 4096,
     max_shard_size: str | None = None,
     head_dim: int | None = None,
+    model_vocab: int | None = None,
 ) -> Path:
     """Write a random-weight ``family`` model with a BPE tokenizer to ``out_dir``.
 
     ``init_std`` is larger than the usual 0.02 so that greedy decoding of a tiny random model
     does not collapse into one repeated token. ``max_shard_size`` (e.g. "20KB") writes a
-    sharded checkpoint with an index. The model's vocab is the tokenizer's actual size.
+    sharded checkpoint with an index. The model's vocab is the tokenizer's actual size, or
+    ``model_vocab`` rows where that is larger (real checkpoints pad theirs past the tokenizer).
     """
     import transformers
 
@@ -138,7 +140,7 @@ def make_tiny_model(
     bos_id, eos_id, pad_id = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
     config = _config(
         family,
-        vocab_size=tok.get_vocab_size(),
+        vocab_size=max(tok.get_vocab_size(), model_vocab or 0),
         hidden_size=hidden,
         intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers,
