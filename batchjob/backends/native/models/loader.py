@@ -18,6 +18,7 @@ from torch import nn
 
 from batchjob.backends.native.models.cpu_linear import use_cpu_linear
 from batchjob.backends.native.models.llama import LlamaForCausalLM
+from batchjob.backends.native.models.onednn_linear import use_onednn_linear
 from batchjob.config import EngineConfig
 from batchjob.errors import ModelError
 from batchjob.model.hf_config import SUPPORTED_ARCHITECTURES
@@ -85,7 +86,8 @@ def load_model(
     ignored. ``attention`` picks the backend (see ``attention.registry``); the result is
     ``model.attn_backend`` and may be replaced afterwards. ``linear``: ``auto`` runs a float32
     CPU model's batches of up to 2048 rows on the C kernel where it is faster
-    (``cpu_linear``).
+    (``cpu_linear``), and a bfloat16 CPU model's on weights oneDNN packed once
+    (``onednn_linear``).
     """
     from batchjob.backends.native.attention.registry import get_attention_backend
 
@@ -104,4 +106,6 @@ def load_model(
     net.attn_backend = get_attention_backend(attention, dev)
     if linear == "auto" and dev.type == "cpu" and info.torch_dtype == torch.float32:
         use_cpu_linear(net)
+    elif linear == "auto" and dev.type == "cpu" and info.torch_dtype == torch.bfloat16:
+        use_onednn_linear(net)
     return net, info

@@ -1,0 +1,95 @@
+"""bfloat16 linear layers on the CPU over weights oneDNN packed once at load.
+
+``F.linear`` on bf16 CPU tensors calls oneDNN with the weight in its plain [N, K] layout, so
+every call first reorders the whole weight into the blocked (VNNI) layout AMX and
+AVX512-BF16 multiply from: at a decode step's few rows that reorder reads and writes more
+bytes than the product itself. Here the weight is reordered once
+(``torch.ops.mkldnn._reorder_linear_weight``, what inductor's CPU weight freezing and vLLM's
+``onednn_mm`` handler do) and each call runs ``torch.ops.mkldnn._linear_pointwise`` on it.
+Measured on an AMX Xeon (bench_cpu_linear.py --dtype bfloat16): 1.2-2x at 8-256 rows.
+
+The plain weight stays (the embedding shares the tied logits weight; other batches fall back
+to ``F.linear``), so packing is skipped when the packed copies would exceed
+``MAX_MEMORY_SHARE`` of the memory available at load.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchjob.backends.native.models.cpu_linear import MAX_MEMORY_SHARE, mem_available
+
+log = logging.getLogger(__name__)
+
+PACK_ROWS_HINT = 64  # the batch size oneDNN picks the packed layout for (a decode step)
+
+
+def onednn_bf16_available() -> bool:
+    """Whether this torch build and CPU run oneDNN's bf16 matmul on packed weights."""
+    try:
+        ops = torch.ops.mkldnn
+        return bool(
+            torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class OneDnnLinear(nn.Module):
+    """``F.linear(x, weight, bias)`` for bf16 2-D inputs on the packed weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias  # shared with the module this replaces
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] > 0:
+            if x.stride(1) != 1 or x.stride(0) != x.shape[1]:
+                x = x.contiguous()  # oneDNN's source must be dense (the SiLU-mul half is not)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_onednn_linear(model: nn.Module) -> int:
+    """Swap ``model``'s bf16 CPU ``nn.Linear`` modules (and its logits projection, through
+    ``model.logits_linear``) for ``OneDnnLinear``; returns how many (0 where oneDNN's bf16
+    path is missing or the packed copies would not fit ``MAX_MEMORY_SHARE``)."""
+    if not onednn_bf16_available():
+        return 0
+    head = getattr(model, "logits_weight", None)
+    head_w = head() if callable(head) else None
+    if head_w is not None and (head_w.dtype != torch.bfloat16 or head_w.device.type != "cpu"):
+        head_w = None
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+        and child.weight is not head_w
+        and child.weight.dtype == torch.bfloat16
+        and child.weight.device.type == "cpu"
+    ]
+    need = sum(c.weight.numel() * 2 for _, _, c in targets)
+    need += head_w.numel() * 2 if head_w is not None else 0
+    avail = mem_available()
+    if avail is not None and need > MAX_MEMORY_SHARE * avail:
+        log.info("linear layers: packed bf16 weights (%.1f GB) would exceed %.0f%% of available "
+                 "memory; F.linear runs them", need / 1e9, MAX_MEMORY_SHARE * 100)  # fmt: skip
+        return 0
+    for parent, name, child in targets:
+        setattr(parent, name, OneDnnLinear(child.weight, child.bias))
+    n = len(targets)
+    if head_w is not None:
+        model.logits_linear = OneDnnLinear(head_w, None)
+        n += 1
+    return n
