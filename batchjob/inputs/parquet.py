@@ -14,6 +14,7 @@ and reported in ``RejectedRows`` so that the writer still emits one result row f
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 from collections.abc import Iterator
@@ -137,18 +138,21 @@ class PassthroughCollector:
 
 
 def resolve_files(path: str) -> list[str]:
-    """A file, a directory (every *.parquet below it) or a glob -> sorted file paths."""
+    """A file, a directory (every *.parquet below it) or a glob -> sorted file paths, each
+    real file once: links are followed, but a folder is entered once however many links lead
+    to it (``ln -s . loop`` lists nothing twice) and a file reached by two paths is listed
+    under one of them (its own path over a link's)."""
     if is_uri(path):
         return _resolve_uri(path)
     if os.path.isfile(path):
         return [path]
     if os.path.isdir(path):
-        found = glob.glob(os.path.join(glob.escape(path), "**", "*.parquet"), recursive=True)
+        found = [f for f in _walk_local(path) if f.endswith(".parquet")]
     else:
         found = []
-        for m in glob.glob(path, recursive=True):
+        for m in _glob_local(path):
             if os.path.isdir(m):
-                found += glob.glob(os.path.join(glob.escape(m), "**", "*.parquet"), recursive=True)
+                found += [f for f in _walk_local(m) if f.endswith(".parquet")]
             else:
                 found.append(m)
     broken = [f for f in found if os.path.islink(f) and not os.path.exists(f)]
@@ -157,10 +161,94 @@ def resolve_files(path: str) -> list[str]:
             f"{broken[0]}: a link to {os.readlink(broken[0])}, which does not exist "
             f"(input.path {path!r}); its rows would be missing: fix or remove the link"
         )
-    files = sorted({f for f in found if os.path.isfile(f) and not _hidden(f, path)})
+    files = _one_path_per_file({f for f in found if os.path.isfile(f) and not _hidden(f, path)})
     if not files:
         raise InputDataError(f"input.path: {path!r} matches no Parquet file")
     return files
+
+
+def _walk_local(root: str) -> list[str]:
+    """Every file and folder below ``root`` (not ``root`` itself), links to folders followed
+    but each real folder entered once: a link back up the tree (``ln -s . loop``) or two links
+    to one folder list its files once. Folders reached without a link are walked before any
+    link is followed, so a file keeps its own path when a link also reaches it. Hidden names
+    (``.``) are not entered, as glob does not."""
+    out: list[str] = []
+    seen: set[tuple[int, int]] = set()
+    plain: list[str] = [root]
+    linked: list[str] = []
+    while plain or linked:
+        folder = plain.pop() if plain else linked.pop()
+        try:
+            st = os.stat(folder)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name, reverse=True)
+        except OSError:
+            continue
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            out.append(e.path)
+            try:
+                is_dir = e.is_dir()
+            except OSError:
+                is_dir = False
+            if is_dir:
+                (linked if e.is_symlink() else plain).append(e.path)
+    return out
+
+
+def _glob_local(pattern: str) -> list[str]:
+    """glob.glob(pattern), ``**`` matching any number of folders; a ``**`` pattern is matched
+    over ``_walk_local`` (glob's own ``**`` follows a link loop down to the kernel's limit)."""
+    if "**" not in pattern:
+        return glob.glob(pattern)
+    parts = pattern.split(os.sep)
+    fixed = next(i for i, s in enumerate(parts) if glob.has_magic(s))
+    root = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else ".")
+    if not os.path.isdir(root):
+        return []
+    prefix = "" if fixed == 0 else os.path.join(root, "")
+    out = []
+    for f in _walk_local(root):
+        rel = f[len(prefix) :] if prefix else os.path.relpath(f, root)
+        if _match_parts(rel.split(os.sep), parts[fixed:]):
+            out.append(f)
+    return out
+
+
+def _match_parts(names: list[str], pats: list[str]) -> bool:
+    """Path components against glob components (``**``: zero or more components)."""
+    if not pats:
+        return not names
+    if pats[0] == "**":
+        return any(_match_parts(names[i:], pats[1:]) for i in range(len(names) + 1))
+    return (
+        bool(names) and fnmatch.fnmatchcase(names[0], pats[0]) and _match_parts(names[1:], pats[1:])
+    )
+
+
+def _one_path_per_file(paths: set[str]) -> list[str]:
+    """Sorted paths, one per real file (device and inode): two links to one file, or a file
+    and a link to it, would read its rows twice. The path without a link wins, else the
+    first in sorted order."""
+    chosen: dict[tuple[int, int], str] = {}
+    for f in sorted(paths):
+        st = os.stat(f)
+        key = (st.st_dev, st.st_ino)
+        if key not in chosen or (_via_link(chosen[key]) and not _via_link(f)):
+            chosen[key] = f
+    return sorted(chosen.values())
+
+
+def _via_link(f: str) -> bool:
+    return os.path.realpath(f) != os.path.abspath(f)
 
 
 def _resolve_uri(path: str) -> list[str]:

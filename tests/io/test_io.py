@@ -217,3 +217,19 @@ def test_dictionary_encoded_prompt_column_is_text(tmp_path: Path) -> None:
     batch = next(ds_.batches())
     assert batch.prompts.to_pylist() == ["one two", "three", "one two", None]
     assert pa.types.is_string(batch.prompts.type)
+
+
+def test_a_link_loop_in_the_input_folder_lists_each_file_once(tmp_path: Path) -> None:
+    """``ln -s . loop`` in the folder read every file again at each level (20 rows: 820)."""
+    d = make_dir(tmp_path, [3, 4])
+    (d / "loop").symlink_to(".")
+    (d / "sub").mkdir()
+    write_parquet(ids_table(7, 2), d / "sub" / "c.parquet")
+    (d / "sub" / "up").symlink_to("..")  # a loop through a parent
+    (d / "alias").symlink_to("sub")  # a second way into sub: its file still once
+    (d / "same.parquet").symlink_to(d / "part-000.parquet")  # a link to a listed file
+    want = [str(d / "part-000.parquet"), str(d / "part-001.parquet"), str(d / "sub/c.parquet")]
+    assert resolve_files(str(d)) == want
+    assert resolve_files(str(d / "**" / "*.parquet")) == want  # a ** glob: the same walk
+    assert resolve_files(str(tmp_path / "d*")) == want
+    assert open_dataset(cfg(d)).num_rows == 9
