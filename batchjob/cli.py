@@ -98,7 +98,9 @@ def job_options(f: Callable[..., Any]) -> Callable[..., Any]:
     )
     @click.option("--input", "input_path", metavar="PATH", help="= --set input.path=PATH")
     @click.option("--output", "output_path", metavar="PATH", help="= --set output.path=PATH")
-    @click.option("--model", "model_path", metavar="PATH", help="= --set model.path=PATH")
+    @click.option(
+        "--model", "model_path", metavar="PATH|ORG/NAME", help="= --set model.path=(a Hub id too)"
+    )
     @functools.wraps(f)
     def wrapper(
         job_file: str | None,

@@ -25,12 +25,14 @@ from typing import Any
 from batchjob.config.job import SECTIONS as _SECTIONS
 from batchjob.config.job import JobConfig
 from batchjob.errors import ConfigError
+from batchjob.model.hub import is_hub_id
 from batchjob.storage.stores import configure as configure_storage
 from batchjob.storage.stores import is_uri
 
 _PATH_KEYS = {
     "input.path",
     "model.path",
+    "model.tokenizer",
     "output.path",
     "output.report_path",
     "output.plan_path",
@@ -79,6 +81,14 @@ def _toml_value(dotted: str, raw: str) -> Any:
     return parsed["v"]
 
 
+def _resolve_model(value: Any, base: Path) -> Any:
+    """model.path / model.tokenizer: a path, except a Hub id (``org/name``) that names no
+    local folder, kept as written (``ModelConfig`` finds it in the Hub cache)."""
+    if isinstance(value, str) and is_hub_id(value) and not (base / value).exists():
+        return value
+    return _resolve(value, base)
+
+
 def _resolve(value: Any, base: Path) -> Any:
     if value is None or not isinstance(value, str | Path) or value in ("auto", "none"):
         return value
@@ -90,6 +100,11 @@ def _resolve(value: Any, base: Path) -> Any:
         value = str(value)[len("file://") :]
     p = Path(value).expanduser()
     return os.path.normpath(p if p.is_absolute() else base / p)  # globs survive normpath
+
+
+def _resolve_path(dotted: str, value: Any, base: Path) -> Any:
+    model = dotted in ("model.path", "model.tokenizer")
+    return _resolve_model(value, base) if model else _resolve(value, base)
 
 
 def _keys(section: str) -> list[str]:
@@ -178,7 +193,7 @@ def read_tables(
         for dotted in _PATH_KEYS:
             section, _, key = dotted.partition(".")
             if key in raw.get(section, {}):
-                raw[section][key] = _resolve(raw[section][key], source.parent)
+                raw[section][key] = _resolve_path(dotted, raw[section][key], source.parent)
         schema = raw.get("sampling", {}).get("json_schema")
         if isinstance(schema, str) and not schema.lstrip().startswith("{"):
             raw["sampling"]["json_schema"] = _resolve(schema, source.parent)  # a file path
@@ -187,7 +202,7 @@ def read_tables(
         _check_keys({section: dict(table)}, where)
         for key, value in table.items():
             dotted = f"{section}.{key}"
-            resolved = _resolve(value, cwd) if dotted in _PATH_KEYS else value
+            resolved = _resolve_path(dotted, value, cwd) if dotted in _PATH_KEYS else value
             raw.setdefault(section, {})[key] = resolved
 
     for dotted, value in (overrides or {}).items():
@@ -198,7 +213,8 @@ def read_tables(
             _set_in_table(raw.setdefault(section, {}), section, key, sub, value)
             continue
         parsed = _parse_value(dotted, value)
-        raw.setdefault(section, {})[key] = _resolve(parsed, cwd) if dotted in _PATH_KEYS else parsed
+        resolved = _resolve_path(dotted, parsed, cwd) if dotted in _PATH_KEYS else parsed
+        raw.setdefault(section, {})[key] = resolved
     return raw, source, where
 
 

@@ -33,6 +33,7 @@ from batchjob.config.checks import (
 from batchjob.config.guided import check_choices, check_regex
 from batchjob.config.json_schema import XGRAMMAR_HINT, compact_json_schema
 from batchjob.errors import ConfigError
+from batchjob.model.hub import model_folder
 from batchjob.storage.settings import StorageConfig as StorageConfig
 from batchjob.storage.stores import ObjectPath, is_uri
 
@@ -144,14 +145,25 @@ ROW_SETTING_COLUMNS = (
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: Path | None = None  # a local Hugging Face folder (required to run a job)
+    # a local Hugging Face folder, or a Hub id "org/name" (its snapshot in the Hub cache;
+    # downloaded unless HF_HUB_OFFLINE=1); a local folder of that name wins (required to run)
+    path: Path | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit; unset: main
+    tokenizer: Path | None = None  # the tokenizer's folder or Hub id (at main); unset: path's
     dtype: str = "auto"  # weights and compute; auto: by checkpoint and device
     device: str = "auto"  # auto (CUDA when present), cpu, cuda or cuda:N
     max_model_len: int | None = None  # context length; unset: max_position_embeddings
     chat_template: str | None = None  # auto (the folder's), none, or a Jinja file
 
     def __post_init__(self) -> None:
+        _str("model.revision", self.revision, optional=True)
+        for name in ("path", "tokenizer"):  # a Hub id -> its snapshot folder (model.hub)
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip() and not is_uri(value):
+                revision = self.revision if name == "path" else None
+                object.__setattr__(self, name, model_folder(value, f"model.{name}", revision))
         _path(self, "path", "model.path", optional=True)
+        _path(self, "tokenizer", "model.tokenizer", optional=True)
         _str("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
         _str("model.device", self.device)
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
@@ -162,6 +174,12 @@ class ModelConfig:
         _str("model.chat_template", self.chat_template, optional=True)
         if is_uri(self.chat_template):
             _fail("model.chat_template", "must be auto, none or a local file", self.chat_template)
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """Where the tokenizer files (and the chat template) are: model.tokenizer, else
+        model.path."""
+        return self.tokenizer if self.tokenizer is not None else self.path
 
 
 MAX_LOGPROBS = 20

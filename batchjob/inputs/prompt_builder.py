@@ -209,9 +209,9 @@ def make_builder(
     chat = None
     loaded = model is not None and (messages_col is not None or wrap)
     if loaded and model is not None:
-        chat = load_chat_template(model.path, setting)
+        chat = load_chat_template(model.tokenizer_path, setting)  # tokenizer_config.json's
         if chat is None:
-            raise missing_template(model.path)
+            raise missing_template(model.tokenizer_path)
     return PromptBuilder(
         prompt_column=prompt_column or cfg.prompt_column,
         template=template,

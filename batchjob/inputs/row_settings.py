@@ -372,7 +372,7 @@ def with_row_settings(
     if (inp.stop_column or scoring) and tokenizer is None:
         from batchjob.tokenize.tokenizer import load_tokenizer  # ModelError without tokenizer.json
 
-        tokenizer = load_tokenizer(model.path)
+        tokenizer = load_tokenizer(model.tokenizer_path)
     if scoring:
         assert tokenizer is not None
         tok = tokenizer.tokenizer

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from batchjob.config import InputConfig, ModelConfig
 from batchjob.inputs.openai_batch import CHAT_URL, COMPLETIONS_URL
+from batchjob.model.hub import display_name
 from batchjob.storage.atomic import atomic_open
 from batchjob.storage.stores import ObjectPath
 
@@ -162,7 +163,7 @@ def write_responses(
     if "custom_id" not in names and inp.id_column in names:
         table = table.append_column("custom_id", table.column(inp.id_column).cast(pa.string()))
     default_url = CHAT_URL if _chat_job(inp, model_cfg) else COMPLETIONS_URL
-    model = Path(model_cfg.path).name if model_cfg.path else "batchjob"
+    model = display_name(model_cfg.path) if model_cfg.path else "batchjob"
     created = int(os.stat(results_path).st_mtime)
     keep = [
         c
@@ -195,11 +196,12 @@ def write_responses(
 
 def _decoder(model_cfg: ModelConfig) -> Decode | None:
     """One token id -> its text (memoised), with the model's tokenizer; None without one."""
-    if model_cfg.path is None or not (Path(model_cfg.path) / "tokenizer.json").is_file():
+    folder = model_cfg.tokenizer_path
+    if folder is None or not (Path(folder) / "tokenizer.json").is_file():
         return None
     from batchjob.tokenize.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(model_cfg.path).tokenizer
+    tok = load_tokenizer(folder).tokenizer
 
     @functools.cache
     def decode(token_id: int) -> str:

@@ -58,13 +58,13 @@ def job_tokenizer(
     """Text prompts need the model's tokenizer; token ids use it only to decode the outputs,
     when the folder has one (else output_text stays null)."""
     if model.path is None:
-        raise ModelError("model.path: required to run a job (a local Hugging Face model folder)")
-    if text_prompts or (Path(model.path) / "tokenizer.json").is_file():
-        return load_tokenizer(model.path)
+        raise ModelError("model.path: required to run a job (a model folder or Hub id)")
+    folder = model.tokenizer or model.path
+    if text_prompts or (Path(folder) / "tokenizer.json").is_file():
+        return load_tokenizer(folder)
     if sampling.stop:
         raise ConfigError(
-            f"sampling.stop: stop strings need a tokenizer.json in {model.path} "
-            "to decode the outputs"
+            f"sampling.stop: stop strings need a tokenizer.json in {folder} to decode the outputs"
         )
     return None
 

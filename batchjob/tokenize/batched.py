@@ -272,7 +272,7 @@ def load_prompts(
             raise ModelError(
                 f"model.path: required because column {dataset.prompt_column!r} is text"
             )
-        tokenizer = load_tokenizer(model.path)
+        tokenizer = load_tokenizer(model.tokenizer_path)
     result = tokenize_dataset(
         dataset,
         tokenizer,

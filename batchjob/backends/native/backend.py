@@ -88,7 +88,7 @@ class NativeBackend(Backend):
         guides = row_guides(self.cfg.sampling, prompts)  # per row, or the job's
         if guides is not None:
             constraint = GrammarConstraint(
-                self.info.path,
+                self.cfg.model.tokenizer or self.info.path,
                 guides,
                 self.info.vocab_size,
                 self.info.eos_token_ids,

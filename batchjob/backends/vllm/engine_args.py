@@ -2,10 +2,12 @@
 
 Mapping (batchjob key -> vLLM engine argument):
 
-- ``model.path`` -> ``model``; ``model.dtype`` -> ``dtype`` (``auto`` resolved as the native
-  engine does: on a CPU, bfloat16 for a half-precision checkpoint where the CPU has bf16
-  matmul hardware, else float32); ``model.max_model_len`` -> ``max_model_len`` (default: the
-  longest prompt + max_tokens of the job, so a small KV budget still starts).
+- ``model.path`` -> ``model`` (a Hub id: its snapshot folder in the Hub cache, resolved when
+  the job loads); ``model.tokenizer`` -> ``tokenizer``; ``model.dtype`` -> ``dtype``
+  (``auto`` resolved as the native engine does: on a CPU, bfloat16 for a half-precision
+  checkpoint where the CPU has bf16 matmul hardware, else float32); ``model.max_model_len``
+  -> ``max_model_len`` (default: the longest prompt + max_tokens of the job, so a small KV
+  budget still starts).
 - ``engine.kv_cache_bytes`` -> ``kv_cache_memory_bytes`` (default on CPU: 2 GiB, as native);
   without it on a GPU ``engine.gpu_memory_fraction`` -> ``gpu_memory_utilization``.
 - ``engine.block_size`` -> ``block_size``, checked against what the platform's attention
@@ -52,7 +54,8 @@ BATCHLLM_MAX_SEQS = 1024  # model-runner slots for KV-admitted requests (<= chun
 # engine arguments batchjob sets itself -> the job key that sets them
 RESERVED = {
     "model": "model.path",
-    "tokenizer": "model.path",
+    "tokenizer": "model.tokenizer",
+    "revision": "model.revision (a Hub id is resolved to its snapshot folder)",
     "dtype": "model.dtype",
     "block_size": "engine.block_size",
     "kv_cache_memory_bytes": "engine.kv_cache_bytes",
@@ -209,7 +212,7 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
     budget = s.chunk_size or default_token_budget(extra)
     structured = cfg.guided  # a JSON schema, regex or choices: vLLM needs the tokenizer
     kw: dict[str, Any] = {
-        "model": str(cfg.model.path),
+        "model": str(cfg.model.path),  # a Hub id's snapshot folder (batchjob.model.hub)
         "dtype": dtype,
         "enable_prefix_caching": True,
         # structured outputs compile the schema against vLLM's own tokenizer (the model's)
@@ -233,6 +236,8 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         kw["enforce_eager"] = True
     elif graphs is not None:
         kw["max_cudagraph_capture_size"] = graphs
+    if cfg.model.tokenizer is not None:
+        kw["tokenizer"] = str(cfg.model.tokenizer)
     if structured:  # compact JSON, as the native engine writes
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     env: dict[str, str | None] = quiet_log_env()

@@ -1,0 +1,51 @@
+"""The ``[model]`` settings the vLLM backend passes on: a Hub id's resolved snapshot folder
+(``model``), ``model.tokenizer`` (``tokenizer``)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from batchjob.backends.base import BackendConfig
+from batchjob.config import EngineConfig, ModelConfig, SamplingConfig, SchedulerConfig
+
+from .vllm_kit import build_model, needs_vllm
+
+pytestmark = needs_vllm
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+def backend_config(model: ModelConfig) -> BackendConfig:
+    return BackendConfig(
+        model=model,
+        sampling=SamplingConfig(),
+        scheduler=SchedulerConfig(),
+        engine=EngineConfig(backend="vllm"),
+        labels_column=None,
+        json_schema_column=None,
+        regex_column=None,
+        choice_column=None,
+    )
+
+
+def test_a_hub_id_reaches_vllm_as_its_snapshot_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from batchjob.backends.vllm.engine_args import engine_settings
+
+    model = build_model(tmp_path / "m")
+    repo = tmp_path / "hf" / "hub" / "models--org--tiny"
+    shutil.copytree(model, repo / "snapshots" / REV)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REV)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+
+    s = engine_settings(backend_config(ModelConfig(path="org/tiny")), "float32", 64)
+    assert s.kwargs["model"] == str(repo / "snapshots" / REV)
+    assert "tokenizer" not in s.kwargs  # vLLM reads the model's own
+    cfg = backend_config(ModelConfig(path=model, tokenizer="org/tiny"))
+    assert engine_settings(cfg, "float32", 64).kwargs["tokenizer"] == str(repo / "snapshots" / REV)
