@@ -232,3 +232,49 @@ def test_a_template_that_fails_in_python_is_a_row_error(
     assert loaded.prompts.row_ids.tolist() == [0]
     assert loaded.rejected.status == (STATUS_CHAT_TEMPLATE,)
     assert loaded.rejected.message[0].startswith("row 1 ") and "Error" in loaded.rejected.message[0]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "{{ 'x' * 10000000000 }}",  # issue 49: 9.9 GB in 60 s
+        "{{ 'x' * 50000000 }}",  # 50 MB: rendered whole before
+        "{% for a in range(99999) %}{% for b in range(99999) %}{% for c in range(99999) %}"
+        "{% endfor %}{% endfor %}{% endfor %}",  # issue 49: no output for 60 s
+        "{% for a in range(3000) %}{% for b in range(3000) %}{% endfor %}{% endfor %}",
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ ns.s }}",
+        "{% set ns = namespace(s=['x']) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}{{ ns.s | length }}",
+        "{% macro m(n) %}{% if n %}{{ m(n - 1) }}{{ m(n - 1) }}{% endif %}{% endmacro %}"
+        "{{ m(60) }}",
+        "{{ 'x' | center(10000000000) }}",
+        "{{ 'ab'.ljust(10000000000) }}",
+        "{{ '%10000000000s' % 'x' }}",
+        "{{ '{:>10000000000}'.format('x') }}",
+        "{{ ('x' * 1000000) | replace('x', 'x' * 1000) }}",
+        "{{ range(100000) | join('y' * 1000) }}",
+        "{{ 2 ** 100000000000 }}",
+        "{{ messages | tojson(indent=10000000000) }}",
+    ],
+)
+def test_a_template_past_the_render_limits_is_a_row_error(
+    tmp_path: Path, llama3_dir: Path, body: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's template is code run per row: time and size are bounded per render, an
+    overrun rejects that row (``chat_template_error``) and the job goes on."""
+    from batchjob.inputs import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.2)
+    template = tmp_path / "heavy.jinja"
+    template.write_text(
+        "{% if messages[0]['content'] == 'boom' %}" + body + "{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    table = pa.table({"messages": [CONVERSATIONS[0][1:], [{"role": "user", "content": "boom"}]]})
+    sets = {"input.messages_column": "messages", "model.chat_template": str(template)}
+    loaded = _load(tmp_path, table, llama3_dir, **sets)
+    assert loaded.prompts.row_ids.tolist() == [0]
+    assert loaded.rejected.status == (STATUS_CHAT_TEMPLATE,)
+    message = loaded.rejected.message[0]
+    assert message.startswith("row 1 ") and "the limit per row" in message, message
