@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.errors import ConfigError, LockedError
-from batchjob.storage.stores import ObjectPath, ObjectStore, put_if_absent
+from batchjob.storage.stores import (
+    ObjectPath,
+    ObjectStore,
+    put_if_absent,
+    put_if_match,
+    read_versioned,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +100,37 @@ def _dead_here(holder: dict[str, Any]) -> bool:
 
 def _holder(store: ObjectStore, lock: ObjectPath) -> dict[str, Any]:
     try:
-        h = json.loads(store.read_text(lock))
-    except (OSError, ValueError):
+        return _parse_holder(store.read_text(lock))
+    except OSError:
+        return {}
+
+
+def _parse_holder(text: str | bytes) -> dict[str, Any]:
+    try:
+        h = json.loads(text)
+    except ValueError:
         return {}
     return h if isinstance(h, dict) else {}
+
+
+def _take_over(lock: ObjectPath, body: bytes) -> bool:
+    """Replace the lock of a dead holder on this host by ours, only if the object is still
+    that holder's version (two reruns both finding it dead: one wins). False: not dead, or
+    someone else changed it first (or no conditional write here)."""
+    try:
+        seen = read_versioned(lock)
+    except OSError:
+        return False
+    if seen is None or not _dead_here(_parse_holder(seen[0])):
+        return False
+    log.warning("taking over the lock %s of a run that is gone", lock)
+    try:
+        taken = put_if_match(lock, body, seen[1])
+    except OSError:
+        return False
+    if taken is False:  # changed meanwhile; gone (released) is free to create again
+        return bool(put_if_absent(lock, body))
+    return bool(taken)
 
 
 @contextmanager
@@ -111,10 +144,8 @@ def _object_lock(lock: ObjectPath, output: Any, token: str) -> Iterator[None]:
     }
     body = json.dumps(me).encode()
     created = put_if_absent(lock, body)
-    if created is False and _dead_here(_holder(store, lock)):
-        log.warning("taking over the lock %s of a run that is gone", lock)
-        store.delete(lock)
-        created = put_if_absent(lock, body)
+    if created is False and _take_over(lock, body):
+        created = True
     if created is False:
         h = _holder(store, lock)
         who = f"pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('since', '?')}"

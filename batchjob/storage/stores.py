@@ -347,6 +347,57 @@ def put_if_absent(p: ObjectPath, data: bytes) -> bool | None:
     return True
 
 
+def read_versioned(p: ObjectPath) -> tuple[bytes, str] | None:
+    """The bytes of S3 object ``p`` and the ETag of those very bytes (one GET), for a later
+    conditional write (``put_if_match``); None: no such object, not S3, or no boto3."""
+    if p.scheme not in _S3_SCHEMES or (client := _s3_client()) is None:
+        return None
+    import botocore.exceptions
+
+    try:
+        got = client.get_object(Bucket=p.bucket, Key=p.key.partition("/")[2])
+        return got["Body"].read(), str(got["ETag"])
+    except botocore.exceptions.ClientError as e:
+        if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+            return None
+        raise OSError(f"{p}: cannot read the lock object: {e}") from None
+
+
+def put_if_match(p: ObjectPath, data: bytes, etag: str) -> bool | None:
+    """Overwrite S3 object ``p`` only while it still holds the version ``etag`` names
+    (``If-Match``; else, where the server has no conditional overwrite, delete it with
+    ``If-Match`` and create it with ``If-None-Match: *``): True written, False the object
+    changed or went away meanwhile, None no conditional write here."""
+    if p.scheme not in _S3_SCHEMES or (client := _s3_client()) is None:
+        return None
+    import botocore.exceptions
+
+    bucket, key = p.bucket, p.key.partition("/")[2]
+
+    def outcome(e: botocore.exceptions.ClientError) -> bool | None:
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = e.response.get("Error", {}).get("Code")
+        if status in (404, 409, 412) or code in ("PreconditionFailed", "NoSuchKey"):
+            return False
+        if status == 501 or code == "NotImplemented":
+            return None
+        raise OSError(f"{p}: cannot take over the lock object: {e}") from None
+
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=data, IfMatch=etag)
+        return True
+    except botocore.exceptions.ClientError as e:
+        if (done := outcome(e)) is not None:
+            return done
+    try:  # no conditional overwrite: a conditional delete, then a conditional create
+        client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
+    except botocore.exceptions.ClientError as e:
+        if (done := outcome(e)) is not None:
+            return done
+        return None
+    return put_if_absent(p, data)
+
+
 # ---------------------------------------------------------------------------------------
 # stores: the write path's operations on each kind of path
 

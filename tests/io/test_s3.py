@@ -181,6 +181,54 @@ def test_a_dead_local_holder_is_taken_over(s3, model, data, local_results):
     assert _read(s3, out).equals(local_results)  # single-file output: one atomic PUT
 
 
+def test_two_takers_of_a_dead_holders_lock_one_gets_it(s3, monkeypatch):
+    """Issue 49: the takeover deleted the lock unconditionally, so a rerun that found the
+    holder dead before another rerun took the lock over deleted that fresh lock and took it
+    too (both inside). Taker A is paused right after its dead-holder check while B takes
+    over; A must then be refused, B keep the lock."""
+    import threading
+
+    from batchjob.errors import LockedError
+    from batchjob.storage import lock as locks
+
+    key = f"{BUCKET}/out/race.meta/lock"
+    dead = {"host": socket.gethostname(), "pid": 2**22 + 9, "token": "dead", "since": "?"}
+    with s3.open_output_stream(key) as f:
+        f.write(json.dumps(dead).encode())
+    lock = ObjectPath(f"s3://{key}")
+    a_checked, b_inside = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    real_dead_here = locks._dead_here
+
+    def paused_dead_here(holder):
+        dead_now = real_dead_here(holder)
+        if threading.current_thread().name == "taker-a":
+            a_checked.set()
+            b_inside.wait(30)  # the window: B takes over while A is past its check
+        return dead_now
+
+    monkeypatch.setattr(locks, "_dead_here", paused_dead_here)
+
+    def taker_a():
+        try:
+            with locks.output_lock(lock, "race", token="A"):
+                seen["a"] = "inside"
+                seen["a_saw"] = locks.holder_token(lock)
+        except LockedError as e:
+            seen["a"] = e
+
+    a = threading.Thread(target=taker_a, name="taker-a")
+    a.start()
+    assert a_checked.wait(30)
+    with locks.output_lock(lock, "race", token="B"):
+        b_inside.set()
+        a.join(30)
+        assert not a.is_alive()
+        assert isinstance(seen["a"], LockedError), seen
+        assert locks.holder_token(lock) == "B"
+    assert not s3.get_file_info(key).is_file  # B's lock removed when B is done
+
+
 def _results(names: list[str]) -> int:
     """How many result files: ``results-NNNNN-<commit>.parquet``, and nothing but _SUCCESS."""
     found = [n for n in names if n.startswith("results-") and n.endswith(".parquet")]
