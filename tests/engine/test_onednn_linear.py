@@ -54,3 +54,19 @@ def test_use_onednn_linear_swaps_bf16_layers_and_the_tied_head() -> None:
     assert isinstance(m.logits_linear, OneDnnLinear)
     x = torch.randn(3, 16).bfloat16()
     torch.testing.assert_close(m.logits_linear(x), F.linear(x, m.embed.weight), rtol=0, atol=0)
+
+
+def test_fused_silu_mul_is_within_bf16_rounding_of_the_two_step_mlp() -> None:
+    from batchjob.backends.native.models.llama import silu_mul_
+    from batchjob.backends.native.models.onednn_linear import OneDnnSiluMul
+
+    g = torch.Generator().manual_seed(3)
+    inter = 48
+    gate_up = nn.Linear(32, 2 * inter, dtype=torch.bfloat16)
+    gate_up.weight.data = (torch.randn(2 * inter, 32, generator=g) * 0.3).bfloat16()
+    gate_up.bias.data = torch.randn(2 * inter, generator=g).bfloat16()
+    x = torch.randn(70, 32, generator=g).bfloat16()
+    want = silu_mul_(F.linear(x, gate_up.weight, gate_up.bias), inter).float()
+    got = OneDnnSiluMul(gate_up, inter)(x).float()
+    # bf16 keeps 8 bits: the fused epilogue rounds once where HF rounds three times
+    assert ((got - want).abs() <= want.abs() * 2**-6 + 2**-9).all()

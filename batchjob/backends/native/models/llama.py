@@ -137,8 +137,12 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, dtype=dtype)
         self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+        # x -> silu(gate) * up in one module (onednn_linear.OneDnnSiluMul on bf16 CPUs)
+        self.fused_gate_up: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is not None and x.dim() == 2:
+            return self.down(self.fused_gate_up(x))
         return self.down(silu_mul_(self.gate_up(x), self.inter))
 
 
