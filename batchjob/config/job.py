@@ -62,6 +62,9 @@ class JobConfig:
             key = "input.messages_column" if self.input.messages_column else "input.system_prompt"
             _fail("model.chat_template", f"'none' cannot render chat turns ({key} is set)", "none")
         self._check_sampling()
+        if self.model.quantization is not None and self.engine.backend != "vllm":
+            why = 'is for engine.backend = "vllm" (the native engine runs full-precision weights)'
+            _fail("model.quantization", why, self.model.quantization)
         # checks across sections that need no device: the rest wait for the backend to open
         dev, attn = self.model.device, self.engine.attention
         if self.engine.backend != "native":

@@ -154,9 +154,12 @@ class ModelConfig:
     device: str = "auto"  # auto (CUDA when present), cpu, cuda or cuda:N
     max_model_len: int | None = None  # context length; unset: max_position_embeddings
     chat_template: str | None = None  # auto (the folder's), none, or a Jinja file
+    # vllm: its quantization method (awq, gptq, fp8, ...); unset: what config.json declares
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _str("model.revision", self.revision, optional=True)
+        _str("model.quantization", self.quantization, optional=True)
         for name in ("path", "tokenizer"):  # a Hub id -> its snapshot folder (model.hub)
             value = getattr(self, name)
             if isinstance(value, str) and value.strip() and not is_uri(value):

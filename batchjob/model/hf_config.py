@@ -151,6 +151,14 @@ def parse_hf_config(
             f"(supported by the native engine: {', '.join(SUPPORTED_ARCHITECTURES)}; "
             "engine.backend = 'vllm' runs the others)"
         )
+    quant = cfg.get("quantization_config")
+    if native and quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ModelError(
+            f"{source}: quantization_config ({method or 'a quantized checkpoint'}) is not run "
+            'by the native engine (full-precision weights only); engine.backend = "vllm" '
+            "loads it as its config.json declares"
+        )
     if native and cfg.get("hidden_act", "silu") != "silu":
         raise ModelError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
     try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -49,3 +50,24 @@ def test_a_hub_id_reaches_vllm_as_its_snapshot_folder(
     assert "tokenizer" not in s.kwargs  # vLLM reads the model's own
     cfg = backend_config(ModelConfig(path=model, tokenizer="org/tiny"))
     assert engine_settings(cfg, "float32", 64).kwargs["tokenizer"] == str(repo / "snapshots" / REV)
+
+
+def test_quantization_reaches_vllm_from_the_job_or_the_checkpoint(tmp_path: Path) -> None:
+    import json
+
+    from batchjob.backends.vllm.engine_args import engine_settings
+    from batchjob.errors import ConfigError
+
+    model = build_model(tmp_path / "m")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (model / "config.json").write_text(json.dumps(cfg))
+    plain = engine_settings(backend_config(ModelConfig(path=model)), "float32", 64)
+    assert "quantization" not in plain.kwargs  # vLLM reads config.json's quantization_config
+    s = engine_settings(backend_config(ModelConfig(path=model, quantization="awq")), "float32", 64)
+    assert s.kwargs["quantization"] == "awq"
+    both = backend_config(ModelConfig(path=model, quantization="awq"))
+    extra = EngineConfig(backend="vllm", vllm={"quantization": "awq"})
+    both = dataclasses.replace(both, engine=extra)
+    with pytest.raises(ConfigError, match=r"model\.quantization or this, not both"):
+        engine_settings(both, "float32", 64)

@@ -3,11 +3,12 @@
 Mapping (batchjob key -> vLLM engine argument):
 
 - ``model.path`` -> ``model`` (a Hub id: its snapshot folder in the Hub cache, resolved when
-  the job loads); ``model.tokenizer`` -> ``tokenizer``; ``model.dtype`` -> ``dtype``
-  (``auto`` resolved as the native engine does: on a CPU, bfloat16 for a half-precision
-  checkpoint where the CPU has bf16 matmul hardware, else float32); ``model.max_model_len``
-  -> ``max_model_len`` (default: the longest prompt + max_tokens of the job, so a small KV
-  budget still starts).
+  the job loads); ``model.tokenizer`` -> ``tokenizer``; ``model.quantization`` ->
+  ``quantization`` (unset: vLLM reads the checkpoint's ``quantization_config``);
+  ``model.dtype`` -> ``dtype`` (``auto`` resolved as the native engine does: on a CPU,
+  bfloat16 for a half-precision checkpoint where the CPU has bf16 matmul hardware, else
+  float32); ``model.max_model_len`` -> ``max_model_len`` (default: the longest prompt +
+  max_tokens of the job, so a small KV budget still starts).
 - ``engine.kv_cache_bytes`` -> ``kv_cache_memory_bytes`` (default on CPU: 2 GiB, as native);
   without it on a GPU ``engine.gpu_memory_fraction`` -> ``gpu_memory_utilization``.
 - ``engine.block_size`` -> ``block_size``, checked against what the platform's attention
@@ -238,6 +239,10 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         kw["max_cudagraph_capture_size"] = graphs
     if cfg.model.tokenizer is not None:
         kw["tokenizer"] = str(cfg.model.tokenizer)
+    if cfg.model.quantization is not None:  # else vLLM reads config.json's quantization_config
+        if "quantization" in extra:
+            raise ConfigError("engine.vllm.quantization: set model.quantization or this, not both")
+        kw["quantization"] = cfg.model.quantization
     if structured:  # compact JSON, as the native engine writes
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     env: dict[str, str | None] = quiet_log_env()
