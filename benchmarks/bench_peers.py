@@ -63,6 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from batchjob.model.host_cpu import host_cpu  # noqa: E402
 from batchjob.storage.atomic import save_figure_atomic, write_parquet_atomic  # noqa: E402
+from batchjob.testing.model_shapes import SHAPES, make_shaped_model  # noqa: E402
 from batchjob.testing.tiny_model import default_corpus, make_tiny_model  # noqa: E402
 from batchjob.testing.workloads import make_workload  # noqa: E402
 
@@ -130,6 +131,7 @@ class RunResult:
     kv_heads: int = 8  # its KV heads (8 query heads; < 8: grouped-query attention)
     cpu_model: str = ""  # /proc/cpuinfo "model name" of the machine it ran on
     cpu_flags: str = ""  # the ISA flags that pick kernel paths and dtype (cpu_info.KEY_FLAGS)
+    model: str = "bench-peer"  # the model folder's name (a --model-shapes name, else bench-peer)
 
     @property
     def requests_per_s(self) -> float:
@@ -472,6 +474,7 @@ def run_backend_plan(
     ours_by: dict[tuple[str, int], dict[int, list[int]] | None],
     max_model_len: int | None = None,
     plan_dir: Path | None = None,
+    dtype: str = "float32",
 ) -> list[RunResult]:
     """Every pending (workload, repeat, data) run of a batchjob-vllm system in ONE process
     (its plan and log in ``plan_dir``, default WORK/SYSTEM-plan). ``chunk_size`` None: the
@@ -487,7 +490,7 @@ def run_backend_plan(
     (d / "plan.json").write_text(json.dumps(plan, indent=1))
     cmd = [PY, str(ROOT / "benchmarks/peers/batchjob_vllm_peer.py"), "--model", str(model)]
     cmd += ["--policy", BACKEND_POLICY[system], "--plan", str(d / "plan.json")]
-    cmd += ["--kv-bytes", str(kv_bytes), *stop_args()]
+    cmd += ["--kv-bytes", str(kv_bytes), "--dtype", dtype, *stop_args()]
     if chunk_size is not None:
         cmd += ["--chunk-size", str(chunk_size)]
     if max_model_len is not None:
@@ -550,7 +553,7 @@ def run_fresh(
     if system in BACKEND_POLICY:
         (r,) = run_backend_plan(
             system, [(name, rep, data)], model, work, kv_bytes, backend_chunk,
-            {(name, rep): None}, max_model_len, plan_dir=d,
+            {(name, rep): None}, max_model_len, plan_dir=d, dtype=dtype,
         )  # fmt: skip
         return r, None
     finished, err = run_vllm_plan(
@@ -570,10 +573,10 @@ def median(runs: list[RunResult], field: str) -> float:
 def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
     """One row per (workload, system): medians over repeats, ratio of batchjob to it, target."""
     rows = []
-    for hd, name in dict.fromkeys((r.head_dim, r.workload) for r in runs):
+    for model, hd, name in dict.fromkeys((r.model, r.head_dim, r.workload) for r in runs):
         by_sys: dict[str, list[RunResult]] = {}
         for r in runs:
-            if (r.head_dim, r.workload) == (hd, name):
+            if (r.model, r.head_dim, r.workload) == (model, hd, name):
                 by_sys.setdefault(r.system, []).append(r)
         rps = {s: median(rs, "requests_per_s") for s, rs in by_sys.items()}
         ours = rps.get("batchjob")
@@ -605,6 +608,7 @@ def summary_rows(runs: list[RunResult], scales: dict[str, tuple]) -> list[dict]:
             rows.append(
                 {
                     "workload": name,
+                    "model": model,
                     "head_dim": hd,
                     "kv_heads": r0.kv_heads,
                     "scale/len_scale/max_tokens": f"{sc}/{ls}/{mt}",
@@ -767,6 +771,13 @@ def profile_split(stats_path: Path) -> dict[str, float]:
     "8 layers, 8 heads), built locally with random weights; e.g. 32,64,128.",
 )
 @click.option(
+    "--model-shapes",
+    default="",
+    help="Comma list of real checkpoints' shapes (batchjob.testing.model_shapes: "
+    f"{', '.join(SHAPES)}), each built in models/<name> with random weights; replaces "
+    "--head-dims/--kv-heads.",
+)
+@click.option(
     "--kv-heads",
     type=click.IntRange(1, 8),
     default=8,
@@ -779,7 +790,7 @@ def profile_split(stats_path: Path) -> dict[str, float]:
     type=click.Choice(["float32", "bfloat16"]),
     default="float32",
     show_default=True,
-    help="batchjob's model.dtype and vLLM's --dtype (the batchjob-vllm systems stay float32).",
+    help="model.dtype of every system (batchjob, its vLLM backend, vLLM's --dtype).",
 )
 @click.option(
     "--interleave",
@@ -824,6 +835,7 @@ def main(
     backend_chunk_size,
     max_model_len,
     head_dims,
+    model_shapes,
     kv_heads,
     dtype,
     interleave,
@@ -870,13 +882,14 @@ def main(
     runs: list[RunResult] = []
     if resume and (out / "peers_runs.parquet").exists():  # keep runs an earlier call finished
         runs = [RunResult(**r) for r in pq.read_table(out / "peers_runs.parquet").to_pylist()]
-    done = {(r.workload, r.system, r.repeat, r.head_dim) for r in runs}
+    done = {(r.workload, r.system, r.repeat, r.head_dim, r.model) for r in runs}
 
     def record(r: RunResult, hd: int) -> None:
         r = replace(
             r,
             head_dim=hd,
-            kv_heads=kv_heads,
+            kv_heads=variant_kv,
+            model=label,
             cpu_model=cpu.model,
             cpu_flags=" ".join(cpu.key_flags),
         )
@@ -893,10 +906,26 @@ def main(
             out / "peers_runs.parquet",
         )
 
-    for hd in dims:  # one model per head dim; every system runs on each
-        path = out / f"smoke-model-d{hd}" if smoke else model_dir(hd, kv_heads)
-        model = build_model(path, smoke=smoke, head_dim=hd, kv_heads=kv_heads)
-        runs_dir = out / "runs" / f"d{hd}"
+    variants = [  # (label, head dim, KV heads, model folder): every system runs on each
+        (n, SHAPES[n].head_dim, SHAPES[n].kv_heads, make_shaped_model(ROOT / "models" / n, n))
+        for n in model_shapes.split(",")
+        if n
+    ] or [
+        (
+            "bench-peer",
+            hd,
+            kv_heads,
+            build_model(
+                out / f"smoke-model-d{hd}" if smoke else model_dir(hd, kv_heads),
+                smoke=smoke,
+                head_dim=hd,
+                kv_heads=kv_heads,
+            ),
+        )
+        for hd in dims
+    ]
+    for label, hd, variant_kv, model in variants:  # noqa: B007 (record reads both)
+        runs_dir = out / "runs" / (f"d{hd}" if label == "bench-peer" else label)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         datas: dict[str, Path] = {}
         ours_by: dict[tuple[str, int], dict[int, list[int]] | None] = {}
@@ -915,7 +944,7 @@ def main(
             for (name, rep), block in itertools.groupby(sched, key=lambda x: x[:2]):
                 ours, fresh = None, []
                 for _, _, system in block:
-                    if (name, system, rep, hd) in done:  # --resume: reuse, re-check below
+                    if (name, system, rep, hd, label) in done:  # --resume: reuse, re-check below
                         if system == "batchjob":
                             ours = outputs_by_row(
                                 runs_dir / f"{name}-batchllm-{rep}" / "results.parquet"
@@ -933,7 +962,7 @@ def main(
                 # match fractions against this repeat's batchjob outputs, whenever it ran
                 runs = [
                     recheck(r, runs_dir, ours)
-                    if (r.workload, r.repeat, r.head_dim) == (name, rep, hd)
+                    if (r.workload, r.repeat, r.head_dim, r.model) == (name, rep, hd, label)
                     else r
                     for r in runs
                 ]
@@ -946,7 +975,7 @@ def main(
             for rep in range(repeats)
             for name in scales
             for system in ("vllm-file", "vllm-sorted")
-            if system in chosen and (name, system, rep, hd) not in done
+            if system in chosen and (name, system, rep, hd, label) not in done
         ]
         vllm_chunk = chunk_size if vllm_budget else None
         plan_args = (model, runs_dir, kv_gib, vllm_chunk, max_model_len, dtype)
@@ -955,7 +984,7 @@ def main(
             for rep in range(repeats):
                 ours = None
                 for system in sorted(chosen, key=lambda s: s != "batchjob"):  # batchjob first
-                    if (name, system, rep, hd) in done:  # --resume: reuse, re-check
+                    if (name, system, rep, hd, label) in done:  # --resume: reuse, re-check
                         ours = (
                             ours
                             if system != "batchjob"
@@ -966,7 +995,8 @@ def main(
                         runs = [
                             recheck(r, runs_dir, ours)
                             if r.system == system
-                            and (r.workload, r.repeat, r.head_dim) == (name, rep, hd)
+                            and (r.workload, r.repeat, r.head_dim, r.model)
+                            == (name, rep, hd, label)
                             else r
                             for r in runs
                         ]
@@ -1005,13 +1035,14 @@ def main(
                 (name, rep, datas[name])
                 for rep in range(repeats)
                 for name in scales
-                if system in chosen and (name, system, rep, hd) not in done
+                if system in chosen and (name, system, rep, hd, label) not in done
             ]
             if todo:
                 print(f"d{hd} {system}: {len(todo)} runs in one batchjob_vllm_peer.py process")
                 for r in run_backend_plan(
-                    system, todo, model, runs_dir, kv_bytes, backend_chunk, ours_by, max_model_len
-                ):
+                    system, todo, model, runs_dir, kv_bytes, backend_chunk, ours_by,
+                    max_model_len, dtype=dtype,
+                ):  # fmt: skip
                     record(r, hd)
     rows = summary_rows(runs, scales)
     table = markdown(rows)

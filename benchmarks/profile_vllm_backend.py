@@ -502,6 +502,7 @@ def _batchjob_runner(args):
         kv_threshold=args.kv_threshold,
         max_model_len=4096,  # batchjob_vllm_peer.py's default, the model's own
         stop_ids=",".join(map(str, _stop_ids(args))),  # as batchjob_vllm_peer.py takes them
+        dtype=args.dtype,
     )
     if args.batchllm_max_seqs is not None:
         from batchjob.backends.vllm import engine_args
@@ -545,7 +546,7 @@ def _vllm_runner(args):
 
     flags = ["--model", args.model, "--input", args.data, "--output-json", args.result]
     flags += ["--omp-bind", os.environ["VLLM_CPU_OMP_THREADS_BIND"], "--block-size", "32"]
-    flags += ["--kv-gib", str(args.kv_gib), "--dtype", "float32", "--no-min-tokens", "--warmup"]
+    flags += ["--kv-gib", str(args.kv_gib), "--dtype", args.dtype, "--no-min-tokens", "--warmup"]
     if args.vllm_chunk:
         flags += ["--max-num-batched-tokens", str(args.vllm_chunk)]
     if args.vllm_max_seqs:
@@ -752,6 +753,12 @@ def main() -> None:
         "--kv-heads", type=int, default=8, help="KV heads of the 8 query heads (2: GQA, -kv2)"
     )
     p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--model-shape",
+        default=None,
+        help="a real checkpoint's shape (batchjob.testing.model_shapes) instead of bench-peer",
+    )
     p.add_argument(
         "--chunk-size",
         type=int,
@@ -838,12 +845,19 @@ def parent(args) -> None:
 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
-    model = bp.build_model(
-        bp.model_dir(args.head_dim, args.kv_heads),
-        smoke=False,
-        head_dim=args.head_dim,
-        kv_heads=args.kv_heads,
-    )
+    if args.model_shape:
+        from batchjob.testing.model_shapes import SHAPES, make_shaped_model
+
+        shape = SHAPES[args.model_shape]
+        model = make_shaped_model(ROOT / "models" / shape.name, shape)
+        args.head_dim, args.kv_heads = shape.head_dim, shape.kv_heads
+    else:
+        model = bp.build_model(
+            bp.model_dir(args.head_dim, args.kv_heads),
+            smoke=False,
+            head_dim=args.head_dim,
+            kv_heads=args.kv_heads,
+        )
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     systems = [s for s in args.systems.split(",") if s]
     for s in systems:
@@ -854,7 +868,7 @@ def parent(args) -> None:
     header = (
         f"CPU: {host_cpu().summary()}; {os.cpu_count()} CPUs; vLLM {vllm.__version__}; "
         f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}; "
-        f"model {model.name} (head dim {args.head_dim}, {args.kv_heads} KV heads), float32, "
+        f"model {model.name} (head dim {args.head_dim}, {args.kv_heads} KV heads), {args.dtype}, "
         "block 32, KV "
         f"{args.kv_gib} GiB; backend chunk_size {args.chunk_size or 'its own'}, LLM.generate "
         f"max_num_batched_tokens {args.chunk_size if args.vllm_budget else 'vLLM default'}; "
@@ -886,7 +900,7 @@ def parent(args) -> None:
                 cmd = [sys.executable, __file__, "--child", system, "--workload", name]
                 cmd += ["--data", str(data), "--model", str(model)]
                 cmd += ["--result", str(d / "result.json"), "--kv-gib", str(args.kv_gib)]
-                cmd += ["--repeats", str(args.repeats)]
+                cmd += ["--repeats", str(args.repeats), "--dtype", args.dtype]
                 if args.chunk_size:
                     cmd += ["--chunk-size", str(args.chunk_size)]
                 if args.vllm_budget and args.chunk_size:

@@ -6,9 +6,9 @@
 PLAN.json: a list of runs ``{"input": W.parquet, "output_json": out.json}``. Each run is the
 pipeline's path without Parquet output: load_prompts -> build_plan -> VllmBackend.run (plan
 order; ``--policy batchllm``: batchjob's scheduler class, ``baseline``: vLLM's own), greedy,
-ignore_eos, fp32, block 32. The engine starts once (its prefix cache is reset before each
-run); each JSON has the same fields as vllm_peer.py's that bench_peers.py reads:
-``generate_s`` (= plan + run, start-up excluded), ``saving_ratio`` (achieved, from the
+ignore_eos, ``--dtype`` (float32 by default), block 32. The engine starts once (its prefix
+cache is reset before each run); each JSON has the same fields as vllm_peer.py's that
+bench_peers.py reads: ``generate_s`` (= plan + run, start-up excluded), ``saving_ratio`` (achieved, from the
 requests' num_cached_tokens), ``process_ready_s``, peak memory of the process tree, rows;
 and the run's per-iteration records beside it (``<output_json stem>.iterations.parquet``).
 """
@@ -34,7 +34,7 @@ def job_for(args: argparse.Namespace, data: str):
         {
             "input.path": data,
             "model.path": args.model,
-            "model.dtype": "float32",
+            "model.dtype": args.dtype,
             "model.max_model_len": str(args.max_model_len),
             "output.path": str(Path(args.plan).parent / "unused.parquet"),
             "engine.backend": "vllm",
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         "--chunk-size", type=int, default=None, help="scheduler.chunk_size (unset: the backend's)"
     )
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--stop-ids", default="", help="comma list: rows stop at these ids, not at max")
     args = p.parse_args(argv)
 
