@@ -8,9 +8,10 @@ pipeline's path without Parquet output: load_prompts -> build_plan -> VllmBacken
 order; ``--policy batchllm``: batchjob's scheduler class, ``baseline``: vLLM's own), greedy,
 ignore_eos, ``--dtype`` (float32 by default), block 32. The engine starts once (its prefix
 cache is reset before each run); each JSON has the same fields as vllm_peer.py's that
-bench_peers.py reads: ``generate_s`` (= plan + run, start-up excluded), ``saving_ratio`` (achieved, from the
-requests' num_cached_tokens), ``process_ready_s``, peak memory of the process tree, rows;
-and the run's per-iteration records beside it (``<output_json stem>.iterations.parquet``).
+bench_peers.py reads: ``generate_s`` (= plan + run, start-up excluded), ``saving_ratio``
+(achieved, from the requests' num_cached_tokens), ``process_ready_s``, peak memory of the
+process tree, rows; and the run's per-iteration records beside it (``<output_json
+stem>.iterations.parquet``).
 """
 
 from __future__ import annotations
