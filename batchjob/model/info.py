@@ -258,6 +258,61 @@ def read_tensor_files(folder: Path) -> dict[str, Path]:
     return {name: path for path in paths for name in safetensors_tensor_names(path)}
 
 
+_SIZES = (
+    ("num_hidden_layers", "num_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_attention_heads", "num_heads"),
+    ("num_key_value_heads", "num_kv_heads"),
+    ("head_dim", "head_dim"),
+    ("vocab_size", "vocab_size"),
+    ("intermediate_size", "intermediate_size"),
+)
+# torch dtypes a checkpoint may declare beyond DTYPE_BYTES (the vLLM backend loads them)
+_OTHER_CHECKPOINT_DTYPES = frozenset(
+    {"float64", "double", "float8_e4m3fn", "float8_e5m2", "int8", "uint8", "int4", "auto"}
+)
+
+
+def check_config_against_weights(
+    config: ModelConfig, tensors: Mapping[str, Path], source: Path
+) -> None:
+    """config.json's sizes are positive, its dtype is a dtype, and its ``vocab_size`` covers
+    the rows of the embedding in the weights: else ModelError naming ``source`` (config.json)
+    rather than a later failure blaming the KV budget or the data."""
+    for key, attr in _SIZES:
+        value = getattr(config, attr)
+        if value <= 0:
+            raise ModelError(f"{source}: {key} is {value}; it must be a positive integer")
+    declared = config.torch_dtype
+    if declared is not None and (
+        not isinstance(declared, str)
+        or DTYPE_ALIASES.get(declared, declared) not in {*DTYPE_BYTES, *_OTHER_CHECKPOINT_DTYPES}
+    ):
+        raise ModelError(
+            f"{source}: torch_dtype / dtype {declared!r} is not a dtype "
+            f"(e.g. {', '.join(DTYPE_BYTES)})"
+        )
+    embed = sorted(n for n in tensors if n.endswith("embed_tokens.weight"))
+    if embed:
+        shape = _tensor_shape(tensors[embed[0]], embed[0])
+        if shape and shape[0] > config.vocab_size:
+            raise ModelError(
+                f"{source}: vocab_size {config.vocab_size} is smaller than the {shape[0]} rows "
+                f"of {embed[0]} in {tensors[embed[0]].name}; fix vocab_size"
+            )
+
+
+def _tensor_shape(path: Path, name: str) -> list[int] | None:
+    """The shape of tensor ``name`` from its safetensors header (read before: it parses)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            shape = json.loads(f.read(n)).get(name, {}).get("shape")
+    except (OSError, ValueError, struct.error, AttributeError):
+        return None
+    return [int(d) for d in shape] if isinstance(shape, list) else None
+
+
 # ---------------------------------------------------------------------------------------
 # the reader
 
@@ -286,6 +341,7 @@ def read_model_info(
     gen = _read_json(gen_file) if gen_file.is_file() else None
     config = parse_hf_config(_read_json(cfg_file), gen, cfg_file, native=native)
     tensors = read_tensor_files(folder)
+    check_config_against_weights(config, tensors, cfg_file)
     dev = resolve_device(device)
     return ModelInfo(
         config=config,

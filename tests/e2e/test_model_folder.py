@@ -143,7 +143,23 @@ def _empty_weights(m: Path) -> str:
     return "truncated safetensors file (0 bytes)"
 
 
+def _config_edit(key: str, value: object, needle: str):
+    """config.json against its weights (issue 49: exit 3 blaming engine.kv_cache_bytes for
+    -1 layers, exit 6 blaming the data for a small vocab_size, a run for dtype float33)."""
+
+    def edit(m: Path) -> str:
+        cfg = json.loads((m / "config.json").read_text())
+        cfg.pop("dtype", None) if key == "torch_dtype" else None
+        (m / "config.json").write_text(json.dumps({**cfg, key: value}))
+        return needle
+
+    return edit
+
+
 BROKEN = {
+    "negative-layers": _config_edit("num_hidden_layers", -1, "num_hidden_layers is -1"),
+    "small-vocab": _config_edit("vocab_size", 100, "vocab_size 100 is smaller than the"),
+    "unknown-dtype": _config_edit("torch_dtype", "float33", "'float33' is not a dtype"),
     "unknown-architecture": _unknown_architecture,
     "missing-weights": _missing_weights,
     "truncated-weights": _truncated_weights,

@@ -94,6 +94,11 @@ def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling type 'yarn'"),
         ({"num_key_value_heads": 3}, "not a multiple of kv heads 3"),
         ({"vocab_size": None}, "a size is not an integer"),
+        # issue 49: exit 3 blaming engine.kv_cache_bytes, exit 6 blaming the data, a run
+        ({"num_hidden_layers": -1}, "num_hidden_layers is -1"),
+        ({"vocab_size": 100}, "vocab_size 100 is smaller than the"),
+        ({"torch_dtype": "float33"}, "'float33' is not a dtype"),
+        ({"torch_dtype": None, "dtype": "float33"}, "'float33' is not a dtype"),
     ],
 )
 def test_config_the_engine_cannot_run(folder: Path, edit: dict, needle: str) -> None:
