@@ -60,6 +60,9 @@ def _prompt_source_checks(cfg: Any) -> None:
 # sections
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "a boolean", list: "a list", dict: "a table"}
+
+
 @dataclass(frozen=True)
 class InputConfig:
     path: str  # a Parquet file, folder or glob, an OpenAI Batch .jsonl, or an s3:// URI
@@ -91,6 +94,13 @@ class InputConfig:
     n_column: str | None = None  # per-row number of samples, an integer in [1, 65536]
 
     def __post_init__(self) -> None:
+        if self.path is not None and not isinstance(self.path, str | Path):  # TOML path = 5
+            _fail(
+                "input.path",
+                "must be a string (a Parquet file, folder, glob or URI), not "
+                + _KINDS.get(type(self.path), type(self.path).__name__),
+                self.path,
+            )
         _str("input.path", self.path if self.path is None else str(self.path))
         object.__setattr__(self, "path", str(self.path))
         _str("input.prompt_column", self.prompt_column)
@@ -156,10 +166,14 @@ class ModelConfig:
     chat_template: str | None = None  # auto (the folder's), none, or a Jinja file
     # vllm: its quantization method (awq, gptq, fp8, ...); unset: what config.json declares
     quantization: str | None = None
+    # auto: generation_config.json's temperature, top_p, top_k, min_p, penalties and
+    # max_new_tokens for the [sampling] keys the job leaves unset (vLLM's default); none: off
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _str("model.revision", self.revision, optional=True)
         _str("model.quantization", self.quantization, optional=True)
+        _str("model.generation_config", self.generation_config, ("auto", "none"))
         for name in ("path", "tokenizer"):  # a Hub id -> its snapshot folder (model.hub)
             value = getattr(self, name)
             if isinstance(value, str) and value.strip() and not is_uri(value):

@@ -258,3 +258,13 @@ def test_shipped_job_files_load(name: str) -> None:
     assert Path(job.input.path).resolve().is_relative_to(root / "data")
     assert job.model.path is not None and job.model.path.resolve().parent == root / "models"
     assert job.output.path.resolve().is_relative_to(root / "out")
+
+
+def test_input_path_of_another_type_names_the_key_and_type(tmp_path: Path) -> None:
+    """``[input] path = 5`` was read as the file "5": exit 4, "matches no Parquet file"."""
+    path = write(tmp_path, MINIMAL.replace('path = "in.parquet"', "path = 5"))
+    with pytest.raises(ConfigError) as ei:
+        load_job(path)
+    msg = str(ei.value)
+    assert "input.path" in msg and "not an integer" in msg and str(path) in msg
+    assert ei.value.exit_code == 3
