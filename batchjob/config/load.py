@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import tomllib
 from collections.abc import Mapping
@@ -25,9 +26,12 @@ from typing import Any
 from batchjob.config.job import SECTIONS as _SECTIONS
 from batchjob.config.job import JobConfig
 from batchjob.errors import ConfigError
+from batchjob.model.hf_config import read_generation_sampling_defaults
 from batchjob.model.hub import is_hub_id
 from batchjob.storage.stores import configure as configure_storage
 from batchjob.storage.stores import is_uri
+
+log = logging.getLogger(__name__)
 
 _PATH_KEYS = {
     "input.path",
@@ -240,6 +244,34 @@ def _set_in_table(raw: dict[str, Any], section: str, key: str, sub: str, value: 
         table[names[-1]] = value
 
 
+def _checkpoint_sampling(raw: dict[str, dict[str, Any]], sections: dict[str, Any]) -> Any:
+    """[sampling] with the model's generation_config.json defaults for the keys the job left
+    unset (``model.generation_config = "auto"``, vLLM's behaviour); scoring jobs draw
+    nothing and take none."""
+    model, sampling = sections["model"], sections["sampling"]
+    scoring = bool(sampling.labels or sections["input"].labels_column)
+    if model.generation_config != "auto" or model.path is None or scoring:
+        return sampling
+    defaults, path = read_generation_sampling_defaults(model.path)
+    given = raw.get("sampling", {})
+    unset = {k: v for k, v in defaults.items() if k not in given}
+    if not unset:
+        return sampling
+    shown = ", ".join(f"{k} = {v!r}" for k, v in unset.items())
+    log.warning(
+        "sampling defaults from %s: %s (for keys the job leaves unset; "
+        'model.generation_config = "none" ignores the file)',
+        path,
+        shown,
+    )
+    try:
+        return _SECTIONS["sampling"](**{**given, **unset})
+    except ConfigError as e:
+        raise ConfigError(
+            f'{e} (from {path}; model.generation_config = "none" ignores the file)'
+        ) from None
+
+
 def build_job(raw: dict[str, dict[str, Any]], source: Path | None, where: str) -> JobConfig:
     """The job of ``read_tables``' tables: every section built and checked; a ConfigError
     names the key and ``where``."""
@@ -249,6 +281,7 @@ def build_job(raw: dict[str, dict[str, Any]], source: Path | None, where: str) -
             if "path" not in raw.get(section, {}):
                 raise ConfigError(f"{section}.path: required")
         sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
+        sections["sampling"] = _checkpoint_sampling(raw, sections)
         job = JobConfig(**sections, source=source)
     except ConfigError as e:
         raise ConfigError(f"{e}{suffix}") from None

@@ -11,6 +11,7 @@ understood. Anything the native engine cannot run raises ``ModelError`` here, so
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,3 +208,44 @@ def parse_hf_config(
         eos_token_ids=tuple(eos),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
+
+
+# generation_config.json keys that are sampling defaults, as vLLM's ``generation_config =
+# "auto"`` takes them (ModelConfig.get_diff_sampling_param) -> the [sampling] key they set,
+# and transformers' GenerationConfig default: a value equal to it is no default of the
+# checkpoint's (vLLM reads ``GenerationConfig.to_diff_dict()``)
+GENERATION_SAMPLING_KEYS: dict[str, tuple[str, Any]] = {
+    "temperature": ("temperature", 1.0),
+    "top_p": ("top_p", 1.0),
+    "top_k": ("top_k", 50),
+    "min_p": ("min_p", None),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "presence_penalty": ("presence_penalty", None),
+    "frequency_penalty": ("frequency_penalty", None),
+    "max_new_tokens": ("max_tokens", None),
+}
+
+
+def generation_sampling_defaults(generation: dict[str, Any] | None) -> dict[str, Any]:
+    """The [sampling] defaults a generation_config.json sets -> {sampling key: value}: each
+    key of ``GENERATION_SAMPLING_KEYS`` whose value is set and differs from transformers'
+    default (vLLM's rule; ``do_sample`` is ignored, as vLLM ignores it)."""
+    out: dict[str, Any] = {}
+    for name, (key, hf_default) in GENERATION_SAMPLING_KEYS.items():
+        value = (generation or {}).get(name)
+        if value is not None and value != hf_default:
+            out[key] = value
+    return out
+
+
+def read_generation_sampling_defaults(folder: Path) -> tuple[dict[str, Any], Path]:
+    """``generation_sampling_defaults`` of ``folder``'s generation_config.json ({} without
+    one) and the file's path; ModelError for a file that does not parse."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}, path
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {path}: {e}") from None
+    return generation_sampling_defaults(data if isinstance(data, dict) else None), path
