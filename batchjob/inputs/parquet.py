@@ -444,6 +444,46 @@ def check_schema(
     return _is_text(ptype), has_mt
 
 
+def check_ids(files: list[str], column: str, limit: int | None = None) -> None:
+    """``input.id_column`` holds one distinct, non-null id per row (the first ``limit`` rows):
+    resume and exactly-once are keyed by the row, so a repeated or missing id is refused
+    (InputDataError, exit 4) naming the first such row, before any work. Reads that column
+    alone."""
+    import bisect
+
+    import polars as pl
+
+    parts: list[pa.Array] = []
+    starts: list[int] = []
+    for f in files:
+        src, fs = arrow_source(f)
+        try:
+            col = pq.read_table(src, columns=[column], filesystem=fs).column(0)
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
+            raise InputDataError(f"{f}: cannot read column {column!r}: {e}") from None
+        starts.append(sum(map(len, parts)))
+        parts.append(col.combine_chunks())
+    ids = pl.Series(pa.chunked_array(parts))
+    if limit is not None:
+        ids = ids.head(limit)
+    null = int(ids.is_null().arg_max() or 0) if ids.null_count() else None
+    repeated = ~ids.is_first_distinct() & ids.is_not_null()
+    again = int(repeated.arg_max() or 0) if repeated.any() else None
+    if null is None and again is None:
+        return
+    i = min(j for j in (null, again) if j is not None)
+    k = bisect.bisect_right(starts, i) - 1
+    at = f"row {i} (file {os.path.basename(files[k])}, row {i - starts[k]})"
+    if i == null:
+        why = f"input.id_column {column!r} is null"
+    else:
+        first = int((ids == ids[i]).arg_max() or 0)
+        why = f"input.id_column {column!r} repeats the id {ids[i]!r} of row {first}"
+    raise InputDataError(
+        f"{at}: {why}; every row needs its own id (resume and exactly-once are keyed by it)"
+    )
+
+
 def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDataset:
     """Resolve and validate Parquet input (schema of every file); reads no row data. The job
     opens its input through batchjob.inputs.source.open_input, which also takes OpenAI JSONL.
@@ -485,6 +525,8 @@ def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDat
         )
     if sum(rows) == 0:
         raise InputDataError(f"input.path: {cfg.path!r} has 0 rows ({len(files)} file(s))")
+    if cfg.id_column is not None:
+        check_ids(files, cfg.id_column, cfg.limit)
     return InputDataset(
         files=tuple(files),
         file_rows=tuple(rows),

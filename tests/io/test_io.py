@@ -233,3 +233,22 @@ def test_a_link_loop_in_the_input_folder_lists_each_file_once(tmp_path: Path) ->
     assert resolve_files(str(d / "**" / "*.parquet")) == want  # a ** glob: the same walk
     assert resolve_files(str(tmp_path / "d*")) == want
     assert open_dataset(cfg(d)).num_rows == 9
+
+
+def test_duplicate_or_null_ids_are_refused_naming_the_first(tmp_path: Path) -> None:
+    """Resume and exactly-once are keyed by the row: repeated or null ids ran with exit 0."""
+    d = tmp_path / "ids"
+    write_parquet(pa.table({"prompt": ["a", "b"], "doc": ["x", "y"]}), d / "a.parquet")
+    write_parquet(pa.table({"prompt": ["c", "d", "e"], "doc": ["z", "y", "x"]}), d / "b.parquet")
+    with pytest.raises(InputDataError) as e:
+        open_dataset(cfg(d, id_column="doc"))
+    msg = str(e.value)
+    assert "row 3 (file b.parquet, row 1)" in msg and "'y'" in msg and "row 1" in msg
+    assert e.value.exit_code == 4
+    assert open_dataset(cfg(d, id_column="doc", limit=3)).num_rows == 3  # past the limit: unread
+    write_parquet(pa.table({"prompt": ["f"], "doc": pa.array([None], pa.string())}), d / "c.pq")
+    (d / "c.pq").rename(d / "c.parquet")
+    assert open_dataset(cfg(d / "b.parquet", id_column="doc")).num_rows == 3
+    nulls = cfg(d / "[bc].parquet", id_column="doc")
+    with pytest.raises(InputDataError, match=r"row 3 \(file c\.parquet, row 0\).*'doc' is null"):
+        open_dataset(nulls)
