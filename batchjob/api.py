@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from batchjob.config import SECTIONS, JobConfig, load_job
-from batchjob.config.load import build_job, closest_key, read_tables
+from batchjob.config.load import IMPLICIT_MAX_TOKENS_COLUMN, build_job, closest_key, read_tables
 from batchjob.errors import ConfigError, InputDataError
 from batchjob.inputs.table import DATA_NAME
 
@@ -112,7 +112,22 @@ def generate_config(
     raw["output"] = {"path": DATA_NAME}
     for name in ("cluster", "storage"):
         raw.pop(name, None)
-    return build_job(raw, file or source, where)
+    built = build_job(raw, file or source, where)
+    # sampling={"max_tokens": N} in code over data with a max_tokens column it did not name:
+    # the column still sets each row's limit, said in one line when the data has it
+    in_code = "max_tokens" in sections.get("sampling", {})
+    named = "max_tokens_column" in {**raw_input_of(job), **sections.get("input", {})}
+    object.__setattr__(built.input, IMPLICIT_MAX_TOKENS_COLUMN, in_code and not named)
+    return built
+
+
+def raw_input_of(job: str | os.PathLike[str] | JobConfig | None) -> dict[str, Any]:
+    """The [input] keys a job file writes ({} for none or a JobConfig, whose keys the code
+    chose)."""
+    if job is None or isinstance(job, JobConfig):
+        return {}
+    raw, _, _ = read_tables(Path(job))
+    return raw.get("input", {})
 
 
 # ---------------------------------------------------------------------------------------

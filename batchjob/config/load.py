@@ -32,6 +32,10 @@ from batchjob.storage.stores import configure as configure_storage
 from batchjob.storage.stores import is_uri
 
 log = logging.getLogger(__name__)
+# set on an InputConfig by batchjob.generate's settings: the code gave sampling.max_tokens but
+# left input.max_tokens_column at its default (a "max_tokens" column then still sets each
+# row's limit, and the run says so in one line: batchjob.tokenize.batched.load_prompts)
+IMPLICIT_MAX_TOKENS_COLUMN = "_max_tokens_column_by_default"
 
 _PATH_KEYS = {
     "input.path",

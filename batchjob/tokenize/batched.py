@@ -247,6 +247,28 @@ def tokenize_dataset(
     )
 
 
+def _say_which_max_tokens(
+    inp: InputConfig, sampling: SamplingConfig, dataset: InputDataset
+) -> None:
+    """A job that gave sampling.max_tokens over data with a max_tokens column it did not
+    name: the column sets each row's limit (the documented precedence), said in one line."""
+    from batchjob.config.load import IMPLICIT_MAX_TOKENS_COLUMN
+
+    column = dataset.max_tokens_column
+    if column is None or not getattr(inp, IMPLICIT_MAX_TOKENS_COLUMN, False):
+        return
+    if str(inp.path).endswith(".jsonl"):
+        return  # OpenAI Batch: each request's max_tokens is its own row's, by design
+    object.__setattr__(inp, IMPLICIT_MAX_TOKENS_COLUMN, False)  # one line a job (a Generator)
+    log.warning(
+        "input column %r sets each row's max_tokens (rows where it is null: sampling."
+        "max_tokens = %d); set input.max_tokens_column = none to apply %d to every row",
+        column,
+        sampling.max_tokens,
+        sampling.max_tokens,
+    )
+
+
 def load_prompts(
     inp: InputConfig,
     model: ModelConfig,
@@ -266,6 +288,7 @@ def load_prompts(
     """
     if dataset is None:
         dataset = open_input(inp, model, sampling)
+    _say_which_max_tokens(inp, sampling, dataset)
     info = model_info_for(model, backend)
     if dataset.prompt_is_text and tokenizer is None:
         if model.path is None:
