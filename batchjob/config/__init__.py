@@ -7,8 +7,8 @@ from batchjob.config.job import SECTIONS as SECTIONS
 from batchjob.config.job import JobConfig as JobConfig
 from batchjob.config.load import load_job as load_job
 from batchjob.config.load import parse_assignments as parse_assignments
+from batchjob.config.per_row import ROW_SETTING_COLUMNS as ROW_SETTING_COLUMNS
 from batchjob.config.sections import MAX_LOGPROBS as MAX_LOGPROBS
-from batchjob.config.sections import ROW_SETTING_COLUMNS as ROW_SETTING_COLUMNS
 from batchjob.config.sections import ClusterConfig as ClusterConfig
 from batchjob.config.sections import EngineConfig as EngineConfig
 from batchjob.config.sections import InputConfig as InputConfig

@@ -14,10 +14,8 @@ from typing import Any
 
 from batchjob.config.checks import _fail
 from batchjob.config.json_schema import XGRAMMAR_HINT
+from batchjob.config.per_row import GUIDE_COLUMNS, PROCESSOR_COLUMNS, VLLM_MAX_TEMPERATURE
 from batchjob.config.sections import (
-    GUIDE_COLUMNS,
-    PROCESSOR_COLUMNS,
-    VLLM_MAX_TEMPERATURE,
     ClusterConfig,
     EngineConfig,
     InputConfig,

@@ -1,9 +1,10 @@
 """The reference of every job-file key, read from the sections themselves: each field's type
 and default from its dataclass, what values it allows from the checks in its ``__post_init__``
 (the choices of ``_str``, the bounds of ``_int`` and ``_float``), and its meaning from the
-field's trailing comment. ``batchjob keys [SECTION]`` prints it; docs/job_file.md holds the
-same tables between ``<!-- keys:SECTION -->`` markers (a test regenerates and compares them,
-and fails for a field without its comment).
+field's trailing comment; the per-row settings' bounds and ``input.*_column`` meanings come
+from their table (``batchjob.config.per_row.ROW_SETTINGS``). ``batchjob keys [SECTION]``
+prints it; docs/job_file.md holds the same tables between ``<!-- keys:SECTION -->`` markers
+(a test regenerates and compares them, and fails for a field without its meaning).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import tokenize
 from dataclasses import dataclass
 from typing import Any
 
+from batchjob.config.checks import INT64_MAX
 from batchjob.config.job import SECTIONS
+from batchjob.config.per_row import ROW_SETTINGS
+from batchjob.config.sections import InputConfig, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -147,18 +151,38 @@ def _checks(node: ast.ClassDef, module: Any) -> tuple[dict[str, str], set[str]]:
         elif fn == "_int":
             lo = _value(kw["lo"], module) if "lo" in kw else None
             hi = _value(kw["hi"], module) if "hi" in kw else None
-            if lo is not None and hi is not None:
-                allowed[key] = f"{lo} to {hi}"
-            elif lo is not None:
-                allowed[key] = f">= {lo}"
+            if lo is not None:
+                allowed[key] = _int_range(lo, hi)
         elif fn == "_float" and len(args) >= 5:
             lo, hi = _value(args[3], module), _value(args[4], module)
             lo_open = "lo_open" in kw and _value(kw["lo_open"], module)
-            if hi >= 1e6:  # a sanity bound, not a range: the lower bound is what matters
-                allowed[key] = f"{'>' if lo_open else '>='} {lo:g}"
-            else:
-                allowed[key] = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            allowed[key] = _float_range(lo, hi, bool(lo_open))
     return allowed, byte_keys
+
+
+def _int_range(lo: int, hi: int | None) -> str:
+    return f">= {lo}" if hi is None or hi == INT64_MAX else f"{lo} to {hi}"
+
+
+def _float_range(lo: float, hi: float, lo_open: bool) -> str:
+    if hi >= 1e6:  # a sanity bound, not a range: the lower bound is what matters
+        return f"{'>' if lo_open else '>='} {lo:g}"
+    return f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+
+def _row_settings() -> tuple[dict[str, str], dict[str, str]]:
+    """({dotted key: allowed values}, {dotted key: meaning}) from ``ROW_SETTINGS``: the bounds
+    of the [sampling] keys that ``SamplingConfig`` checks from the table, and the meaning of
+    each ``input.<name>_column``."""
+    allowed: dict[str, str] = {}
+    for s in ROW_SETTINGS:
+        if s.lo is None or s.hi is None:
+            continue
+        if s.kind == "integer":
+            allowed[s.key] = _int_range(int(s.lo), int(s.hi))
+        else:
+            allowed[s.key] = _float_range(s.lo, s.hi, s.lo_open)
+    return allowed, {f"input.{s.column}": s.meaning() for s in ROW_SETTINGS}
 
 
 def keys(section: str | None = None) -> list[Key]:
@@ -170,6 +194,14 @@ def keys(section: str | None = None) -> list[Key]:
         node, comments, alone = _class_tree(cls)
         meanings = _meanings(node, comments, alone)
         allowed, byte_keys = _checks(node, sys.modules[cls.__module__])
+        if cls in (InputConfig, SamplingConfig):  # the per-row settings: from their table
+            row_allowed, row_meanings = _row_settings()
+            allowed |= {k: v for k, v in row_allowed.items() if k.startswith(f"{name}.")}
+            meanings |= {
+                k.removeprefix(f"{name}."): v
+                for k, v in row_meanings.items()
+                if k.startswith(f"{name}.")
+            }
         for f in dataclasses.fields(cls):
             dotted = f"{name}.{f.name}"
             out.append(

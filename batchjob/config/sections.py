@@ -32,6 +32,9 @@ from batchjob.config.checks import (
 )
 from batchjob.config.guided import check_choices, check_regex
 from batchjob.config.json_schema import XGRAMMAR_HINT, compact_json_schema
+from batchjob.config.per_row import BY_COLUMN, REQUEST_COLUMNS, ROW_SETTING_COLUMNS, ROW_SETTINGS
+from batchjob.config.per_row import MAX_SAMPLES as MAX_SAMPLES
+from batchjob.config.per_row import MAX_TOKENS as MAX_TOKENS
 from batchjob.errors import ConfigError
 from batchjob.model.hub import model_folder
 from batchjob.storage.settings import StorageConfig as StorageConfig
@@ -74,24 +77,25 @@ class InputConfig:
     template: str | None = None  # build prompts from columns: "Q: {question}" ({{ }}: braces)
     messages_column: str | None = None  # chat messages: list<struct<role, content>>
     system_prompt: str | None = None  # a system turn put before each row's messages/prompt
-    # per-row settings (batchjob.inputs.row_settings): a null value takes the [sampling] one
-    temperature_column: str | None = None  # per-row temperature, a number
-    top_p_column: str | None = None  # per-row top_p, a number
-    top_k_column: str | None = None  # per-row top_k, an integer
-    seed_column: str | None = None  # per-row seed, an integer
-    stop_column: str | None = None  # per-row stop strings, list<string>
-    min_p_column: str | None = None  # per-row min_p, a number
-    presence_penalty_column: str | None = None  # per-row presence_penalty, a number
-    frequency_penalty_column: str | None = None  # per-row frequency_penalty, a number
-    repetition_penalty_column: str | None = None  # per-row repetition_penalty, a number
-    min_tokens_column: str | None = None  # per-row min_tokens, an integer
-    logit_bias_column: str | None = None  # per-row logit bias, map<integer, number>
-    allowed_token_ids_column: str | None = None  # per-row allowed token ids, list<integer>
-    labels_column: str | None = None  # per-row scoring labels, list<string>
-    json_schema_column: str | None = None  # per-row JSON schema, a string (structured output)
-    regex_column: str | None = None  # per-row regex the output must match, a string
-    choice_column: str | None = None  # per-row choices the output must be one of, list<string>
-    n_column: str | None = None  # per-row number of samples, an integer in [1, 65536]
+    # per-row settings, one column each (batchjob.config.per_row.ROW_SETTINGS: their types,
+    # bounds, statuses and meanings); a null value takes the [sampling] one
+    temperature_column: str | None = None
+    top_p_column: str | None = None
+    top_k_column: str | None = None
+    seed_column: str | None = None
+    stop_column: str | None = None
+    min_p_column: str | None = None
+    presence_penalty_column: str | None = None
+    frequency_penalty_column: str | None = None
+    repetition_penalty_column: str | None = None
+    min_tokens_column: str | None = None
+    logit_bias_column: str | None = None
+    allowed_token_ids_column: str | None = None
+    labels_column: str | None = None
+    json_schema_column: str | None = None
+    regex_column: str | None = None
+    choice_column: str | None = None
+    n_column: str | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and not isinstance(self.path, str | Path):  # TOML path = 5
@@ -117,40 +121,10 @@ class InputConfig:
                     object.__setattr__(self, name, column)
 
 
-# the per-row setting columns of an OpenAI Batch input (a .jsonl path): its requests' body
-# fields, honoured without the job naming them (batchjob.inputs.openai_batch)
-REQUEST_COLUMNS = {
-    "temperature_column": "temperature",
-    "top_p_column": "top_p",
-    "top_k_column": "top_k",
-    "seed_column": "seed",
-    "stop_column": "stop",
-    "n_column": "n",
-    "presence_penalty_column": "presence_penalty",
-    "frequency_penalty_column": "frequency_penalty",
-    "repetition_penalty_column": "repetition_penalty",
-    "min_p_column": "min_p",
-    "min_tokens_column": "min_tokens",
-    "logit_bias_column": "logit_bias",
-}
-# the per-row columns of the output constraints, and of the logits processors
-GUIDE_COLUMNS = ("json_schema_column", "regex_column", "choice_column")
-PROCESSOR_COLUMNS = (
-    "min_p_column",
-    "presence_penalty_column",
-    "frequency_penalty_column",
-    "repetition_penalty_column",
-    "min_tokens_column",
-    "logit_bias_column",
-    "allowed_token_ids_column",
-)
-ROW_SETTING_COLUMNS = (
-    *("temperature_column", "top_p_column", "top_k_column", "seed_column", "stop_column"),
-    *PROCESSOR_COLUMNS,
-    "labels_column",
-    *GUIDE_COLUMNS,
-    "n_column",
-)
+# the per-row settings' columns, as ROW_SETTINGS declares them (a test checks InputConfig
+# declares the same, in the same order)
+_DECLARED = tuple(f.name for f in dataclasses.fields(InputConfig) if f.name in BY_COLUMN)
+assert _DECLARED == ROW_SETTING_COLUMNS, (_DECLARED, ROW_SETTING_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -200,9 +174,6 @@ class ModelConfig:
 
 
 MAX_LOGPROBS = 20
-VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more (the native engine takes 100)
-MAX_SAMPLES = 2**16  # sampling.n and a row's n: a result is keyed by row_id * 2**16 + sample
-MAX_TOKENS = 2**31 - 1  # per-row limits are int32 (a row's max_tokens column: the same bound)
 
 
 @dataclass(frozen=True)
@@ -236,23 +207,21 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         _int("sampling.max_tokens", self.max_tokens, lo=1, hi=MAX_TOKENS)
-        _int("sampling.n", self.n, lo=1, hi=MAX_SAMPLES)
-        _float(self, "temperature", "sampling.temperature", 0.0, 100.0)
-        _int("sampling.top_k", self.top_k, lo=0)
-        _float(self, "top_p", "sampling.top_p", 0.0, 1.0, lo_open=True)
-        _float(self, "min_p", "sampling.min_p", 0.0, 1.0)
-        _float(self, "presence_penalty", "sampling.presence_penalty", -2.0, 2.0)
-        _float(self, "frequency_penalty", "sampling.frequency_penalty", -2.0, 2.0)
-        rp = self.repetition_penalty
-        if isinstance(rp, int | float) and not isinstance(rp, bool) and not 0 < rp < math.inf:
-            _fail("sampling.repetition_penalty", "must be > 0 and finite", rp)
-        _float(self, "repetition_penalty", "sampling.repetition_penalty", 0.0, 1e9, lo_open=True)
-        _int("sampling.min_tokens", self.min_tokens, lo=0, hi=MAX_TOKENS)
+        for st in ROW_SETTINGS:  # the bounds of the per-row settings (the rows' own, too)
+            if st.kind == "number":
+                lo, hi = st.bounds(backend="native")
+                v = getattr(self, st.name)
+                number = isinstance(v, int | float) and not isinstance(v, bool)
+                if st.invalid is not None and number and not lo < v < math.inf:
+                    _fail(st.key, st.invalid, v)  # repetition_penalty: "> 0 and finite"
+                _float(self, st.name, st.key, lo, hi, lo_open=st.lo_open)
+            elif st.kind == "integer":
+                lo, hi = st.bounds(backend="native")
+                _int(st.key, getattr(self, st.name), lo=int(lo), hi=int(hi))
         object.__setattr__(self, "logit_bias", logit_bias_table(self.logit_bias))
         _list(self, "allowed_token_ids", "sampling.allowed_token_ids", int)
         if any(t < 0 for t in self.allowed_token_ids):
             _fail("sampling.allowed_token_ids", "must be >= 0", list(self.allowed_token_ids))
-        _int("sampling.seed", self.seed, lo=0)
         _list(self, "stop_token_ids", "sampling.stop_token_ids", int)
         if any(t < 0 for t in self.stop_token_ids):
             _fail("sampling.stop_token_ids", "must be >= 0", list(self.stop_token_ids))
@@ -313,18 +282,20 @@ class SamplingConfig:
         return self.temperature == 0.0
 
     def processors(self) -> list[str]:
-        """The logits processors this setting turns on (penalties, bias, masks, min_p), by
-        key name; [] for the defaults."""
-        on = {
-            "min_p": self.min_p > 0.0,
-            "presence_penalty": self.presence_penalty != 0.0,
-            "frequency_penalty": self.frequency_penalty != 0.0,
-            "repetition_penalty": self.repetition_penalty != 1.0,
-            "min_tokens": self.min_tokens > 0,
-            "logit_bias": bool(self.logit_bias),
-            "allowed_token_ids": bool(self.allowed_token_ids),
-        }
-        return [k for k, v in on.items() if v]
+        """The logits processors this setting turns on (penalties, bias, masks, min_p: the
+        ``processor`` settings of ``ROW_SETTINGS`` off their defaults), by key name; [] for
+        the defaults."""
+        return [
+            st.name
+            for st in ROW_SETTINGS
+            if st.processor and getattr(self, st.name) != _SAMPLING_DEFAULTS[st.name]
+        ]
+
+
+_SAMPLING_DEFAULTS = {
+    f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    for f in dataclasses.fields(SamplingConfig)
+}
 
 
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100]; so does batchjob

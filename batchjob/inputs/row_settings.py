@@ -1,13 +1,9 @@
 """Per-row settings: optional input columns that override ``[sampling]`` for one row.
 
-``input.temperature_column``, ``top_p_column``, ``top_k_column``, ``seed_column``,
-``stop_column`` (list<string>), the logits processors' ``min_p_column``,
-``presence_penalty_column``, ``frequency_penalty_column``, ``repetition_penalty_column``,
-``min_tokens_column``, ``logit_bias_column`` (map<integer, number>) and
-``allowed_token_ids_column`` (list<integer>), ``labels_column`` (list<string>, scoring mode)
-and the output constraints ``json_schema_column``, ``regex_column`` (strings) and
-``choice_column`` (list<string>; ``batchjob.inputs.row_guides``) and the number of samples
-``n_column`` (an integer) name the columns. A
+Which settings, their column types, bounds and statuses: ``ROW_SETTINGS`` in
+``batchjob.config.per_row`` (``input.temperature_column``, ..., the logits processors'
+columns, ``labels_column`` for scoring, the output constraints of ``batchjob.inputs.row_guides``
+and ``n_column``); this module reads and checks the rows' values. A
 configured column that does not exist, or has the wrong type, is a dataset error
 (exit 4); a null value takes the job's setting; a bad value rejects that row with a status
 (``invalid_temperature``, ...) and a message naming the row and column, never the job. Token
@@ -30,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.config import InputConfig, ModelConfig, SamplingConfig
-from batchjob.config.sections import MAX_SAMPLES, MAX_TOKENS, VLLM_MAX_TEMPERATURE
+from batchjob.config.per_row import BY_COLUMN, ROW_SETTINGS, SAMPLING_FIELDS, RowSetting
 from batchjob.errors import ConfigError, InputDataError
 from batchjob.inputs.parquet import ROW_ID, RejectedRows
 from batchjob.inputs.row_guides import GUIDE_FIELDS, read_guides
@@ -38,50 +34,17 @@ from batchjob.inputs.row_token_ids import check_token_ids, row_allowed, row_bias
 from batchjob.status import STATUS_INVALID_SETTING, STATUS_PROMPT_TOO_LONG
 
 STATUS_INVALID = STATUS_INVALID_SETTING
-# number columns: (the values allowed, the message of a value that is not)
-_NUMERIC = {
-    "temperature_column": (lambda v: (v >= 0) & (v <= 100), "must be in [0, 100]"),
-    "top_p_column": (lambda v: (v > 0) & (v <= 1), "must be in (0, 1]"),
-    "min_p_column": (lambda v: (v >= 0) & (v <= 1), "must be in [0, 1]"),
-    "presence_penalty_column": (lambda v: (v >= -2) & (v <= 2), "must be in [-2, 2]"),
-    "frequency_penalty_column": (lambda v: (v >= -2) & (v <= 2), "must be in [-2, 2]"),
-    "repetition_penalty_column": (lambda v: (v > 0) & (v <= 1e9), "must be > 0 and finite"),
-}
-_INT63 = 2**63 - 1
-_VLLM_TEMPERATURE = (
-    lambda v: (v >= 0) & (v <= VLLM_MAX_TEMPERATURE),
-    f"must be in [0, {VLLM_MAX_TEMPERATURE:g}] on engine.backend = vllm",
-)
-# integer columns: the values allowed, [lo, hi]
-_INTEGER = {
-    "top_k_column": (0, _INT63),
-    "seed_column": (0, _INT63),
-    "min_tokens_column": (0, MAX_TOKENS),
-    "n_column": (1, MAX_SAMPLES),
-}
-_STRINGS = ("stop_column", "labels_column", "choice_column")
-_TEXT = ("json_schema_column", "regex_column")
 _UNSET = -1  # top_k / seed / min_tokens / n arrays: the row takes the job's value
-# the SamplingConfig fields a row can override, in RowSettings.key order
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_tokens",
-    "logit_bias",
-    "allowed_token_ids",
-)
-_FLOATS = (
-    *("temperature", "top_p", "min_p"),
-    *("presence_penalty", "frequency_penalty", "repetition_penalty"),
-)
-_INTS = ("top_k", "seed", "min_tokens")
+# the kinds of the SamplingConfig fields a row can override (SAMPLING_FIELDS, in
+# RowSettings.key order): NaN or _UNSET where the job's value applies
+_FLOATS = tuple(s.name for s in ROW_SETTINGS if s.applies == "sampling" and s.kind == "number")
+_INTS = tuple(s.name for s in ROW_SETTINGS if s.applies == "sampling" and s.kind == "integer")
+
+
+def _allowed(st: RowSetting, backend: str, v: np.ndarray) -> np.ndarray:
+    """bool: which of a number setting's values ``v`` it allows on ``backend``."""
+    lo, hi = st.bounds(backend)
+    return ((v > lo) if st.lo_open else (v >= lo)) & (v <= hi)
 
 
 @dataclass(frozen=True)
@@ -172,22 +135,25 @@ def _is_list_of(t: pa.DataType, item) -> bool:
 
 def _type_check(name: str, t: pa.DataType) -> tuple[bool, str]:
     """(whether column type ``t`` suits setting column ``name``, the type it needs)."""
-    if name in _TEXT:
-        return _is_text(t), "string"
-    if name in _NUMERIC:
-        return _is_number(t), "a number"
-    if name in _INTEGER:
-        return pa.types.is_integer(t), "an integer"
-    if name == "allowed_token_ids_column":
-        return _is_list_of(t, pa.types.is_integer), "list<integer>"
-    if name == "logit_bias_column":
+    st = BY_COLUMN[name]
+    kind = st.kind
+    if kind == "text":
+        ok = _is_text(t)
+    elif kind == "number":
+        ok = _is_number(t)
+    elif kind == "integer":
+        ok = pa.types.is_integer(t)
+    elif kind == "token_ids":
+        ok = _is_list_of(t, pa.types.is_integer)
+    elif kind == "token_bias":
         ok = pa.types.is_map(t) and pa.types.is_integer(t.key_type) and _is_number(t.item_type)
-        return ok, "map<integer, number>"
-    return _is_list_of(t, _is_text), "list<string>"
+    else:  # strings
+        ok = _is_list_of(t, _is_text)
+    return ok, st.column_type
 
 
 def _configured(inp: InputConfig) -> list[tuple[str, str]]:
-    return [(n, getattr(inp, n)) for n in STATUS_INVALID if getattr(inp, n)]
+    return [(s.column, getattr(inp, s.column)) for s in ROW_SETTINGS if getattr(inp, s.column)]
 
 
 def _column(table: pa.Table, col: str) -> pa.Array:
@@ -236,25 +202,23 @@ def read_row_settings(
     for name, col in cols:
         arr = _column(table, col)
         null = arr.is_null().to_numpy(zero_copy_only=False)
-        if name in _NUMERIC:
+        st = BY_COLUMN[name]
+        if st.kind == "number":  # its bounds on this backend (vLLM's temperature: its own)
             v = arr.cast(pa.float64()).fill_null(math.nan).to_numpy(zero_copy_only=False)
             v = np.asarray(v, dtype=np.float64).copy()
-            allowed, what = _NUMERIC[name]
-            if name == "temperature_column" and backend == "vllm":  # vLLM's own bound
-                allowed, what = _VLLM_TEMPERATURE
             with np.errstate(invalid="ignore"):
-                out = ~null & ~allowed(v)
-            reject(out, name, col, what, v)
+                out = ~null & ~_allowed(st, backend, v)
+            reject(out, name, col, st.allowed(backend), v)
             v[null | out] = math.nan
             fields[name.removesuffix("_column")] = v
-        elif name in _INTEGER:
-            lo, hi = _INTEGER[name]
+        elif st.kind == "integer":
+            lo, hi = (int(b) for b in st.bounds(backend))
             big = pc.fill_null(pc.greater(arr.cast(pa.float64()), float(hi)), False)
             big = big.to_numpy(zero_copy_only=False)
             v = arr.cast(pa.int64(), safe=False).fill_null(_UNSET).to_numpy(zero_copy_only=False)
             v = np.asarray(v, dtype=np.int64).copy()
             out = (~null & (v < lo)) | big
-            what = f"must be >= {lo}" if hi == _INT63 else f"must be in [{lo}, {hi}]"
+            what = st.allowed(backend)
             reject(out, name, col, what, arr.to_pylist() if out.any() else v)
             v[null | out] = _UNSET
             fields[name.removesuffix("_column")] = v

@@ -29,6 +29,7 @@ from batchjob.backends.base import Detokenize, FinishedRequest, TokenLogprobs
 from batchjob.backends.vllm.scheduler import EXTRA_KEY
 from batchjob.config import SamplingConfig
 from batchjob.config.guided import Guide
+from batchjob.config.per_row import ROW_SETTINGS
 from batchjob.inputs.row_guides import row_guides
 from batchjob.inputs.row_settings import RowSettings
 from batchjob.plan.plan import Plan
@@ -89,16 +90,13 @@ def guided_params(guide: Guide):
 
 
 def processor_params(s: SamplingConfig, max_tokens: int) -> dict:
-    """The ``SamplingParams`` fields of the logits processors (vLLM's defaults when unset)."""
-    return {
-        "min_p": s.min_p,
-        "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty,
-        "repetition_penalty": s.repetition_penalty,
-        "min_tokens": min(s.min_tokens, max_tokens),
-        "logit_bias": dict(s.logit_bias) or None,
-        "allowed_token_ids": list(s.allowed_token_ids) or None,
-    }
+    """The ``SamplingParams`` fields of the logits processors (``ROW_SETTINGS``' processors,
+    vLLM's names; vLLM's defaults when unset)."""
+    params = {st.name: getattr(s, st.name) for st in ROW_SETTINGS if st.processor}
+    params["min_tokens"] = min(s.min_tokens, max_tokens)
+    params["logit_bias"] = dict(s.logit_bias) or None
+    params["allowed_token_ids"] = list(s.allowed_token_ids) or None
+    return params
 
 
 def has_stop_strings(sampling: SamplingConfig, prompts: TokenizedPrompts) -> bool:
