@@ -154,3 +154,31 @@ def test_engine_linear_setting_is_validated():
     assert EngineConfig(linear="torch").linear == "torch"
     with pytest.raises(ConfigError, match=r"engine\.linear"):
         EngineConfig(linear="mkl")
+
+
+def test_calibration_at_load_within_a_budget_then_by_rule(tmp_path, monkeypatch):
+    """``calibrate_at_load``: one measurement per (shape, bucket) class however many layers
+    share it, smallest buckets first; a spent budget leaves the rest to the rule (kernel up to
+    RULE_ROWS rows) and a later load measures them."""
+    kernel = build.load_kernel()
+    monkeypatch.setenv("BATCHJOB_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_linear.calib, "_CALIBRATIONS", {})
+    measured = []
+
+    def fake_measure(cls, layer, kn):
+        measured.append(cls.rows)
+        return cpu_linear.calib.Decision(True, 1.0, 2.0)
+
+    monkeypatch.setattr(cpu_linear, "measure", fake_measure)
+    w = torch.randn(48, 32)
+    layers = [PackedLinear(w, None, kernel, calibrate=True) for _ in range(3)]
+    assert cpu_linear.calibrate_at_load(layers, budget_s=0.0) == 0  # nothing measured
+    want = {b: b <= cpu_linear.RULE_ROWS for b in cpu_linear.BUCKETS}
+    assert all(layer._picks == want for layer in layers) and measured == []
+    again = [PackedLinear(w, None, kernel, calibrate=True) for _ in range(3)]
+    assert cpu_linear.calibrate_at_load(again, budget_s=60.0) == len(cpu_linear.BUCKETS)
+    assert measured == list(cpu_linear.BUCKETS)  # once per class, smallest first
+    assert all(all(layer._picks.values()) for layer in again)  # kernel 1 ms < torch 2 ms
+    x = torch.randn(5, 32)
+    _close(again[0](x), F.linear(x, w), 32)
+    assert len(measured) == len(cpu_linear.BUCKETS)  # no measurement in the forward

@@ -206,6 +206,12 @@ class Calibration:
         except (OSError, ValueError, KeyError, TypeError):
             return {}
 
+    def cached(self, cls: C) -> Decision | None:
+        """The decision already made for ``cls`` (this process or the cache file), if any."""
+        if self._decisions is None:
+            self._decisions = {} if mode() == "fresh" else self._read()
+        return self._decisions.get(cls.key)
+
     def decide(self, cls: C, run: Callable[[C], Decision]) -> Decision:
         """The cached decision for ``cls``, else ``run(cls)``, stored."""
         fresh = mode() == "fresh"

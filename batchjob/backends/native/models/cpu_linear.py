@@ -11,12 +11,16 @@ chunk size and the calibration decides each.
 ``use_cpu_linear(model)`` swaps each float32 ``nn.Linear`` of a CPU model (and the logits
 projection) for a ``PackedLinear``: the weight packed into the kernel's panels beside the
 original, which torch keeps for the batches the kernel does not take. Per layer shape and
-row bucket (``BUCKETS``; above the last, always torch) a first-use calibration times both
+row bucket (``BUCKETS``; above the last, always torch) a calibration times both
 (``measure``: alternated calls, median of paired ratios, cached with attention's in the kernel
 library's calibration file) and the kernel takes the bucket only if it is faster, so a layer
-never runs slower than torch's own. Wide layers are calibrated on their first
-``CALIB_COLS`` output columns (the kernel's work is per column panel; the logits projection
-of a 150k vocabulary would otherwise take seconds a call).
+never runs slower than torch's own. It runs at load (``calibrate_at_load``), never inside the
+engine loop: cached classes are read, new ones measured smallest bucket first within
+``CALIB_BUDGET_S``; what the budget leaves unmeasured takes the kernel up to ``RULE_ROWS``
+rows (where it beat torch's sgemm on the CPUs in docs/kernels.md) and is measured by a later
+load. Wide layers are calibrated on their first ``CALIB_COLS`` output columns (the kernel's
+work is per column panel; the logits projection of a 150k vocabulary would otherwise take
+seconds a call).
 
 Memory: the packed copies double the linear weights, so packing is skipped (torch for all)
 when they would take more than ``MAX_MEMORY_SHARE`` of the memory available at load.
@@ -25,7 +29,9 @@ when they would take more than ``MAX_MEMORY_SHARE`` of the memory available at l
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +50,8 @@ CALIB_COLS = 2048  # output columns a calibration measures at most
 REPS, REPS_LARGE = 7, 3  # timed calls per side; LARGE above 256 rows (tens of ms each)
 FLUSH_MIN, FLUSH_MAX = 32 << 20, 512 << 20  # bytes read before each timed call (flush_bytes)
 MAX_MEMORY_SHARE = 0.25  # of MemAvailable, for all packed copies together
+CALIB_BUDGET_S = 8.0  # seconds of linear calibration at a model's load; the rest by RULE_ROWS
+RULE_ROWS = 128  # a bucket left unmeasured: the kernel up to this many rows, torch above
 
 
 @dataclass(frozen=True)
@@ -107,12 +115,44 @@ class PackedLinear(nn.Module):
             self._picks[bucket] = not self.calibrate or self._calibrated(bucket)
         return self._picks[bucket]
 
-    def _calibrated(self, bucket: int) -> bool:
+    def linear_class(self, bucket: int) -> LinearClass:
         cols = min(self.out_features, CALIB_COLS)
-        threads = torch.get_num_threads()
-        cls = LinearClass(self.kernel.isa, threads, self.in_features, cols, bucket)
+        return LinearClass(self.kernel.isa, torch.get_num_threads(), self.in_features, cols, bucket)
+
+    def _calibrated(self, bucket: int) -> bool:
         cal = calib.calibration_for(self.kernel.path)
+        cls = self.linear_class(bucket)
         return cal.decide(cls, lambda c: measure(c, self, self.kernel)).use_kernel
+
+
+def _measure_layer(layer: PackedLinear, cls: LinearClass) -> calib.Decision:
+    return measure(cls, layer, layer.kernel)
+
+
+def calibrate_at_load(layers: list[PackedLinear], budget_s: float = CALIB_BUDGET_S) -> int:
+    """Every layer's decision for every bucket, made now: cached classes read, new ones
+    measured (smallest bucket first, one layer per shape) while ``budget_s`` lasts, the rest
+    by ``RULE_ROWS``. Returns how many classes were measured."""
+    todo = [layer for layer in layers if layer.calibrate]
+    if not todo:
+        return 0
+    cal = calib.calibration_for(todo[0].kernel.path)
+    t0, measured = time.perf_counter(), 0
+    by_class: dict[str, bool] = {}
+    for bucket in BUCKETS:
+        for layer in todo:
+            cls = layer.linear_class(bucket)
+            if cls.key not in by_class:
+                d = cal.cached(cls)
+                if d is None and time.perf_counter() - t0 < budget_s:
+                    d = cal.decide(cls, functools.partial(_measure_layer, layer))
+                    measured += 1
+                by_class[cls.key] = d.use_kernel if d is not None else bucket <= RULE_ROWS
+            layer._picks[bucket] = by_class[cls.key]
+    if measured:
+        log.info("linear layers: %d classes calibrated in %.1f s", measured,
+                 time.perf_counter() - t0)  # fmt: skip
+    return measured
 
 
 def pack(weight: torch.Tensor, kernel: CpuKernel) -> torch.Tensor:
@@ -196,10 +236,11 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
                  "memory; torch runs them", need / 1e9, MAX_MEMORY_SHARE * 100)  # fmt: skip
         return 0
     on = calib.mode() != "0"
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias, kernel, on))
-    n = len(targets)
+    packed = [PackedLinear(child.weight, child.bias, kernel, on) for _, _, child in targets]
+    for (parent, name, _), layer in zip(targets, packed, strict=True):
+        setattr(parent, name, layer)
     if head_w is not None:
         model.logits_linear = PackedLinear(head_w, None, kernel, on)
-        n += 1
-    return n
+        packed.append(model.logits_linear)
+    calibrate_at_load(packed)
+    return len(packed)
