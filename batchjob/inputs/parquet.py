@@ -444,7 +444,7 @@ def check_schema(
     return _is_text(ptype), has_mt
 
 
-def check_ids(files: list[str], column: str, limit: int | None = None) -> None:
+def check_ids(files: list[str], column: str, limit: int | None) -> None:
     """``input.id_column`` holds one distinct, non-null id per row (the first ``limit`` rows):
     resume and exactly-once are keyed by the row, so a repeated or missing id is refused
     (InputDataError, exit 4) naming the first such row, before any work. Reads that column
