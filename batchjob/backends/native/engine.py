@@ -1,4 +1,6 @@
-"""The native engine's loop: schedule -> build batch -> forward -> sample -> update.
+"""The native engine's loop: schedule -> build batch -> forward -> sample -> update; what a
+step's sampled tokens finish (stop strings, log-probs, grammar status) is the output
+processor's (``output_processor.OutputProcessor``).
 
 Knows nothing of Parquet: it takes ``TokenizedPrompts`` and a ``Plan``, and hands each
 finished request to a callback as soon as it finishes (so results stream to disk). Its
@@ -15,21 +17,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from batchjob.backends.base import FinishedRequest, IterationRecord, TokenLogprobs
+from batchjob.backends.base import FinishedRequest, IterationRecord
 from batchjob.backends.native.batch_builder import ModelBatch, build_batch
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.logits_processors import DecodeState
 from batchjob.backends.native.malloc_tuning import keep_freed_memory
 from batchjob.backends.native.models.llama import LlamaForCausalLM
+from batchjob.backends.native.output_processor import OutputProcessor
 from batchjob.backends.native.prompt_logprobs import PromptLogprobs
-from batchjob.backends.native.sampling import (
-    FINISH_REASONS,
-    RowParams,
-    finish_codes,
-    sample_batch,
-    token_logprobs,
-    truncate_at_stop,
-)
+from batchjob.backends.native.sampling import RowParams, finish_codes, sample_batch
 from batchjob.backends.native.scheduler.base import (
     Scheduler,
     check_kv_budget,
@@ -187,10 +183,17 @@ class Engine:
             state = DecodeState(
                 table.procs, prompts.tokens, prompts.offsets, grammar, inplace=top_n is None
             )
-        floors: dict[int, int] = {}  # min_tokens + stop strings: the text stops cannot end in
-        # otherwise only rows that finish or have stop strings need Python work in a step
-        visit_all = constraint is not None or top_n is not None
-        logprobs: dict[int, list[tuple[float, np.ndarray, np.ndarray]]] = {}
+        outputs = OutputProcessor(
+            row_ids,
+            table,
+            on_finish,
+            sched.output_tokens,
+            detokenize=detokenize,
+            top_n=top_n,
+            constraint=constraint,
+            state=state,
+            prompt_lp=prompt_lp,
+        )
         records: list[IterationRecord] = []
         t_start = time.perf_counter()
         for t0, out, batch in self._steps(sched):
@@ -234,66 +237,7 @@ class Engine:
                 n_gen[seqs] += 1
                 tokens = tokens_np.tolist()
                 sampled = dict(zip(ids, tokens, strict=True))
-                lp_of = _step_logprobs(logits, sampled_t, top_n) if top_n is not None else None
-                visit = (
-                    range(len(ids))
-                    if visit_all
-                    else np.flatnonzero(codes | table.stop_strings[cfg]).tolist()
-                )
-                for j in visit:
-                    seq, tok = ids[j], tokens[j]
-                    p = table.configs[cfg[j]]
-                    reason = FINISH_REASONS[codes[j]]
-                    if constraint is not None and constraint.accept(seq, tok):
-                        reason = "stop"  # the JSON is complete (closed by EOS)
-                    if lp_of is not None:
-                        logprobs.setdefault(seq, []).append(lp_of(j))
-                    toks: list[int] | None = None
-                    text = None
-                    if p.stop and detokenize is not None and steps[j] >= p.min_tokens:
-                        toks = [*sched.output_tokens(seq), tok]
-                        floor = floors.get(seq)
-                        if floor is None:  # vLLM: no stop string within the first min_tokens
-                            floor = len(detokenize(toks[: p.min_tokens])) if p.min_tokens else 0
-                            floors[seq] = floor
-                        text, stopped = truncate_at_stop(detokenize(toks), p.stop, min_end=floor)
-                        if stopped:
-                            reason = "stop"
-                        else:
-                            text = None
-                    if reason is None:
-                        continue
-                    finished.add(seq)
-                    floors.pop(seq, None)
-                    if state is not None:
-                        state.release(seq)
-                    if toks is None:
-                        toks = [*sched.output_tokens(seq), tok]
-                    status = message = None
-                    if constraint is not None:
-                        problem = constraint.problem(seq)
-                        if problem is not None:
-                            status, what = problem
-                            why = (
-                                f"max_tokens = {p.max_tokens} reached"
-                                if reason == "length"
-                                else f"finish {reason}"
-                            )
-                            message = f"row {int(row_ids[seq])}: {what} ({why})"
-                        constraint.release(seq)
-                    on_finish(
-                        FinishedRequest(
-                            position=seq,
-                            row_id=int(row_ids[seq]),
-                            token_ids=np.asarray(toks, dtype=np.int32),
-                            finish_reason=reason,
-                            text=text,
-                            logprobs=_collect(logprobs.pop(seq, None), top_n),
-                            prompt_logprobs=prompt_lp.finish(seq) if prompt_lp else None,
-                            status=status,
-                            message=message,
-                        )
-                    )
+                finished = outputs.process(logits, sampled_t, ids, tokens, cfg, steps, codes)
             sched.update(out, sampled, finished)
             self._record(records, out, t0, on_iteration)
         self.prompt_logprob_rows = prompt_lp.rows if prompt_lp is not None else 0
@@ -418,24 +362,3 @@ def _row_params(base: SamplingConfig, prompts: TokenizedPrompts, eos: Sequence[i
     seen: dict[SamplingConfig, int] = {}
     index = np.fromiter((seen.setdefault(get(i), len(seen)) for i in range(n)), np.int64, n)
     return RowParams.build(list(seen), index, eos)
-
-
-def _step_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, top_n: int
-) -> Callable[[int], tuple[float, np.ndarray, np.ndarray]]:
-    """Batch row j -> (logprob of its token, top-N ids, top-N logprobs), one batched call."""
-    chosen, ids, vals = token_logprobs(logits, tokens, min(top_n, logits.shape[-1]))
-    c, i, v = chosen.cpu().numpy(), ids.cpu().numpy(), vals.float().cpu().numpy()
-    return lambda j: (float(c[j]), i[j], v[j])
-
-
-def _collect(
-    steps: list[tuple[float, np.ndarray, np.ndarray]] | None, top_n: int | None
-) -> TokenLogprobs | None:
-    if steps is None or top_n is None:
-        return None
-    return TokenLogprobs(
-        logprob=np.asarray([s[0] for s in steps], dtype=np.float32),
-        top_ids=np.stack([s[1] for s in steps]).astype(np.int32),
-        top_logprobs=np.stack([s[2] for s in steps]).astype(np.float32),
-    )
