@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from bench_peers import build_model, job_toml, write_workload  # noqa: E402
 
 import batchjob.backends.native.engine as engine_mod  # noqa: E402
+import batchjob.backends.native.output_processor as output_processor  # noqa: E402
 from batchjob.backends.native.models.llama import LlamaForCausalLM  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
 from batchjob.runner import pipeline  # noqa: E402
@@ -110,9 +111,10 @@ def instrument(spans: Spans) -> None:
     engine_mod.make_scheduler = make
     for name in ("build_batch",):
         setattr(engine_mod, name, spans.wrap("batch metadata", getattr(engine_mod, name)))
-    for name in ("sample", "sample_batch", "_step_logprobs", "_target_logprobs"):
-        if hasattr(engine_mod, name):
-            setattr(engine_mod, name, spans.wrap("sampling", getattr(engine_mod, name)))
+    for mod in (engine_mod, output_processor):  # log-probs are the output processor's
+        for name in ("sample", "sample_batch", "_step_logprobs", "_target_logprobs"):
+            if hasattr(mod, name):
+                setattr(mod, name, spans.wrap("sampling", getattr(mod, name)))
     LlamaForCausalLM.forward = spans.wrap("forward", LlamaForCausalLM.forward)
     F.linear = spans.wrap("linear", F.linear)
 
