@@ -81,6 +81,7 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
     kn = load_kernel(None if isa == "auto" else isa)
     assert kn is not None
     monkeypatch.setattr(pa, "_KERNEL", [kn])
+    monkeypatch.setenv(pa.ENV_SWITCH, "all")  # bf16 too where vLLM's AMX attention would run
     rng = random.Random(seed)
     torch.manual_seed(seed)
     bs, nblocks = 32, 64
@@ -118,11 +119,27 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kv_update_in_c_writes_the_native_layout(pa, dtype):
+def test_bf16_layers_stay_on_vllms_amx_attention_where_it_runs(pa, dtype, monkeypatch):
+    """vLLM's AMX path (bf16, block 32, an AMX CPU) keeps its own layout and kernel (measured
+    faster); float32 and CPUs without AMX take batchjob's; ``=all`` takes every layer."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache = torch.zeros(4, 2, 32, 2 * 64, dtype=dtype)
+    impl = pa.PrefixSharedImpl(8, 64, 64**-0.5, 2, None, None, "auto")
+    vllm_amx = _get_attn_isa(dtype, 32, 64) == "amx"
+    assert impl._uses_native(cache) is (not vllm_amx)
+    monkeypatch.setenv(pa.ENV_SWITCH, "all")
+    assert pa.PrefixSharedImpl(8, 64, 64**-0.5, 2, None, None, "auto")._uses_native(cache)
+    assert not pa.vllm_kernel_wins("vec") and pa.vllm_kernel_wins("amx") is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_update_in_c_writes_the_native_layout(pa, dtype, monkeypatch):
     """The KV update maps vLLM's slots to the native rows in C: the cache equals the one the
     torch path writes (the C call refused), K and V rows of fused-projection views with more
     rows than slots (vLLM pads the batch); a slot out of range raises."""
     hq, hkv, d, bs, nblocks = 8, 2, 64, 32, 6
+    monkeypatch.setenv(pa.ENV_SWITCH, "all")
     impl = pa.PrefixSharedImpl(hq, d, d**-0.5, hkv, None, None, "auto")
     fused = torch.randn(12, 2 * hkv, d).to(dtype)
     k, v = fused[:, :hkv], fused[:, hkv:]
