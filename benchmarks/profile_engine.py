@@ -11,25 +11,32 @@ peer workload, in-process, with the peer benchmark's model and 1 GiB KV budget.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import click
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 
 from bench_peers import build_model, job_toml, model_dir, write_workload  # noqa: E402
 
+import batchjob.backends.native.engine as engine_mod  # noqa: E402
 from batchjob.backends.native.attention import cpu as attention_cpu  # noqa: E402
 from batchjob.backends.native.attention import torch_path as attention  # noqa: E402
 from batchjob.backends.native.attention.calibrate import KINDS, batch_kind  # noqa: E402
 from batchjob.backends.native.models import cpu_linear  # noqa: E402
+from batchjob.backends.native.models.llama import LlamaForCausalLM  # noqa: E402
+from batchjob.backends.native.models.onednn_linear import OneDnnLinear  # noqa: E402
+from batchjob.backends.native.output_processor import OutputProcessor  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
 from batchjob.runner import pipeline  # noqa: E402
 from batchjob.testing.model_shapes import SHAPES, make_shaped_model  # noqa: E402
 
+LINEAR_OPS = ("aten::mm", "aten::addmm", "linear: C kernel", "mkldnn::_linear_pointwise")
 GROUPS = {  # torch ops, by what they do in the model
-    "linear layers": ("aten::mm", "aten::addmm", "aten::linear", "linear: C kernel"),
+    "linear layers": LINEAR_OPS,
     "KV writes": ("aten::index_copy_",),
 }
 
@@ -45,6 +52,49 @@ def _traced(backend_cls: type) -> None:
             return attend(self, *args, **kwargs)
 
     backend_cls.attend = wrapped
+
+
+def _traced_stages() -> None:
+    """Name the forward, its logits (norm, projection, float32 copy) and the sampling."""
+    record = torch.profiler.record_function
+
+    def named(fn, label):
+        def wrapped(*args, **kwargs):
+            with record(label):
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+    LlamaForCausalLM.forward = named(LlamaForCausalLM.forward, "stage: forward")
+    LlamaForCausalLM.logits = named(LlamaForCausalLM.logits, "stage: logits")
+    engine_mod.sample_batch = named(engine_mod.sample_batch, "stage: sampling")
+    OutputProcessor.process = named(OutputProcessor.process, "stage: outputs")
+
+
+def gemm_rate(hidden: int, inter: int, dtype: torch.dtype) -> float:
+    """GFLOP/s of the model's gate-up product at 512 rows (the machine's matmul rate in this
+    dtype, as the engine calls it: packed oneDNN for bf16, torch for float32), the best of 15
+    calls: a VM's neighbours only ever slow a call down."""
+    w = torch.randn(2 * inter, hidden).to(dtype)
+    x = torch.randn(512, hidden).to(dtype)
+    fn = OneDnnLinear(w, None) if dtype == torch.bfloat16 else (lambda a: F.linear(a, w))
+    for _ in range(3):
+        fn(x)
+    ts = []
+    for _ in range(15):
+        t = time.perf_counter()
+        fn(x)
+        ts.append(time.perf_counter() - t)
+    return 2 * 512 * hidden * 2 * inter / min(ts) / 1e9
+
+
+def linear_flops_per_token(cfg: dict) -> int:
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or h // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    q = heads * d
+    per_layer = h * (q + 2 * kv * d) + q * h + 3 * h * cfg["intermediate_size"]
+    return 2 * cfg["num_hidden_layers"] * per_layer
 
 
 def _traced_linear() -> None:
@@ -99,6 +149,7 @@ def main(
     # one class only: CpuAttention falls back to TorchAttention, which would count twice
     _traced(attention.TorchAttention if attn == "torch" else attention_cpu.CpuAttention)
     _traced_linear()
+    _traced_stages()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         s = pipeline.run(job).summary
     ev = {e.key: e for e in prof.key_averages()}
@@ -115,6 +166,46 @@ def main(
     top = sorted(ev.values(), key=lambda e: -e.self_cpu_time_total)[:12]
     for e in top:
         print(f"    {e.key:40s} self {e.self_cpu_time_total / 1e6:6.2f} s  n {e.count}")
+    stage_split(ev, s, model, dtype)
+
+
+def stage_split(ev: dict, s, model: Path, dtype: str) -> None:
+    """Where a step's time goes, and the job's matmul FLOP/s against this machine's rate."""
+
+    def total(key: str) -> float:
+        return ev[key].cpu_time_total / 1e6 if key in ev else 0.0
+
+    linear_all = sum(ev[k].self_cpu_time_total for k in LINEAR_OPS if k in ev) / 1e6
+    fwd, logits, attn = total("stage: forward"), total("stage: logits"), total("attention")
+    sampling = total("stage: sampling") + total("stage: outputs")
+    layers_linear = max(linear_all - logits, 0.0)  # the logits stage is mostly its projection
+    rows = {
+        "linear layers (every layer's projections)": layers_linear,
+        "attention (KV write excluded)": attn,
+        "logits (final norm, vocabulary projection, float32 copy)": logits,
+        "other layer glue (norms, RoPE, SiLU-mul, residual adds, KV writes)": max(
+            fwd - layers_linear - attn - logits, 0.0
+        ),
+        "sampling and output handling": sampling,
+        "host between forwards (scheduler, batch building)": max(s.engine_s - fwd - sampling, 0),
+    }
+    print(f"  stage split of engine {s.engine_s:.2f} s:")
+    for k, v in rows.items():
+        print(f"    {k:70s} {v:6.2f} s {v / s.engine_s:6.1%}")
+    cfg = json.loads((model / "config.json").read_text())
+    tokens = s.computed_prefill_tokens + s.generated_tokens
+    flops = (
+        tokens * linear_flops_per_token(cfg)
+        + s.generated_tokens * 2 * cfg["hidden_size"] * cfg["vocab_size"]
+    )
+    td = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    rate = gemm_rate(cfg["hidden_size"], cfg["intermediate_size"], td)
+    job = flops / s.engine_s / 1e9
+    print(f"  roofline: {flops / 1e12:.2f} TFLOP of matmuls (linear + logits) in "
+          f"{s.engine_s:.2f} s = {job:.0f} GFLOP/s; the machine's {dtype} GEMM "
+          f"{rate:.0f} GFLOP/s: the job at {job / rate:.0%} of it (linear layers alone "
+          f"{tokens * linear_flops_per_token(cfg) / max(layers_linear, 1e-9) / 1e9:.0f} "
+          "GFLOP/s)")  # fmt: skip
 
 
 if __name__ == "__main__":

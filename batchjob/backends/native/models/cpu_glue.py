@@ -11,7 +11,7 @@ import torch
 
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
-_kernel: list[CpuKernel | None] = []  # loaded on first use (any ISA build: the same bits)
+_kernel: list[CpuKernel | None] = []  # the C library (RoPE, the norm), loaded on first use
 
 
 def c_library() -> CpuKernel | None:
@@ -34,7 +34,9 @@ def rms_norm_bf16(
     first. True when done in C."""
     ts = (x, weight, out) if residual_delta is None else (x, weight, out, residual_delta)
     kn = _takes(*ts)
-    if kn is None or x.dim() != 2 or not weight.is_contiguous():
+    if kn is None or x.dim() != 2 or not weight.is_contiguous() or weight.shape != x.shape[1:]:
+        return False
+    if out.shape != x.shape or (residual_delta is not None and residual_delta.shape != x.shape):
         return False
     t, d = x.shape
     dp, ds = (

@@ -7,17 +7,9 @@ import math
 import torch
 
 from batchjob.backends.native.models.config import RopeConfig
-from batchjob.kernels.cpu.build import CpuKernel, load_kernel
+from batchjob.backends.native.models.cpu_glue import c_library  # any ISA build: the same bits
 
 _C_DTYPES = (torch.float32, torch.bfloat16)
-_kernel: list[CpuKernel | None] = []  # the C library, loaded on first use (any ISA build:
-# the rotation is exact IEEE arithmetic, the same bits on every one)
-
-
-def _c_library() -> CpuKernel | None:
-    if not _kernel:
-        _kernel.append(load_kernel())
-    return _kernel[0]
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -98,7 +90,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     Bit-equal to ``apply_rope``: the first half is x1*cos - x2*sin (HF: x1*cos + (-x2)*sin),
     the second x2*cos + x1*sin, each product rounded before the sum (no fused multiply-add).
     """
-    kn = _c_library() if x.device.type == "cpu" and x.dtype in _C_DTYPES else None
+    kn = c_library() if x.device.type == "cpu" and x.dtype in _C_DTYPES else None
     if (
         kn is not None
         and x.stride(-1) == 1
