@@ -285,6 +285,7 @@ def build_job(raw: dict[str, dict[str, Any]], source: Path | None, where: str) -
             if "path" not in raw.get(section, {}):
                 raise ConfigError(f"{section}.path: required")
         sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
+        sections["model"] = sections["model"].with_hub_snapshots()  # after every check
         sections["sampling"] = _checkpoint_sampling(raw, sections)
         job = JobConfig(**sections, source=source)
     except ConfigError as e:

@@ -148,11 +148,6 @@ class ModelConfig:
         _str("model.revision", self.revision, optional=True)
         _str("model.quantization", self.quantization, optional=True)
         _str("model.generation_config", self.generation_config, ("auto", "none"))
-        for name in ("path", "tokenizer"):  # a Hub id -> its snapshot folder (model.hub)
-            value = getattr(self, name)
-            if isinstance(value, str) and value.strip() and not is_uri(value):
-                revision = self.revision if name == "path" else None
-                object.__setattr__(self, name, model_folder(value, f"model.{name}", revision))
         _path(self, "path", "model.path", optional=True)
         _path(self, "tokenizer", "model.tokenizer", optional=True)
         _str("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
@@ -165,6 +160,23 @@ class ModelConfig:
         _str("model.chat_template", self.chat_template, optional=True)
         if is_uri(self.chat_template):
             _fail("model.chat_template", "must be auto, none or a local file", self.chat_template)
+
+    def with_hub_snapshots(self) -> ModelConfig:
+        """This section with Hub ids (``path``, ``tokenizer``) replaced by their snapshot
+        folders (``model.hub``: the cache, else a download where allowed; ModelError when
+        neither). Called once every section is checked, so a bad setting is named before the
+        network or the cache is asked anything."""
+
+        def snapshot(value: Path | None, key: str, revision: str | None) -> Path | None:
+            if value is None or not str(value).strip() or is_uri(str(value)):
+                return value
+            return model_folder(str(value), key, revision)
+
+        path = snapshot(self.path, "model.path", self.revision)
+        tokenizer = snapshot(self.tokenizer, "model.tokenizer", None)
+        if (path, tokenizer) == (self.path, self.tokenizer):
+            return self
+        return dataclasses.replace(self, path=path, tokenizer=tokenizer)
 
     @property
     def tokenizer_path(self) -> Path | None:

@@ -45,10 +45,11 @@ def test_a_hub_id_reaches_vllm_as_its_snapshot_folder(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
 
-    s = engine_settings(backend_config(ModelConfig(path="org/tiny")), "float32", 64)
+    hub_model = ModelConfig(path="org/tiny").with_hub_snapshots()
+    s = engine_settings(backend_config(hub_model), "float32", 64)
     assert s.kwargs["model"] == str(repo / "snapshots" / REV)
     assert "tokenizer" not in s.kwargs  # vLLM reads the model's own
-    cfg = backend_config(ModelConfig(path=model, tokenizer="org/tiny"))
+    cfg = backend_config(ModelConfig(path=model, tokenizer="org/tiny").with_hub_snapshots())
     assert engine_settings(cfg, "float32", 64).kwargs["tokenizer"] == str(repo / "snapshots" / REV)
 
 

@@ -104,7 +104,7 @@ def test_revision_tokenizer_and_a_local_folder_that_wins(
     shutil.copytree(run_model, tmp_path / "org" / "tiny")  # ./org/tiny exists: it wins
     job = load_job(None, sets)
     assert job.model.path == tmp_path / "org" / "tiny"
-    assert ModelConfig(path="org/tiny").path == Path("org/tiny")
+    assert ModelConfig(path="org/tiny").with_hub_snapshots().path == Path("org/tiny")
 
 
 def test_a_hub_id_not_in_the_cache_offline_is_exit_5_naming_the_key(
@@ -116,4 +116,4 @@ def test_a_hub_id_not_in_the_cache_offline_is_exit_5_naming_the_key(
     assert "model.path: 'org/missing' is not a local folder" in r.output
     assert "HF_HUB_OFFLINE" in r.output and str(hub / "hub") in r.output
     with pytest.raises(ModelError, match="at revision 'nope'"):
-        ModelConfig(path="org/tiny", revision="nope")
+        ModelConfig(path="org/tiny", revision="nope").with_hub_snapshots()
