@@ -228,7 +228,7 @@ def _bench_with_stub_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *fla
         calls.append(("vllm-sorted", [(n, r) for n, _, r, _ in pending], plan_dir))
         return [_fake_run(n, s, r, bp) for n, s, r, _ in pending], None
 
-    def backend_plan(system, pending, *args, plan_dir=None):
+    def backend_plan(system, pending, *args, plan_dir=None, dtype="float32"):
         calls.append((system, [(n, r) for n, r, _ in pending], plan_dir))
         budgets.append(args[3])  # (model, work, kv_bytes, chunk_size, ...)
         return [_fake_run(n, system, r, bp) for n, r, _ in pending]
