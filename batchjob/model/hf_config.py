@@ -77,6 +77,12 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+def _optional(cfg: dict[str, Any], key: str, default: Any) -> Any:
+    """``cfg[key]``, or ``default`` when the key is absent or null (0 stays 0: refused)."""
+    value = cfg.get(key)
+    return default if value is None else value
+
+
 def _parse_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
     params = cfg.get("rope_parameters")
     legacy = cfg.get("rope_scaling")
@@ -172,8 +178,25 @@ def parse_hf_config(
         raise ModelError(f"{source}: missing key {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:
         raise ModelError(f"{source}: a size is not an integer: {e}") from e
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    try:
+        kv_heads = int(_optional(cfg, "num_key_value_heads", heads))
+        head_dim = int(_optional(cfg, "head_dim", 0))
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{source}: a size is not an integer: {e}") from e
+    sizes = {"hidden_size": hidden, "num_attention_heads": heads, "num_hidden_layers": num_layers}
+    sizes |= {"vocab_size": vocab, "intermediate_size": inter, "num_key_value_heads": kv_heads}
+    if "head_dim" in cfg and cfg["head_dim"] is not None:
+        sizes["head_dim"] = head_dim
+    for key, value in sizes.items():
+        if value <= 0:  # before any division by it
+            raise ModelError(f"{source}: {key} is {value}; it must be a positive integer")
+    if not head_dim:
+        if hidden % heads:
+            raise ModelError(
+                f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads "
+                f"{heads} (and no head_dim is given)"
+            )
+        head_dim = hidden // heads
     if heads % kv_heads:
         raise ModelError(
             f"{source}: num_attention_heads {heads} not a multiple of kv heads {kv_heads}"

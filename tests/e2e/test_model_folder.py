@@ -160,6 +160,7 @@ BROKEN = {
     "negative-layers": _config_edit("num_hidden_layers", -1, "num_hidden_layers is -1"),
     "small-vocab": _config_edit("vocab_size", 100, "vocab_size 100 is smaller than the"),
     "unknown-dtype": _config_edit("torch_dtype", "float33", "'float33' is not a dtype"),
+    "zero-heads": _config_edit("num_attention_heads", 0, "num_attention_heads is 0"),
     "unknown-architecture": _unknown_architecture,
     "missing-weights": _missing_weights,
     "truncated-weights": _truncated_weights,

@@ -99,6 +99,13 @@ def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer
         ({"vocab_size": 100}, "vocab_size 100 is smaller than the"),
         ({"torch_dtype": "float33"}, "'float33' is not a dtype"),
         ({"torch_dtype": None, "dtype": "float33"}, "'float33' is not a dtype"),
+        # a ZeroDivisionError traceback, or a run on a size that cannot be
+        ({"num_attention_heads": 0}, "num_attention_heads is 0; it must be a positive"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers is 0; it must be a positive"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads is 0; it must be a positive"),
+        ({"head_dim": -16}, "head_dim is -16; it must be a positive"),
+        ({"hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads 4"),
+        ({"head_dim": "wide"}, "a size is not an integer"),
     ],
 )
 def test_config_the_engine_cannot_run(folder: Path, edit: dict, needle: str) -> None:
