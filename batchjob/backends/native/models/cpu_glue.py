@@ -27,18 +27,19 @@ def _takes(*ts: torch.Tensor) -> CpuKernel | None:
 
 
 def rms_norm_bf16(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+    x: torch.Tensor, weight: torch.Tensor, eps: float,
     residual_delta: torch.Tensor | None = None,
-) -> bool:  # fmt: skip
-    """out [T, D] = RMSNorm(x) * weight, x [T, D]; with ``residual_delta``, x += it in place
-    first. True when done in C."""
-    ts = (x, weight, out) if residual_delta is None else (x, weight, out, residual_delta)
+) -> torch.Tensor | None:  # fmt: skip
+    """RMSNorm(x) * weight as a new [T, D] tensor, x [T, D]; with ``residual_delta``, x += it
+    in place first. None (nothing touched) where the C pass does not apply."""
+    ts = (x, weight) if residual_delta is None else (x, weight, residual_delta)
     kn = _takes(*ts)
     if kn is None or x.dim() != 2 or not weight.is_contiguous() or weight.shape != x.shape[1:]:
-        return False
-    if out.shape != x.shape or (residual_delta is not None and residual_delta.shape != x.shape):
-        return False
+        return None
+    if residual_delta is not None and residual_delta.shape != x.shape:
+        return None
     t, d = x.shape
+    out = torch.empty((t, d), dtype=x.dtype)
     dp, ds = (
         (0, 0) if residual_delta is None else (residual_delta.data_ptr(), residual_delta.stride(0))
     )
@@ -46,4 +47,4 @@ def rms_norm_bf16(
         x.data_ptr(), x.stride(0), dp or None, ds, weight.data_ptr(), out.data_ptr(),
         out.stride(0), t, d, eps, torch.get_num_threads(),
     )  # fmt: skip
-    return rc == 0
+    return out if rc == 0 else None

@@ -208,6 +208,42 @@ def mem_available() -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class LinearTargets:
+    """A model's CPU ``nn.Linear`` modules of one dtype, and its logits weight where it is
+    not one of them (tied to the embedding): what a packed-weight path swaps."""
+
+    layers: list[tuple[nn.Module, str, nn.Linear]]
+    head: torch.Tensor | None
+
+
+def linear_targets(model: nn.Module, dtype: torch.dtype) -> LinearTargets | None:
+    """``model``'s ``dtype`` CPU linear layers, or None (logged) where packed copies of them
+    would exceed ``MAX_MEMORY_SHARE`` of the memory available now."""
+    head = getattr(model, "logits_weight", None)
+    head_w = head() if callable(head) else None
+    if head_w is not None and (head_w.dtype != dtype or head_w.device.type != "cpu"):
+        head_w = None  # kept on torch, as the layers below
+    layers = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+        and child.weight is not head_w  # packed once, as model.logits_linear
+        and child.weight.dtype == dtype
+        and child.weight.device.type == "cpu"
+    ]
+    elem = torch.finfo(dtype).bits // 8
+    need = sum(c.weight.numel() * elem for _, _, c in layers)
+    need += head_w.numel() * elem if head_w is not None else 0
+    avail = mem_available()
+    if avail is not None and need > MAX_MEMORY_SHARE * avail:
+        log.info("linear layers: packed %s weights (%.1f GB) would exceed %.0f%% of available "
+                 "memory; torch runs them", dtype, need / 1e9, MAX_MEMORY_SHARE * 100)  # fmt: skip
+        return None
+    return LinearTargets(layers, head_w)
+
+
 def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
     """Swap ``model``'s float32 CPU ``nn.Linear`` modules (and its logits projection, through
     ``model.logits_linear``) for ``PackedLinear``; returns how many (0 when the kernel did not
@@ -215,26 +251,10 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
     kernel = load_kernel(isa)
     if kernel is None:
         return 0
-    head = getattr(model, "logits_weight", None)
-    head_w = head() if callable(head) else None
-    if head_w is not None and (head_w.dtype != torch.float32 or head_w.device.type != "cpu"):
-        head_w = None  # kept on torch, as the layers below
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-        and child.weight is not head_w  # packed once, below, as model.logits_linear
-        and child.weight.dtype == torch.float32
-        and child.weight.device.type == "cpu"
-    ]
-    need = sum(c.weight.numel() * 4 for _, _, c in targets)
-    need += head_w.numel() * 4 if head_w is not None else 0
-    avail = mem_available()
-    if avail is not None and need > MAX_MEMORY_SHARE * avail:
-        log.info("linear layers: packed weights (%.1f GB) would exceed %.0f%% of available "
-                 "memory; torch runs them", need / 1e9, MAX_MEMORY_SHARE * 100)  # fmt: skip
+    found = linear_targets(model, torch.float32)
+    if found is None:
         return 0
+    targets, head_w = found.layers, found.head
     on = calib.mode() != "0"
     packed = [PackedLinear(child.weight, child.bias, kernel, on) for _, _, child in targets]
     for (parent, name, _), layer in zip(targets, packed, strict=True):

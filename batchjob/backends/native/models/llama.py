@@ -41,8 +41,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, round to x's dtype, then scale by ``weight``."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, bit-equal in float32
-    out = torch.empty_like(x)
-    if x.dim() == 2 and cpu_glue.rms_norm_bf16(x, weight, eps, out):
+    out = cpu_glue.rms_norm_bf16(x, weight, eps) if x.dim() == 2 else None
+    if out is not None:
         return out  # one pass in C (bf16 on the CPU)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -52,8 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     """h += delta in place (the residual stream), then ``norm(h)``; one pass in C for bf16 on
     the CPU (vLLM's fused_add_rms_norm), else the two torch steps."""
-    out = torch.empty_like(h)
-    if cpu_glue.rms_norm_bf16(h, norm.weight, norm.eps, out, residual_delta=delta):
+    out = cpu_glue.rms_norm_bf16(h, norm.weight, norm.eps, residual_delta=delta)
+    if out is not None:
         return out
     return norm(h.add_(delta))
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchjob.backends.native.models.cpu_linear import MAX_MEMORY_SHARE, mem_available
+from batchjob.backends.native.models.cpu_linear import linear_targets
 from batchjob.backends.native.models.llama import MLP
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class OneDnnSiluMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.mkldnn
-        g = ops._linear_pointwise(x.contiguous(), self.gate, self.gate_b, "swish", [], "")
-        return ops._linear_pointwise(x.contiguous(), g, self.up, self.up_b, "mul")
+        x = x.contiguous()
+        g = ops._linear_pointwise(x, self.gate, self.gate_b, "swish", [], "")
+        return ops._linear_pointwise(x, g, self.up, self.up_b, "mul")
 
 
 def use_onednn_linear(model: nn.Module) -> int:
@@ -90,26 +91,10 @@ def use_onednn_linear(model: nn.Module) -> int:
     path is missing or the packed copies would not fit ``MAX_MEMORY_SHARE``)."""
     if not onednn_bf16_available():
         return 0
-    head = getattr(model, "logits_weight", None)
-    head_w = head() if callable(head) else None
-    if head_w is not None and (head_w.dtype != torch.bfloat16 or head_w.device.type != "cpu"):
-        head_w = None
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-        and child.weight is not head_w
-        and child.weight.dtype == torch.bfloat16
-        and child.weight.device.type == "cpu"
-    ]
-    need = sum(c.weight.numel() * 2 for _, _, c in targets)
-    need += head_w.numel() * 2 if head_w is not None else 0
-    avail = mem_available()
-    if avail is not None and need > MAX_MEMORY_SHARE * avail:
-        log.info("linear layers: packed bf16 weights (%.1f GB) would exceed %.0f%% of available "
-                 "memory; F.linear runs them", need / 1e9, MAX_MEMORY_SHARE * 100)  # fmt: skip
+    found = linear_targets(model, torch.bfloat16)
+    if found is None:
         return 0
+    targets, head_w = found.layers, found.head
     for parent, name, child in targets:
         if name == "gate_up" and isinstance(parent, MLP):
             parent.fused_gate_up = OneDnnSiluMul(child, parent.inter)
