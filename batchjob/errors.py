@@ -19,6 +19,14 @@ EXIT_LOCKED = 75  # another run holds this output (sysexits EX_TEMPFAIL): wait, 
 EXIT_INTERRUPTED = 130  # Ctrl-C / SIGTERM: written results are intact, rerun resumes
 
 
+def one_line(e: object) -> str:
+    """An error's text on one line: a library's multi-line message (pyarrow's thrift errors)
+    joined with "; ", control characters escaped."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    text = "; ".join(lines) or type(e).__name__
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class BatchJobError(Exception):
     """Base class: a user-facing error with a clear message and an exit code.
 

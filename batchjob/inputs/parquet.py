@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.config import InputConfig, ModelConfig
-from batchjob.errors import InputDataError
+from batchjob.errors import InputDataError, one_line
 from batchjob.inputs.prompt_builder import PromptBuilder, make_builder
 from batchjob.storage.stores import ObjectPath, arrow_source, is_uri, list_files
 
@@ -276,6 +276,37 @@ def _hidden(f: str, root: str) -> bool:
     return any(part.startswith(("_", ".")) for part in Path(rel).parts)
 
 
+def _check_values(rb: pa.RecordBatch, path: str, start: int, file_row: int) -> None:
+    """Every value of the batch is what its type says (a corrupt page can decode to text that
+    is not UTF-8, which Parquet readers do not check): else InputDataError naming the first
+    such row and column."""
+    try:
+        rb.validate(full=True)
+        return
+    except pa.ArrowInvalid:
+        pass
+    for name, col in zip(rb.schema.names, rb.columns, strict=True):
+        if _valid(col):
+            continue
+        lo, hi = 0, len(col)  # the first bad row: the shortest bad prefix
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if not _valid(col.slice(0, mid)) else (mid, hi)
+        i = lo if not _valid(col.slice(lo, 1)) else hi - 1
+        raise InputDataError(
+            f"row {start + i} (file {os.path.basename(path)}, row {file_row + i}): column "
+            f"{name!r} holds bytes that are not valid {col.type} (a corrupt file?)"
+        )
+
+
+def _valid(col: pa.Array) -> bool:
+    try:
+        col.validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
 def _file_batches(src: str, fs, batch_rows: int) -> Iterator[pa.RecordBatch]:
     """One file's record batches, row group after row group. Not pyarrow.dataset's scanner:
     its read-ahead (16 batches, 4 files) held ~430 MB of Arrow buffers on a 1M-row token-id
@@ -319,12 +350,13 @@ class InputDataset:
                         continue
                     if rb.num_rows > left:
                         rb = rb.slice(0, left)
+                    _check_values(rb, path, base + file_row, file_row)
                     yield self._to_prompt_batch(rb, path, base + file_row, file_row)
                     file_row += rb.num_rows
                     left -= rb.num_rows
             except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
                 raise InputDataError(
-                    f"{path}: cannot read Parquet data near row {file_row}: {e}"
+                    f"{path}: cannot read Parquet data near row {file_row}: {one_line(e)}"
                 ) from None
             base += nrows
 
@@ -460,7 +492,7 @@ def check_ids(files: list[str], column: str, limit: int | None) -> None:
         try:
             col = pq.read_table(src, columns=[column], filesystem=fs).column(0)
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
-            raise InputDataError(f"{f}: cannot read column {column!r}: {e}") from None
+            raise InputDataError(f"{f}: cannot read column {column!r}: {one_line(e)}") from None
         starts.append(sum(map(len, parts)))
         parts.append(col.combine_chunks())
     ids = pl.Series(pa.chunked_array(parts))
@@ -501,7 +533,7 @@ def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDat
             meta = pq.read_metadata(src, filesystem=fs)
             schema = meta.schema.to_arrow_schema()
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
-            raise InputDataError(f"{f}: not a readable Parquet file ({e})") from None
+            raise InputDataError(f"{f}: not a readable Parquet file ({one_line(e)})") from None
         rows.append(meta.num_rows)
         schemas.append(schema)
         is_text, has_mt = check_schema(cfg, builder, schema, f)

@@ -32,6 +32,7 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, overload
 
+from batchjob.storage.faults import fault_point
 from batchjob.storage.stores import ObjectPath, ObjectStore
 
 if TYPE_CHECKING:
@@ -122,6 +123,19 @@ def atomic_open(
 
 
 @contextmanager
+def naming(path: Target) -> Iterator[None]:
+    """An ``OSError`` raised inside the block names ``path`` (pyarrow's write errors, a full
+    disk among them, name no file): ``[Errno 28] No space left on device: '<path>'``."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None and str(e.filename) != "None":
+            raise
+        code = e.errno if e.errno is not None else errno.EIO
+        raise OSError(code, e.strerror or str(e), str(path)) from e
+
+
+@contextmanager
 def _object_open(path: ObjectPath, mode: str) -> Iterator[IO[Any]]:
     buf = io.BytesIO()
     if mode == "w":
@@ -130,14 +144,16 @@ def _object_open(path: ObjectPath, mode: str) -> Iterator[IO[Any]]:
         text.flush()
     else:
         yield buf
-    ObjectStore(path.scheme).write_bytes(path, buf.getvalue())
+    with naming(path):
+        ObjectStore(path.scheme).write_bytes(path, buf.getvalue())
 
 
 @contextmanager
 def _atomic_open(path: Path, mode: str, make_parent: bool = True) -> Iterator[IO[Any]]:
-    if make_parent:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with naming(path):
+        if make_parent:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         try:
             os.fchmod(fd, 0o666 & ~current_umask())
@@ -145,16 +161,19 @@ def _atomic_open(path: Path, mode: str, make_parent: bool = True) -> Iterator[IO
         except BaseException:
             os.close(fd)
             raise
-        with f:
+        with naming(path), f:
             yield f
+            fault_point("write")  # a full disk shows here (``write:N:ENOSPC``)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming(path):
+            os.replace(tmp, path)
     except BaseException:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(path.parent)
+    with naming(path):
+        fsync_dir(path.parent)
 
 
 def write_bytes_atomic(data: bytes, path: Target) -> None:

@@ -2,7 +2,8 @@
 
 ``BATCHJOB_FAULT_POINT=name:count`` makes the ``count``-th call of ``fault_point("name")``
 SIGKILL the process there, as a power cut or the OOM killer would; ``name:count:ENOSPC`` (any
-errno name) raises that ``OSError`` there instead, as a full disk would. Unset: one lookup.
+errno name) raises that ``OSError`` there instead, as a full disk would (``write``, inside every
+local atomic write, raises it as pyarrow does: naming no file). Unset: one lookup.
 """
 
 from __future__ import annotations
@@ -30,5 +31,7 @@ def fault_point(name: str) -> None:
         return
     if err:
         code = getattr(errno, err)
+        if name == "write":
+            raise OSError(code, os.strerror(code))
         raise OSError(code, os.strerror(code), f"<fault point {name}>")
     os.kill(os.getpid(), signal.SIGKILL)

@@ -20,7 +20,7 @@ import pytest
 
 from batchjob import errors
 from batchjob.config import load_job
-from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.naming import OutputLayout
 from batchjob.storage.lock import output_lock
 from tests.e2e.jobkit import ROOT, cli, read_results, write_job
 
@@ -47,6 +47,16 @@ def bad(tmp_path_factory, run_model) -> dict[str, Path]:
     pq.write_table(pa.table({"text": ["a b"]}), out["nocol"])
     out["corrupt"] = d / "corrupt.parquet"
     out["corrupt"].write_bytes(b"PAR1 this is not parquet")
+    words = [f"row {i} alpha beta gamma" for i in range(40)]
+    plain = d / "plain.parquet"  # uncompressed: the text's bytes lie in the file as they are
+    pq.write_table(pa.table({"prompt": words}), plain, compression="none", use_dictionary=False)
+    data = plain.read_bytes()
+    at = data.index(b"row 17 alpha")
+    out["bad_utf8"] = d / "bad-utf8.parquet"  # a corrupt page that still decodes
+    out["bad_utf8"].write_bytes(data[:at] + b"\xff\xfe" + data[at + 2 :])
+    page = pq.read_metadata(plain).row_group(0).column(0).data_page_offset
+    out["bad_page"] = d / "bad-page.parquet"  # a page header pyarrow cannot parse
+    out["bad_page"].write_bytes(data[:page] + b"\xff" * 16 + data[page + 16 :])
     out["empty"] = d / "empty.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), out["empty"])
     out["ids"] = d / "ids.parquet"
@@ -112,6 +122,16 @@ def _cases(bad: dict[str, Path], model: Path, tmp: Path):
             "input.max_tokens_column",
         ),
         "corrupt parquet": (run(bad["corrupt"], *m), E.EXIT_INPUT, "corrupt.parquet"),
+        "corrupt page header": (
+            run(bad["bad_page"], *m),
+            E.EXIT_INPUT,
+            "bad-page.parquet: cannot read Parquet data near row 0: Couldn't deserialize",
+        ),
+        "text that is not UTF-8": (
+            run(bad["bad_utf8"], *m),
+            E.EXIT_INPUT,
+            "row 17 (file bad-utf8.parquet, row 17): column 'prompt' holds bytes that are not",
+        ),
         "empty dataset": (run(bad["empty"], *m), E.EXIT_INPUT, "0 rows"),
         "model folder missing": (
             run(bad["text"], *on_cpu(tmp / "nomodel")),
@@ -135,7 +155,8 @@ def _cases(bad: dict[str, Path], model: Path, tmp: Path):
 CASES = [
     "bad command line", "job file missing", "unknown key", "output is the input",
     "output under a file", "cuda without a GPU", "files type a column differently",
-    "missing prompt column", "misspelled max_tokens_column", "corrupt parquet", "empty dataset",
+    "missing prompt column", "misspelled max_tokens_column", "corrupt parquet",
+    "corrupt page header", "text that is not UTF-8", "empty dataset",
     "model folder missing", "truncated safetensors", "token ids, model.path none",
     "every row rejected",
 ]  # fmt: skip
@@ -175,6 +196,22 @@ def test_disk_full_is_one_line_exit_1_and_resumes(tmp_path, run_model, run_data,
     assert read_results(tmp_path / "out" / "results.parquet")["row_id"].to_pylist() == list(
         range(n)
     )
+
+
+@pytest.mark.parametrize("nth", [1, 4])
+def test_disk_full_names_the_file_it_could_not_write(
+    tmp_path, run_model, run_data, monkeypatch, nth
+):
+    """A full disk raises inside pyarrow's write, which names no file: the line names it."""
+    job = write_job(tmp_path, run_model, run_data, "out/results.parquet", flush_rows="4")
+    monkeypatch.setenv("BATCHJOB_FAULT_POINT", f"write:{nth}:ENOSPC")
+    line = _one_line_error(cli("run", job), errors.EXIT_RUNTIME)
+    assert "No space left on device: " in line, line
+    named = Path(line.split("No space left on device: ", 1)[1].split("'")[1])
+    assert named.is_relative_to(tmp_path / "out") and named.parent.is_dir(), line
+    assert not list(tmp_path.rglob("*.tmp"))  # the temp file went with the error
+    monkeypatch.delenv("BATCHJOB_FAULT_POINT")
+    assert cli("run", job).exit_code == 0
 
 
 def test_generation_stops_at_the_model_context(tmp_path, run_model, run_data):
