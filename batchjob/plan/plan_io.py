@@ -26,19 +26,24 @@ _VERSION = b"1"
 _COLUMNS = ("group", "row_id", "position", "prefix_len", "decode_estimate")
 
 
+def plan_schema(stats: PlanStats) -> pa.Schema:
+    """The plan file's columns, with ``stats`` in its metadata (a streamed plan's writer
+    opens with it: the stats are known before the first group is written)."""
+    meta = {_META_KEY: json.dumps(asdict(stats)).encode(), _VERSION_KEY: _VERSION}
+    types = (pa.int64(), pa.int64(), pa.int64(), pa.int64(), pa.int32())
+    return pa.schema(list(zip(_COLUMNS, types, strict=True)), metadata=meta)
+
+
 def plan_to_table(plan: Plan) -> pa.Table:
     sizes = np.diff(plan.group_offsets)
-    table = pa.table(
-        {
-            "group": pa.array(np.repeat(np.arange(plan.num_groups, dtype=np.int64), sizes)),
-            "row_id": pa.array(plan.row_ids.astype(np.int64)),
-            "position": pa.array(plan.members.astype(np.int64)),
-            "prefix_len": pa.array(np.repeat(plan.group_prefix_len.astype(np.int64), sizes)),
-            "decode_estimate": pa.array(plan.decode_estimate.astype(np.int32)),
-        }
-    )
-    meta = {_META_KEY: json.dumps(asdict(plan.stats)).encode(), _VERSION_KEY: _VERSION}
-    return table.replace_schema_metadata(meta)
+    cols = [
+        np.repeat(np.arange(plan.num_groups, dtype=np.int64), sizes),
+        plan.row_ids.astype(np.int64),
+        plan.members.astype(np.int64),
+        np.repeat(plan.group_prefix_len.astype(np.int64), sizes),
+        plan.decode_estimate.astype(np.int32),
+    ]
+    return pa.Table.from_arrays([pa.array(c) for c in cols], schema=plan_schema(plan.stats))
 
 
 def write_plan(plan: Plan, path: Target) -> None:
