@@ -48,8 +48,10 @@ if TYPE_CHECKING:
     from batchjob.runner.pipeline import JobResult
     from batchjob.tokenize.tokenizer import PromptTokenizer
 
+_OUTPUT_KEYS = ("reasoning_parser",)  # the [output] keys generate() honours: what it returns
 _NOT_HERE = {
-    "output": "generate() returns a table and writes nothing (batchjob.run writes results)",
+    "output": "generate() returns a table and writes nothing (batchjob.run writes results); "
+    "of [output] it takes reasoning_parser only",
     "cluster": "generate() runs in this process (for many machines: a Generator per Ray actor)",
     "storage": "generate() reads no files",
 }
@@ -85,7 +87,9 @@ def generate_config(
                 section, k = key.split(".")
                 hint = f"; did you mean {section}={{{k!r}: ...}}?"
             raise ConfigError(f"generate(): unknown setting {name}=...{hint}")
-        if name in _NOT_HERE:
+        if name == "output" and isinstance(table, Mapping) and set(table) <= {*_OUTPUT_KEYS}:
+            pass
+        elif name in _NOT_HERE:
             raise ConfigError(f"{name}: not a setting of generate(): {_NOT_HERE[name]}")
         if not isinstance(table, Mapping):
             raise ConfigError(
@@ -109,7 +113,8 @@ def generate_config(
         base, source = (None if job is None else Path(job)), None
     raw, file, where = read_tables(base, tables=tables, where="generate()")
     raw["input"] = {**raw.get("input", {}), "path": DATA_NAME}
-    raw["output"] = {"path": DATA_NAME}
+    given = raw.get("output", {})
+    raw["output"] = {"path": DATA_NAME, **{k: given[k] for k in _OUTPUT_KEYS if k in given}}
     for name in ("cluster", "storage"):
         raw.pop(name, None)
     built = build_job(raw, file or source, where)
@@ -257,7 +262,9 @@ class Generator:
         from batchjob.runner.prepare import prepare
 
         job = self.job
-        sink = MemorySink(job_columns(job.sampling, job.input))
+        sink = MemorySink(
+            job_columns(job.sampling, job.input, job.output.reasoning_parser, job.model.task)
+        )
         dataset = open_table(job.input, job.model, table, row_base=row_base)
         tokenizer = self._tokenizer_once(dataset.prompt_is_text)
         prep = prepare(job, tokenizer, dataset=dataset)

@@ -11,6 +11,7 @@ mount) prints one line and exits 1. Anything else is a bug and keeps its traceba
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -27,7 +28,13 @@ from typing import Any
 import click
 
 from batchjob.config import JobConfig, load_job, parse_assignments
-from batchjob.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, BatchJobError, ConfigError
+from batchjob.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME,
+    BatchJobError,
+    ConfigError,
+    one_line,
+)
 from batchjob.tokenize.tokenizer import parallelism_disabled
 from batchjob.version import __version__
 
@@ -41,7 +48,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except BatchJobError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {one_line(e)}", err=True)
             ctx.exit(e.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -50,7 +57,8 @@ class _Group(click.Group):
                     signal.signal(sig, signal.SIG_IGN)  # while the interpreter shuts down
             ctx.exit(EXIT_INTERRUPTED)
         except OSError as e:  # disk full, a lost mount: the machine's problem, retry may help
-            click.echo(f"error: {e}; rows written so far are kept: rerun to resume", err=True)
+            why = one_line(e)
+            click.echo(f"error: {why}; rows written so far are kept: rerun to resume", err=True)
             ctx.exit(EXIT_RUNTIME)
 
 
@@ -141,15 +149,23 @@ def build_job(
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     """Read, tokenize and plan a job; print a summary and write the plan (no model run)."""
-    from batchjob.outputs.layout import OutputLayout
+    from batchjob.inputs.source import open_input
+    from batchjob.model.pooling import describe_embedding
+    from batchjob.outputs.naming import OutputLayout
     from batchjob.outputs.plan_summary import summarize
     from batchjob.plan.build import plan_job
     from batchjob.plan.plan_io import write_plan
+    from batchjob.runner.plan_stream import partitioned_reason
     from batchjob.runner.prepare import prepare
     from batchjob.timing import StageTiming
 
+    dataset = open_input(job.input, job.model, job.sampling)  # metadata: rows, files
+    if why := partitioned_reason(job, dataset):
+        log.info(why)
+        _plan_partitioned(job, dataset, plan_out, as_json)
+        return
     # the requests `batchjob run` runs: every row's samples (sampling.n), context-capped
-    data = prepare(job)
+    data = prepare(job, dataset=dataset)
     prompts = data.requests()
     loaded = data.loaded
     log.info("stage tokenize done: %d rows, %d tokens", loaded.num_rows, len(loaded.prompts.tokens))
@@ -172,10 +188,35 @@ def plan_cmd(job: JobConfig, plan_out: Path | None, as_json: bool) -> None:
     summary = summarize(
         plan, prompts, loaded.rejected, stages, model=data.model, plan_path=str(path)
     )
+    summary = dataclasses.replace(summary, embedding=describe_embedding(job.model, data.model))
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:
         click.echo(summary.format())
+
+
+def _plan_partitioned(job: JobConfig, dataset, plan_out: Path | None, as_json: bool) -> None:
+    """`batchjob plan` of a dataset over scheduler.plan_memory: streamed, in partitions."""
+    from batchjob.model.pooling import describe_embedding
+    from batchjob.outputs.naming import OutputLayout
+    from batchjob.outputs.plan_summary import summarize_partitioned
+    from batchjob.runner.plan_stream import plan_partitioned
+
+    layout = OutputLayout.of(job.output)
+    target = plan_out or layout.plan_file
+    path = target.expanduser().resolve() if isinstance(target, Path) else target  # or a URI
+    try:
+        done = plan_partitioned(job, path, layout.meta, dataset=dataset)
+    except OSError as e:
+        key = "--plan-out" if plan_out else "output.path"
+        raise ConfigError(f"{key}: cannot write the plan to {path}: {e.strerror or e}") from None
+    log.info("stage plan done in %.2f s", done.stages[-1].seconds)
+    log.info("stage write done (plan file)")
+    summary = summarize_partitioned(
+        done.planned, done.rejected, done.stages, done.budget, done.model, str(path)
+    )
+    summary = dataclasses.replace(summary, embedding=describe_embedding(job.model, done.model))
+    click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else summary.format())
 
 
 @main.command("run")
@@ -193,6 +234,7 @@ def run_cmd(job: JobConfig, no_progress: bool, as_json: bool) -> None:
 
     from batchjob.runner.heartbeat import interval_from_env
     from batchjob.runner.pipeline import run
+    from batchjob.runner.progress import results_phrase
 
     tty = sys.stderr.isatty()
     result = run(
@@ -210,16 +252,30 @@ def run_cmd(job: JobConfig, no_progress: bool, as_json: bool) -> None:
         click.echo(json.dumps(out, indent=2))
         return
     click.echo(
-        f"{s.rows_total} rows: {s.rows_ok} ok, {s.rows_rejected} rejected, "
+        f"{results_phrase(s.rows_total, s.input_rows)}: {s.rows_ok} ok, "
+        f"{s.rows_rejected} rejected, "
         f"{s.rows_skipped_done} done earlier -> {result.results_path}\n"
-        f"{s.requests_run} requests in {s.engine_s:.2f} s ({s.requests_per_s:.2f} req/s, "
-        f"{s.prompt_tokens_per_s:.0f} prompt tok/s, {s.generated_tokens_per_s:.0f} generated "
-        f"tok/s); TECD {s.tecd_s:.2f} s; total {s.total_s:.2f} s\n"
-        f"saving ratio: planned {s.saving_ratio_planned:.1%} (multi-level optimum "
+        + _rates(s)
+        + f"; TECD {s.tecd_s:.2f} s; total {s.total_s:.2f} s\n"
+        + f"saving ratio: planned {s.saving_ratio_planned:.1%} (multi-level optimum "
         f"{s.saving_ratio_multi_level:.1%}), achieved {s.saving_ratio_achieved:.1%}; "
         f"{s.iterations} iterations, {s.mean_tokens_per_iteration:.0f} tokens/iteration, "
         f"{s.preemptions} preemptions\n"
         f"report: {result.report_paths.get('json')}"
+    )
+
+
+def _rates(s: Any) -> str:
+    """The run line's throughput: rows/s and prompt tokens/s of an embedding job."""
+    if s.task == "embed":
+        return (
+            f"{s.requests_run} rows embedded in {s.engine_s:.2f} s ({s.requests_per_s:.2f} "
+            f"rows/s, {s.prompt_tokens_per_s:.0f} tokens/s)"
+        )
+    return (
+        f"{s.requests_run} requests in {s.engine_s:.2f} s ({s.requests_per_s:.2f} req/s, "
+        f"{s.prompt_tokens_per_s:.0f} prompt tok/s, {s.generated_tokens_per_s:.0f} generated "
+        "tok/s)"
     )
 
 

@@ -36,6 +36,8 @@ class BackendConfig:
     json_schema_column: str | None  # input.json_schema_column: per-row JSON schemas
     regex_column: str | None  # input.regex_column: per-row regexes
     choice_column: str | None  # input.choice_column: per-row choice lists
+    # output.reasoning_parser: a constrained row's grammar starts after its reasoning
+    reasoning_parser: str | None = None
 
     @property
     def guided(self) -> bool:
@@ -62,13 +64,14 @@ class FinishedRequest:
     position: int  # index in TokenizedPrompts
     row_id: int
     token_ids: np.ndarray  # int32 generated tokens (stop token included, as HF does)
-    finish_reason: str  # "stop" | "length" | "score" (scoring mode: nothing generated)
+    finish_reason: str  # "stop" | "length" | "score" | "embed" (the last two generate nothing)
     text: str | None  # set when a stop string cut the text; else the caller detokenizes
     logprobs: TokenLogprobs | None = None  # sampling.logprobs: aligned with token_ids
     # sampling.prompt_logprobs: aligned with the prompt's tokens (entry 0: NaN, it has none)
     prompt_logprobs: TokenLogprobs | None = None
     label_logprobs: np.ndarray | None = None  # float32 [L]: scoring mode, one per label
     label: str | None = None  # scoring mode: the most likely label
+    embedding: np.ndarray | None = None  # float32 [D]: model.task = "embed" (nothing generated)
     target_logprobs: np.ndarray | None = None  # float32: engine-internal scoring targets
     status: str | None = None  # None: "ok"; else a per-row status (e.g. "json_incomplete")
     message: str | None = None  # why, for a status other than "ok"

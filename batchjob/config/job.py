@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from batchjob.config.checks import _fail
+from batchjob.config.embedding import check_embedding
 from batchjob.config.json_schema import XGRAMMAR_HINT
 from batchjob.config.per_row import GUIDE_COLUMNS, PROCESSOR_COLUMNS, VLLM_MAX_TEMPERATURE
 from batchjob.config.sections import (
@@ -60,6 +61,12 @@ class JobConfig:
             key = "input.messages_column" if self.input.messages_column else "input.system_prompt"
             _fail("model.chat_template", f"'none' cannot render chat turns ({key} is set)", "none")
         self._check_sampling()
+        parser = self.output.reasoning_parser
+        if parser and (self.sampling.labels or self.input.labels_column):
+            _fail("output.reasoning_parser", "cannot be combined with scoring (labels)", parser)
+        if parser and getattr(self.model, "task", "generate") != "generate":
+            _fail("output.reasoning_parser", "is for model.task = \"generate\"", parser)
+        check_embedding(self.model, self.sampling, self.input, self.output)
         if self.model.quantization is not None and self.engine.backend != "vllm":
             why = 'is for engine.backend = "vllm" (the native engine runs full-precision weights)'
             _fail("model.quantization", why, self.model.quantization)

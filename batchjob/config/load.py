@@ -250,10 +250,10 @@ def _set_in_table(raw: dict[str, Any], section: str, key: str, sub: str, value: 
 
 def _checkpoint_sampling(raw: dict[str, dict[str, Any]], sections: dict[str, Any]) -> Any:
     """[sampling] with the model's generation_config.json defaults for the keys the job left
-    unset (``model.generation_config = "auto"``, vLLM's behaviour); scoring jobs draw
-    nothing and take none."""
+    unset (``model.generation_config = "auto"``, vLLM's behaviour); scoring and embedding
+    jobs draw nothing and take none."""
     model, sampling = sections["model"], sections["sampling"]
-    scoring = bool(sampling.labels or sections["input"].labels_column)
+    scoring = bool(sampling.labels or sections["input"].labels_column) or model.task == "embed"
     if model.generation_config != "auto" or model.path is None or scoring:
         return sampling
     defaults, path = read_generation_sampling_defaults(model.path)

@@ -18,8 +18,11 @@ from batchjob.backends.names import (
     ATTENTION_BACKENDS,
     BACKENDS,
     LINEAR_BACKENDS,
+    POOLING_METHODS,
     SCHEDULING_POLICIES,
+    TASKS,
 )
+from batchjob.backends.reasoning import REASONING_PARSERS
 from batchjob.config.checks import (
     _bool,
     _fail,
@@ -143,9 +146,26 @@ class ModelConfig:
     # auto: generation_config.json's temperature, top_p, top_k, min_p, penalties and
     # max_new_tokens for the [sampling] keys the job leaves unset (vLLM's default); none: off
     generation_config: str = "auto"
+    # generate: generate text; embed: an embedding column per row (the final hidden states
+    # pooled), nothing generated
+    task: str = "generate"
+    # embed: last (token), mean (over every prompt token) or cls (the first token); auto: the
+    # folder's sentence-transformers 1_Pooling/config.json, else last (vLLM's default)
+    pooling: str = "auto"
+    # embed: scale each embedding to unit L2 norm; unset: true when the folder's modules.json
+    # has a Normalize module or no modules.json is there (vLLM's default), else false
+    normalize: bool | None = None
+    # embed: keep the first N dimensions, then normalize (Matryoshka: config.json declares
+    # is_matryoshka or matryoshka_dimensions, as vLLM asks); unset: all
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         _str("model.revision", self.revision, optional=True)
+        _str("model.task", self.task, TASKS)
+        _str("model.pooling", self.pooling, POOLING_METHODS)
+        if self.normalize is not None:
+            _bool("model.normalize", self.normalize)
+        _int("model.dimensions", self.dimensions, lo=1, optional=True)
         _str("model.quantization", self.quantization, optional=True)
         _str("model.generation_config", self.generation_config, ("auto", "none"))
         _path(self, "path", "model.path", optional=True)
@@ -379,6 +399,8 @@ class SchedulerConfig:
     enlarge: bool = True  # first-level enlargement of the plan's groups (Algo 1)
     reorder: bool = True  # order groups by decode/prefill ratio (Eq. 4)
     decode_reserve: bool = True  # batchllm: admit prefill against the projected decode peak
+    # `batchjob plan` memory: a larger dataset is planned in partitions; unset: half of RAM
+    plan_memory: int | None = None
 
     def __post_init__(self) -> None:
         _str("scheduler.policy", self.policy, SCHEDULING_POLICIES)
@@ -389,6 +411,12 @@ class SchedulerConfig:
         _bool("scheduler.enlarge", self.enlarge)
         _bool("scheduler.reorder", self.reorder)
         _bool("scheduler.decode_reserve", self.decode_reserve)
+        if self.plan_memory is not None:
+            try:
+                object.__setattr__(self, "plan_memory", parse_bytes(self.plan_memory))
+            except ValueError as e:
+                raise ConfigError(f"scheduler.plan_memory: {e}") from None
+            _int("scheduler.plan_memory", self.plan_memory, lo=1)
 
     def kv_threshold_for(self, backend: str) -> float:
         """The admission threshold ``backend`` runs: the job's, else that backend's default.
@@ -452,8 +480,13 @@ class OutputConfig:
     # a results folder holding files batchjob did not write: refused unless true; then the
     # results go beside them (never deleted) and commit in place, as on an object store
     allow_other_files: bool = False
+    # a reasoning model's <think>...</think> part to reasoning_text, only the answer left in
+    # output_text (the grammar of json_schema, regex, choice starts after it), as vLLM's
+    # reasoning parser of this name splits it; unset: output_text holds all of it
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        _str("output.reasoning_parser", self.reasoning_parser, REASONING_PARSERS, optional=True)
         _path(self, "path", "output.path", optional=False, uri=True)
         _path(self, "report_path", "output.report_path", optional=True, uri=True)
         _path(self, "plan_path", "output.plan_path", optional=True, uri=True)

@@ -15,6 +15,7 @@ from batchjob.inputs.parquet import RejectedRows
 from batchjob.model.info import ModelInfo
 from batchjob.plan.plan import Plan, PlanStats
 from batchjob.plan.stats import PlanSummary, group_kv_tokens, summarize_plan
+from batchjob.plan.streamed import StreamedPlan
 from batchjob.timing import StageTiming
 from batchjob.tokenize.prompts import TokenizedPrompts
 
@@ -33,6 +34,18 @@ class KvEstimate:
 
 
 @dataclass(frozen=True)
+class Partitions:
+    """How a plan too large for ``scheduler.plan_memory`` was split (``batchjob.plan.streamed``)."""
+
+    count: int  # partitions planned
+    depths: tuple[int, ...]  # key depths (leading tokens) of the splits
+    largest_rows: int  # rows of the largest partition
+    largest_tokens: int  # its tokens
+    budget: int  # scheduler.plan_memory in bytes
+    over_budget: int  # partitions no key depth brought within the budget
+
+
+@dataclass(frozen=True)
 class PlanReport:
     requests: int  # requests planned (every sample of a row: sampling.n) + rejected rows
     ok: int  # requests planned
@@ -43,12 +56,15 @@ class PlanReport:
     kv: KvEstimate | None  # None without a model config.json
     stages: tuple[StageTiming, ...]
     plan_path: str | None
+    partitions: Partitions | None = None  # None: planned in memory
+    embedding: str | None = None  # model.task = "embed": how rows are pooled; None: generate
 
     def to_dict(self) -> dict:
         """Flat JSON-able dict (for Airflow and scripts)."""
         plan = self.plan.to_dict()
         for k in ("num_requests", "saving_ratio_single_level", "saving_ratio_multi_level"):
             plan.pop(k)  # already in stats
+        extra = {"partitions": dataclasses.asdict(self.partitions)} if self.partitions else {}
         return {
             "requests": self.requests,
             "ok": self.ok,
@@ -62,6 +78,9 @@ class PlanReport:
                 {**dataclasses.asdict(s), "tokens_per_s": s.tokens_per_s} for s in self.stages
             ],
             "plan_path": self.plan_path,
+            "task": "generate" if self.embedding is None else "embed",
+            "embedding": self.embedding,
+            **extra,
         }
 
     def format(self) -> str:
@@ -84,6 +103,12 @@ class PlanReport:
             f"{st.single_level_prefill_tokens} with this plan, "
             f"{st.multi_level_prefill_tokens} multi-level",
         ]
+        if self.embedding is not None:  # prefill only: the saving is the whole job's
+            lines.append(
+                f"task          {self.embedding}: prefill only, "
+                f"{st.single_level_prefill_tokens} of {st.logical_prefill_tokens} prompt tokens "
+                "computed (each shared prefix once per group)"
+            )
         if self.kv is None:
             lines.append("KV estimate   n/a (no model config.json)")
         else:
@@ -100,6 +125,13 @@ class PlanReport:
             rate = f" ({_count(s.tokens_per_s)} tok/s)" if s.tokens else ""
             stages.append(f"{s.name} {s.seconds:.3f} s{rate}")
         lines.append("time          " + " | ".join(stages))
+        if self.partitions:
+            q = self.partitions
+            lines.append(
+                f"partitions    {q.count} (keys of the first {', '.join(map(str, q.depths))} "
+                f"tokens; largest {q.largest_rows} rows, {q.largest_tokens} tokens; "
+                f"budget {_bytes(q.budget)})"
+            )
         if self.plan_path:
             lines.append(f"plan          {self.plan_path}")
         return "\n".join(lines)
@@ -166,4 +198,43 @@ def summarize(
         kv=kv,
         stages=tuple(stages),
         plan_path=plan_path,
+    )
+
+
+def summarize_partitioned(
+    planned: StreamedPlan,
+    rejected: RejectedRows,
+    stages: tuple[StageTiming, ...],
+    budget: int,
+    model: ModelInfo | None = None,
+    plan_path: str | None = None,
+) -> PlanReport:
+    """``summarize`` of a plan made in partitions, from its totals and histograms."""
+    sizes = planned.size_counts
+    buckets = {
+        name: sum(c for k, c in sizes.items() if lo <= k <= (hi or k))
+        for name, lo, hi in SHARE_BUCKETS
+    }
+    kv = None
+    g, members, tokens = planned.largest_group
+    if model is not None and g >= 0:
+        per_token = model.kv_bytes_per_token
+        kv = KvEstimate(
+            per_token, model.dtype, model.device, g, members, tokens, tokens * per_token
+        )
+    big_rows, big_tokens = planned.largest_partition
+    parts = Partitions(
+        planned.partitions, planned.depths, big_rows, big_tokens, budget, planned.over_budget
+    )
+    return PlanReport(
+        requests=planned.stats.num_requests + len(rejected),
+        ok=planned.stats.num_requests,
+        rejected=rejected.counts(),
+        share_buckets=buckets,
+        stats=planned.stats,
+        plan=planned.summary,
+        kv=kv,
+        stages=tuple(stages),
+        plan_path=plan_path,
+        partitions=parts,
     )

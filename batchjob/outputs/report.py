@@ -23,7 +23,7 @@ from batchjob.storage.stores import ObjectPath, store_for
 class RunSummary:
     """Headline numbers of one job run."""
 
-    rows_total: int
+    rows_total: int  # result rows: one per sample of each row, one per rejected row
     rows_ok: int
     rows_rejected: int
     rows_skipped_done: int  # finished by an earlier run of the same job (resume)
@@ -55,6 +55,8 @@ class RunSummary:
     outcomes: dict[str, int] = field(default_factory=dict)
     # which job: input/model paths, job file, config, batchjob version, started/finished (UTC)
     job: dict = field(default_factory=dict)
+    input_rows: int = 0  # the input rows those results are of (rows_total with sampling.n 1)
+    task: str = "generate"  # model.task; embed: requests_per_s is rows embedded per second
 
 
 def outcome_counts(results: Path | ObjectPath) -> dict[str, int]:
@@ -65,7 +67,7 @@ def outcome_counts(results: Path | ObjectPath) -> dict[str, int]:
     """
     import polars as pl
 
-    from batchjob.outputs.layout import committed_files  # the commit's files, no other
+    from batchjob.outputs.ownership import committed_files  # the commit's files, no other
 
     if isinstance(results, Path):
         files = committed_files(results)
@@ -119,6 +121,7 @@ def summarize(
         rows_ok=rows["ok"],
         rows_rejected=rows["rejected"],
         rows_skipped_done=rows["skipped"],
+        input_rows=rows.get("input", rows["total"]),
         requests_run=requests_run,
         prompt_tokens=prompt_tokens,
         generated_tokens=generated_tokens,

@@ -1,7 +1,7 @@
 """Results output: incremental, atomic, resumable, committed only when complete.
 
 Finished rows are buffered and flushed as numbered part files into ``<meta>/parts/`` (see
-``layout``), each written atomically (temp file + rename), the job's manifest first; the names
+``naming``), each written atomically (temp file + rename), the job's manifest first; the names
 carry the run's token (``part-000003-<run>[-<worker>].parquet``). A job killed at any point
 leaves only whole parts; rerun as the same job (same manifest), it reads the row_ids already in
 the parts and skips them.
@@ -13,7 +13,7 @@ sorts by row_id and commits; earlier results stay untouched until the new ones a
 - a local folder that is batchjob's alone: built whole in ``<meta>/staging/`` (files named
   ``results-NNNNN-<commit>.parquet`` + ``_SUCCESS``) and exchanged with the old folder in one
   ``renameat2(RENAME_EXCHANGE)``; without it, two renames (old to ``<meta>/previous/``, new
-  into place) with the recovery rule of ``OutputLayout.clean_stale``;
+  into place) with the recovery rule of ``recovery.clean_stale``;
 - an object-store folder, or a local folder shared with other files: in place, ``_SUCCESS``
   first removed and last written, new files under new names, batchjob's old files (listed in
   ``<meta>/commit.json`` while it runs) deleted only once every new one is written.
@@ -44,9 +44,15 @@ import pyarrow as pa
 
 from batchjob.config.sections import MAX_SAMPLES
 from batchjob.inputs.parquet import ROW_ID
-from batchjob.outputs.layout import COMMITTER, SUCCESS, OutputLayout, result_name
 from batchjob.outputs.manifest import write_manifest
-from batchjob.outputs.score_columns import OPTIONAL_COLUMNS, SAMPLE_INDEX, optional_columns
+from batchjob.outputs.naming import COMMITTER, SUCCESS, OutputLayout, result_name
+from batchjob.outputs.ownership import owned_results, swappable
+from batchjob.outputs.score_columns import (
+    OPTIONAL_COLUMNS,
+    REASONING_TEXT,
+    SAMPLE_INDEX,
+    optional_columns,
+)
 from batchjob.storage.atomic import (
     fsync_dir,
     rename_exchange,
@@ -74,11 +80,15 @@ RESULT_SCHEMA = pa.schema(
 
 def result_schema(extra_columns: tuple[str, ...] = ()) -> pa.Schema:
     """RESULT_SCHEMA plus the optional columns a job asks for (``score_columns``);
-    ``sample_index`` (``sampling.n``) comes right after row_id, the key it completes."""
+    ``sample_index`` (``sampling.n``) comes right after row_id, the key it completes, and
+    ``reasoning_text`` (``output.reasoning_parser``) right before output_text."""
     fields = list(RESULT_SCHEMA)
+    if REASONING_TEXT in extra_columns:
+        fields.insert(1, pa.field(REASONING_TEXT, OPTIONAL_COLUMNS[REASONING_TEXT]))
     if SAMPLE_INDEX in extra_columns:
         fields.insert(1, pa.field(SAMPLE_INDEX, OPTIONAL_COLUMNS[SAMPLE_INDEX]))
-    rest = [(c, OPTIONAL_COLUMNS[c]) for c in extra_columns if c != SAMPLE_INDEX]
+    placed = (SAMPLE_INDEX, REASONING_TEXT)
+    rest = [(c, OPTIONAL_COLUMNS[c]) for c in extra_columns if c not in placed]
     return pa.schema(fields + rest)
 
 
@@ -110,6 +120,8 @@ class ResultRow:
     label_logprobs: np.ndarray | None = None  # float32 [L]
     label: str | None = None
     sample_index: int | None = None  # which sample of the row; None: the row was not sampled
+    reasoning_text: str | None = None  # output.reasoning_parser: the <think> part
+    embedding: np.ndarray | None = None  # float32 [D]: model.task = "embed"
 
 
 class RowSink(Protocol):
@@ -263,7 +275,7 @@ class ResultSink:
                 self._commit_object(results)
             else:
                 self._commit_file(results)
-        elif layout.swappable():
+        elif swappable(layout):
             self._commit_swap(results)
         else:
             self._commit_in_place(results)
@@ -330,7 +342,7 @@ class ResultSink:
         instant. Without that call (an old kernel, a filesystem without it): the old folder is
         renamed to ``<meta>/previous/`` and the new one into place, two renames; a kill between
         them leaves no results folder for that instant, and the rerun moves the old one back
-        (``OutputLayout.clean_stale``) before it commits again. Never a mix."""
+        (``recovery.clean_stale``) before it commits again. Never a mix."""
         layout = self.layout
         out, staging = layout.output, layout.staging
         assert isinstance(out, Path) and isinstance(staging, Path)
@@ -384,7 +396,7 @@ class ResultSink:
         them, so a kill anywhere leaves nothing unaccounted for), the manifest and ``_SUCCESS``
         last. Until every new file is written no old file is changed or deleted."""
         layout, store, out = self.layout, self.store, self.layout.output
-        old = layout.owned_results() - {SUCCESS}
+        old = owned_results(layout) - {SUCCESS}
         commit = self._commit_id()
         files = self._files(results, commit)
         names = [n for n, _ in files]

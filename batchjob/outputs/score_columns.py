@@ -1,6 +1,8 @@
-"""The optional result columns: ``sample_index`` (``sampling.n``), ``output_logprobs``
+"""The optional result columns: ``sample_index`` (``sampling.n``), ``reasoning_text``
+(``output.reasoning_parser``), ``output_logprobs``
 (``sampling.logprobs``), ``prompt_logprobs`` (``sampling.prompt_logprobs``),
-``label_logprobs`` and ``label`` (scoring mode), built as Arrow arrays without a Python
+``label_logprobs`` and ``label`` (scoring mode), ``embedding`` (``model.task = "embed"``),
+built as Arrow arrays without a Python
 object per token. ``batchjob.outputs.results`` adds the ones a job asks for to its schema."""
 
 from __future__ import annotations
@@ -16,20 +18,31 @@ from batchjob.config import InputConfig, SamplingConfig
 _TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 _STEP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32()), ("top", pa.list_(_TOP))])
 SAMPLE_INDEX = "sample_index"
+REASONING_TEXT = "reasoning_text"
 OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
     SAMPLE_INDEX: pa.int32(),
+    REASONING_TEXT: pa.string(),
     "output_logprobs": pa.list_(_STEP),
     "prompt_logprobs": pa.list_(_STEP),
     "label_logprobs": pa.list_(pa.float32()),
     "label": pa.string(),
+    "embedding": pa.list_(pa.float32()),
 }
 
 
-def job_columns(sampling: SamplingConfig, inp: InputConfig) -> tuple[str, ...]:
-    """The optional columns a job with these settings writes."""
-    cols: list[str] = []
+def job_columns(
+    sampling: SamplingConfig,
+    inp: InputConfig,
+    reasoning_parser: str | None = None,
+    task: str = "generate",
+) -> tuple[str, ...]:
+    """The optional columns a job with these settings writes (``reasoning_parser``:
+    ``output.reasoning_parser``; ``task``: ``model.task``)."""
+    cols: list[str] = ["embedding"] if task == "embed" else []
     if sampling.n > 1 or inp.n_column:
         cols.append(SAMPLE_INDEX)
+    if reasoning_parser is not None:
+        cols.append(REASONING_TEXT)
     if sampling.logprobs is not None:
         cols.append("output_logprobs")
     if sampling.prompt_logprobs is not None:
@@ -119,4 +132,8 @@ def optional_columns(rows: Sequence, schema: pa.Schema) -> dict[str, pa.Array]:
         out["label_logprobs"] = label_logprobs_array([r.label_logprobs for r in rows])
     if "label" in schema.names:
         out["label"] = pa.array([r.label for r in rows], pa.string())
+    if "embedding" in schema.names:  # list<float32> as the label log-probs
+        out["embedding"] = label_logprobs_array([r.embedding for r in rows])
+    if REASONING_TEXT in schema.names:
+        out[REASONING_TEXT] = pa.array([r.reasoning_text for r in rows], pa.string())
     return out

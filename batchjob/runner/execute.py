@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from batchjob.backends import open_backend
 from batchjob.backends.base import Backend, BackendConfig, BackendRun, FinishedRequest, RunSink
+from batchjob.backends.reasoning import reasoning_markers, split_reasoning
 from batchjob.config import InputConfig, JobConfig, ModelConfig, SamplingConfig
 from batchjob.errors import ConfigError, ModelError
 from batchjob.model.info import ModelInfo
@@ -28,6 +29,7 @@ from batchjob.plan.build import plan_job
 from batchjob.plan.plan import Plan
 from batchjob.plan.plan_io import write_plan
 from batchjob.runner.heartbeat import Heartbeat
+from batchjob.runner.progress import progress_bar
 from batchjob.status import STATUS_KV_BUDGET, STATUS_OK
 from batchjob.storage.atomic import Target
 from batchjob.tokenize.batched import TokenizedInput
@@ -140,7 +142,24 @@ def backend_config(job: JobConfig) -> BackendConfig:
         json_schema_column=job.input.json_schema_column,
         regex_column=job.input.regex_column,
         choice_column=job.input.choice_column,
+        reasoning_parser=job.output.reasoning_parser,
     )
+
+
+def check_reasoning(parser: str | None, tokenizer: PromptTokenizer | None) -> None:
+    """``output.reasoning_parser`` can split this model's outputs: its tokenizer decodes them
+    and has the parser's markers as tokens it keeps (else ConfigError naming the key)."""
+    if parser is None:
+        return
+    if tokenizer is None:
+        raise ConfigError(
+            f"output.reasoning_parser: {parser!r} needs the model's tokenizer.json to decode "
+            "the outputs"
+        )
+    try:
+        reasoning_markers(parser, tokenizer.tokenizer)
+    except ValueError as e:
+        raise ConfigError(f"output.reasoning_parser: {e}") from None
 
 
 def execute(
@@ -162,8 +181,9 @@ def execute(
     ``backend``: one opened earlier (``open_job_backend``), kept open for the caller's next
     plan (``batchjob.Generator``); None: opened here and closed when the plan is done.
     ``plan_file``: where the plan that runs is written (None: not written); ``headline(to_run,
-    over_budget)``: the heartbeat's first line."""
+    over_budget)``: the run's start line on stderr, under a progress bar or heartbeat."""
     t0 = time.perf_counter()
+    check_reasoning(cfg.reasoning_parser, tokenizer)
     owned = backend is None
     if backend is None:
         backend = open_job_backend(cfg, tokenizer, model)
@@ -183,13 +203,19 @@ def execute(
     lengths = prompts.lengths
     generated = 0
     finished = 0
-    bar = tqdm(total=len(prompts), unit="row", disable=not progress, desc="batchjob")
+    if headline is not None and (progress or heartbeat_s):  # the start line, before the bar
+        print(f"batchjob: {headline(len(prompts), n_over)}", file=sys.stderr, flush=True)
+    bar = progress_bar(len(prompts), progress)
 
     def on_finish(o: FinishedRequest) -> None:
         nonlocal generated, finished
         generated += len(o.token_ids)
         finished += 1
-        text = o.text if o.text is not None else decode(tokenizer, o.token_ids)
+        embedded = o.embedding is not None  # nothing generated: no text to decode
+        text = o.text if o.text is not None or embedded else decode(tokenizer, o.token_ids)
+        reasoning = None
+        if cfg.reasoning_parser is not None and text is not None:
+            reasoning, text = split_reasoning(cfg.reasoning_parser, text)
         sink.add(
             ResultRow(
                 o.row_id,
@@ -209,14 +235,14 @@ def execute(
                 label_logprobs=o.label_logprobs,
                 label=o.label,
                 sample_index=_sample_of(prompts, o.position),
+                reasoning_text=reasoning,
+                embedding=o.embedding,
             )
         )
         bar.update(1)
 
     t_run = time.perf_counter()
     hb = Heartbeat(len(prompts), heartbeat_s) if heartbeat_s else None
-    if hb and headline:
-        hb.say(headline(len(prompts), n_over))
 
     def on_iteration(_rec) -> None:
         if progress and _rec.iteration % 8 == 0:

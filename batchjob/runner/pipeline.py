@@ -5,7 +5,7 @@ path, takes the output's lock and compares the job's manifest with what the outp
 (``manifest``): a rerun of the same interrupted job skips the rows already written; another
 job's results or parts are refused unless ``output.overwrite``, and even then replaced only at
 commit, once the new results are complete (``results``). A results folder holding files
-batchjob did not write is refused unless ``output.allow_other_files`` (``layout``).
+batchjob did not write is refused unless ``output.allow_other_files`` (``ownership``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from pathlib import Path
 from batchjob.config import JobConfig
 from batchjob.errors import AllRowsRejectedError, ConfigError
 from batchjob.inputs.source import open_input
-from batchjob.outputs.layout import OutputLayout
 from batchjob.outputs.manifest import difference, manifest, read_manifest
+from batchjob.outputs.naming import OutputLayout
+from batchjob.outputs.ownership import check_output, check_results_folder
+from batchjob.outputs.recovery import clean_stale, drop_parts
 from batchjob.outputs.report import RunSummary, summarize, write_report
 from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
@@ -31,6 +33,7 @@ from batchjob.plan.plan_io import write_plan
 from batchjob.runner.execute import backend_config, execute, job_tokenizer
 from batchjob.runner.execute import cap_to_context as cap_to_context
 from batchjob.runner.prepare import prepare
+from batchjob.runner.progress import results_phrase
 from batchjob.storage.faults import fault_point
 from batchjob.storage.lock import output_lock
 from batchjob.storage.stores import ObjectPath
@@ -65,7 +68,7 @@ def _resume_or_start(layout: OutputLayout, this: dict, overwrite: bool) -> bool:
         if not overwrite:
             raise _foreign(layout, "holds unfinished parts", why)
     if layout.store.exists(layout.parts):  # another job's parts, or a manifest with no rows
-        layout.drop_parts()
+        drop_parts(layout)
     if layout.complete() and not overwrite:
         why = difference(this, read_manifest(layout.manifest_file))
         if why is None:
@@ -99,15 +102,14 @@ def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None)
     configure_storage(job.storage)  # object-store settings, for a job not made by load_job
     layout = OutputLayout.of(job.output)
     dataset = open_input(job.input)  # metadata only: files and row count for the manifest
-    layout.check(job.input.path, dataset.files)
-    layout.adopt_legacy_meta()  # an earlier version's out/res.meta/ of out/res.parquet
+    check_output(layout, job.input.path, dataset.files)
     layout.prepare()
     token = uuid.uuid4().hex[:8]  # this run's: in the lock and in every part name
     with output_lock(layout.lock_file, layout.output, token):
-        layout.clean_stale()
-        this = manifest(job, dataset.files, dataset.num_rows)
+        clean_stale(layout)
+        this = manifest(job.to_dict(), job.source, dataset.files, dataset.num_rows)
         if not _complete_already(layout, this):
-            layout.check_results_folder()  # files batchjob did not write: refused, never lost
+            check_results_folder(layout)  # files batchjob did not write: refused, never lost
         if not _resume_or_start(layout, this, job.output.overwrite):
             return JobResult(layout.output, {}, None)  # complete already: idempotent
         return _run_locked(
@@ -166,13 +168,15 @@ def _run_locked(
         run=run_token,
         flush_rows=job.output.flush_rows,
         rows_per_file=job.output.rows_per_file,
-        extra_columns=job_columns(job.sampling, job.input),
+        extra_columns=job_columns(
+            job.sampling, job.input, job.output.reasoning_parser, job.model.task
+        ),
     )
     done = sink.done_keys()
     prompts = prep.requests(done)  # every row's samples, less those done earlier
     prep.report_rejected(sink, done)  # one result row per rejected row
     expected = prep.expected  # result rows: one per sample or rejected row
-    each = f" x {job.sampling.n} samples" if job.sampling.n > 1 else ""
+    counted = results_phrase(expected, loaded.num_rows)  # as the end line counts them
 
     t0 = time.perf_counter()
     plan = plan_job(prompts, job.scheduler)
@@ -191,7 +195,7 @@ def _run_locked(
             progress=progress,
             heartbeat_s=heartbeat_s,
             headline=lambda to_run, n_over: (
-                f"{loaded.num_rows} rows{each}: {to_run} to run, {len(done)} done earlier, "
+                f"{counted}: {to_run} to run, {len(done)} done earlier, "
                 f"{len(loaded.rejected) + n_over} rejected -> {layout.output}"
             ),
         )
@@ -221,6 +225,7 @@ def _run_locked(
             "ok": expected - len(loaded.rejected) - n_over,
             "rejected": len(loaded.rejected) + n_over,
             "skipped": len(done),
+            "input": loaded.num_rows,
         },
         plan_ratios=(plan.stats.saving_ratio_single_level, plan.stats.saving_ratio_multi_level),
         total_s=time.perf_counter() - t_job,
@@ -229,7 +234,7 @@ def _run_locked(
         device=ex.device,
         results=results_path,
     )
-    summary = dataclasses.replace(summary, job=_identity(this, started))
+    summary = dataclasses.replace(summary, job=_identity(this, started), task=job.model.task)
     fault_point("report")
     paths = write_report(summary, run_info, layout.report_file)
     if job.output.format == "openai-jsonl":  # from the committed results: a kill before

@@ -10,6 +10,7 @@ max_tokens capped to the model's context, less those an earlier run wrote. ``bat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 from batchjob.config import JobConfig
 from batchjob.inputs.parquet import InputDataset
 from batchjob.model.info import ModelInfo
+from batchjob.model.pooling import pooling_spec
 from batchjob.outputs.results import ResultRow, RowSink
 from batchjob.runner.execute import cap_to_context, expected_results, job_samples, select_rows
 from batchjob.tokenize.batched import TokenizedInput, load_prompts
@@ -82,4 +84,13 @@ def prepare(
         loaded, model = load_prompts(
             job.input, job.model, job.sampling, job.engine.backend, tokenizer, dataset=dataset
         )
+    if (
+        job.model.task == "embed"
+    ):  # KV for the prompt alone; pooling settings checked before any model runs
+        ones = np.ones(len(loaded.prompts), dtype=np.int32)
+        loaded = dataclasses.replace(
+            loaded, prompts=dataclasses.replace(loaded.prompts, max_tokens=ones)
+        )
+        if model is not None:
+            pooling_spec(job.model, model.path, model.config.hidden_size)
     return Prepared(loaded, model, job_samples(job.sampling, job.input))

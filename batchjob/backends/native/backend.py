@@ -8,6 +8,8 @@ naming the key, before the plan runs.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -20,15 +22,34 @@ from batchjob.backends.base import (
     OnIteration,
     RunSink,
 )
+from batchjob.backends.native.embedding import EmbeddingPooler
 from batchjob.backends.native.engine import Engine
+from batchjob.backends.native.models.llama import LlamaForCausalLM
 from batchjob.backends.native.models.loader import load_model
 from batchjob.backends.native.structured import GrammarConstraint
+from batchjob.backends.reasoning import reasoning_markers
 from batchjob.backends.scoring import RowScores, row_tries
 from batchjob.errors import ConfigError
 from batchjob.inputs.row_guides import row_guides
 from batchjob.model.info import ModelInfo
+from batchjob.model.pooling import pooling_spec
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
+
+
+def open_reasoning(
+    parser: str | None, folder, prompts: TokenizedPrompts
+) -> tuple[int, list[int]] | None:
+    """``output.reasoning_parser``: (the ``</think>`` id, the prompt positions whose output
+    starts inside its reasoning) for ``GrammarConstraint``; None without a parser."""
+    if parser is None:
+        return None
+    from tokenizers import Tokenizer
+
+    markers = reasoning_markers(parser, Tokenizer.from_file(str(Path(folder) / "tokenizer.json")))
+    return markers.end_id, np.flatnonzero(
+        markers.open_after(prompts.tokens, prompts.offsets)
+    ).tolist()
 
 
 def check_device(device: str) -> None:
@@ -82,17 +103,21 @@ class NativeBackend(Backend):
 
     def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
         on_finish, on_iteration = sink.on_finish, sink.on_iteration
+        if self.cfg.model.task == "embed":
+            return self._embed(prompts, plan, on_finish, on_iteration)
         if prompts.settings is not None and prompts.settings.labels is not None:
             return self._score(prompts, plan, on_finish, on_iteration)
         constraint = None
         guides = row_guides(self.cfg.sampling, prompts)  # per row, or the job's
         if guides is not None:
+            folder = self.cfg.model.tokenizer or self.info.path
             constraint = GrammarConstraint(
-                self.cfg.model.tokenizer or self.info.path,
+                folder,
                 guides,
                 self.info.vocab_size,
                 self.info.eos_token_ids,
                 self.cfg.sampling.stop_token_ids,
+                reasoning=open_reasoning(self.cfg.reasoning_parser, folder, prompts),
             )
         r = self.engine.run(
             prompts,
@@ -122,6 +147,29 @@ class NativeBackend(Backend):
             prompts, plan, [t.steps for t in tries], scores, on_iteration=on_iteration
         )
         return self._backend_run(r)
+
+    def _embed(
+        self,
+        prompts: TokenizedPrompts,
+        plan: Plan,
+        on_finish: OnFinish,
+        on_iteration: OnIteration | None,
+    ) -> BackendRun:
+        """Embedding mode (``native.embedding``): the plan's prefills, pooled per row."""
+        spec = pooling_spec(self.cfg.model, self.info.path, self.info.config.hidden_size)
+        if spec.method != "last" and self.cfg.scheduler.policy != "batchllm":
+            raise ConfigError(
+                f"scheduler.policy: {spec.method} pooling needs every prompt token's hidden "
+                f"state, and {self.cfg.scheduler.policy!r} serves cached prompt blocks without "
+                "them; use batchllm (its groups compute a shared prefix once and reuse it)"
+            )
+        model = self.engine.model
+        if not isinstance(model, LlamaForCausalLM):
+            raise TypeError(f"embeddings need the native Llama-family model, not {type(model)}")
+        pooler = EmbeddingPooler(
+            spec, model.norm, prompts, plan, on_finish, self.info.config.hidden_size
+        )
+        return self._backend_run(self.engine.embed(prompts, plan, pooler, on_iteration))
 
     def _backend_run(self, r) -> BackendRun:
         per_block = r.block_size * r.kv_bytes_per_token

@@ -19,6 +19,7 @@ import torch
 
 from batchjob.backends.base import FinishedRequest, IterationRecord
 from batchjob.backends.native.batch_builder import ModelBatch, build_batch
+from batchjob.backends.native.embedding import EmbeddingPooler
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.logits_processors import DecodeState
 from batchjob.backends.native.malloc_tuning import keep_freed_memory
@@ -62,7 +63,7 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> int:
     """KV cache size in bytes: explicit, or a fraction of what the GPU has free.
 
     Blocks torch's allocator holds but no tensor uses (a freed engine's cache) count as free:
-    without ``empty_cache`` a second engine in one process saw 0 bytes (H100, 2026-11-27).
+    without ``empty_cache`` a second engine in one process saw 0 bytes (measured on an H100).
     """
     if cfg.kv_cache_bytes is not None:
         return cfg.kv_cache_bytes
@@ -79,7 +80,8 @@ def graphed_forward(
     """The model's forward; on a GPU with ``engine.cuda_graph_max_tokens`` set (> 0) the
     forward whose non-attention work replays CUDA graphs for batches up to that many tokens
     (``models.cuda_graphs``). The graphs are the model's: engines on one model share them
-    (kept on the model). Unset: eager (opt-in until a GPU run measures the graphs faster)."""
+    (kept on the model). Unset: eager; the graphs stay opt-in until the CUDA cases of
+    tests/engine/test_cuda_graphs.py have passed on a GPU."""
     limit = cfg.cuda_graph_max_tokens or 0
     if info.torch_device.type != "cuda" or limit == 0 or not isinstance(model, LlamaForCausalLM):
         return model
@@ -274,6 +276,32 @@ class Engine:
                 scores.buf[dest] = vals.cpu().numpy()
             for pos in sched.update(out, {}, set()):
                 scores.finish(pos)
+            self._record(records, out, t0, on_iteration)
+        return self._engine_run(records, sched.stats, t_start)
+
+    @torch.inference_mode()
+    def embed(
+        self,
+        prompts: TokenizedPrompts,
+        plan: Plan | None,
+        pooler: EmbeddingPooler,
+        on_iteration: Callable[[IterationRecord], None] | None = None,
+    ) -> EngineRun:
+        """Embedding mode (``embedding``): every prompt prefilled on ``plan``, nothing sampled;
+        each batch's last-layer hidden states go to ``pooler``, and a request finishes (its
+        KV freed) once its whole prompt is computed: as scoring with no label steps."""
+        model = self.model
+        if not isinstance(model, LlamaForCausalLM):
+            raise TypeError(f"embeddings need the native Llama-family model, not {type(model)}")
+        steps: tuple[tuple, ...] = ((),) * len(prompts)
+        sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan, steps)
+        records: list[IterationRecord] = []
+        t_start = time.perf_counter()
+        for t0, out, batch in self._steps(sched):
+            h = model.last_hidden(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
+            pooler.add(out, h)
+            for pos in sched.update(out, {}, set()):
+                pooler.finish(pos)
             self._record(records, out, t0, on_iteration)
         return self._engine_run(records, sched.stats, t_start)
 

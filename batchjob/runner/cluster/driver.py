@@ -25,7 +25,7 @@ import numpy as np
 
 from batchjob.config import ClusterConfig, JobConfig
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
-from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.naming import OutputLayout
 from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.build import plan_job
@@ -164,7 +164,7 @@ class _Driver:
     def _left_over(self, work: _Work) -> _Work | None:
         """The rows of ``work`` that no part file holds, planned again (None: all written)."""
         job = self.job
-        columns = job_columns(job.sampling, job.input)
+        columns = job_columns(job.sampling, job.input, job.output.reasoning_parser, job.model.task)
         done = ResultSink(self.layout, self.manifest, extra_columns=columns).done_keys()
         rest = select_rows(work.prompts, ~np.isin(work.prompts.keys, done))
         if not len(rest):

@@ -28,7 +28,7 @@ from typing import Any
 
 from batchjob.config import JobConfig
 from batchjob.errors import EXIT_RUNTIME, BatchJobError
-from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.naming import OutputLayout
 from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.plan import Plan
@@ -166,7 +166,9 @@ class ShardWorker:
             self.manifest,
             flush_rows=job.output.flush_rows,
             rows_per_file=job.output.rows_per_file,
-            extra_columns=job_columns(job.sampling, job.input),
+            extra_columns=job_columns(
+                job.sampling, job.input, job.output.reasoning_parser, job.model.task
+            ),
             writer=self.writer,
             run=self.run_token,
             before_write=self.guard.check if self.guard is not None else None,

@@ -203,6 +203,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_index: torch.Tensor,  # int64 [K]: token indices that need logits
     ) -> torch.Tensor:  # float32 [K, vocab]
+        return self.logits(self.last_hidden(input_ids, positions, kv_cache, meta), logits_index)
+
+    @torch.inference_mode()
+    def last_hidden(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_cache: torch.Tensor,  # [L, 2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]: the last layer's residual stream, before the final norm
         if self.attn_backend is None:
             raise RuntimeError("model.attn_backend is not set")
         self._check_window(meta)
@@ -210,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         h, cos, sin = self.embed(input_ids, positions, meta.max_prefix_len + meta.max_kv_len)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend)
-        return self.logits(h, logits_index)
+        return h
 
     def embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor, bound: int = 0
