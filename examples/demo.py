@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import pyarrow.parquet as pq  # noqa: E402
 
 from batchjob.config import load_job  # noqa: E402
-from batchjob.outputs.layout import OutputLayout  # noqa: E402
+from batchjob.outputs.naming import OutputLayout  # noqa: E402
 from batchjob.storage.atomic import write_parquet_atomic  # noqa: E402
 from batchjob.testing.tiny_model import make_tiny_model  # noqa: E402
 from batchjob.testing.workloads import WORDS, make_workload  # noqa: E402

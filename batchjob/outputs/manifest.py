@@ -10,15 +10,17 @@ In the fingerprint: the input files (path or URI, size, and a hash of every byte
 other input setting (prompt and max_tokens columns, row limit, ...); the model folder's identity
 (config.json and tokenizer.json hashes, weight file names, sizes and mtimes) and every other
 model setting (dtype, max_model_len); every sampling setting; the plan-shaping scheduler
-settings (enlarge, reorder); engine.backend; the batchjob version. Not in it (may differ
-between runs): threads, progress, chunk size, KV budget and threshold, block size, attention
-backend, policy, device, id_column, batch_rows and every output setting (flush_rows,
-rows_per_file, overwrite).
+settings (enlarge, reorder); engine.backend; output.reasoning_parser; the batchjob version.
+Not in it (may differ between runs): threads, progress, chunk size, KV budget and threshold,
+block size, attention backend, policy, device, id_column, batch_rows and every other output
+setting (flush_rows, rows_per_file, overwrite).
 
 Identity by content, not by size and mtime: a file rewritten with other bytes of the same size
 and its old mtime restored is another input. The hash reads every byte once per run (1 GB: about
-0.75 s of CPU with SHA-NI, plus the read; docs/operations.md). Manifests of earlier versions
-(size and mtime) are still matched as those versions did, so their parts resume once.
+0.75 s of CPU with SHA-NI, plus the read; docs/operations.md).
+
+The job comes in as its sections' plain values (``JobConfig.to_dict()``), the form the
+manifest stores them in.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from batchjob.config import JobConfig
 from batchjob.storage.atomic import write_json_atomic
 from batchjob.storage.stores import ObjectPath, content_id, file_stat, store_for
 from batchjob.version import __version__
@@ -79,38 +80,46 @@ def model_identity(path: Path | None) -> dict[str, Any] | None:
 # of scheduler/engine only the named ones do (the rest shape the schedule, not the outputs).
 _NOT_RESULTS = {"input.path", "input.batch_rows", "input.id_column", "model.path", "model.device"}
 _SCHEDULE_KEYS_THAT_COUNT = {"scheduler.enlarge", "scheduler.reorder", "engine.backend"}
+_OUTPUT_KEYS_THAT_COUNT = {"output.reasoning_parser"}  # it changes output_text
 
 
-def fingerprint(job: JobConfig, input_files: Sequence[str], num_rows: int) -> dict[str, Any]:
+Sections = dict[str, dict[str, Any]]  # {"input": {"path": ..., ...}, "model": {...}, ...}
+
+
+def fingerprint(config: Sections, input_files: Sequence[str], num_rows: int) -> dict[str, Any]:
     """Flat ``{"section.key": value}`` of what determines the results (JSON-able)."""
     fp: dict[str, Any] = {
         "batchjob.version": __version__,
         "input.files": [_content(f) for f in input_files],
         "input.num_rows": num_rows,
-        "model.identity": model_identity(job.model.path),
+        "model.identity": model_identity(_path(config["model"].get("path"))),
     }
-    for section, values in job.to_dict().items():
+    for section, values in config.items():
         for key, value in values.items():
             dotted = f"{section}.{key}"
             counts = section in ("input", "model", "sampling") and dotted not in _NOT_RESULTS
-            if counts or dotted in _SCHEDULE_KEYS_THAT_COUNT:
+            if counts or dotted in _SCHEDULE_KEYS_THAT_COUNT | _OUTPUT_KEYS_THAT_COUNT:
                 fp[dotted] = value
     return json.loads(json.dumps(fp))  # the form it has after a JSON round trip
 
 
-def manifest(job: JobConfig, input_files: Sequence[str], num_rows: int) -> dict[str, Any]:
+def manifest(
+    config: Sections, job_file: Path | None, input_files: Sequence[str], num_rows: int
+) -> dict[str, Any]:
     """The fingerprint plus what identifies the job to a reader (not compared)."""
     return {
-        "fingerprint": fingerprint(job, input_files, num_rows),
-        # not compared, except against a manifest of an earlier version (difference)
-        "stat": {"input.files": [_stat(f) for f in input_files]},
+        "fingerprint": fingerprint(config, input_files, num_rows),
         "job": {
-            "input.path": job.input.path,
-            "model.path": str(job.model.path) if job.model.path else None,
-            "job_file": str(job.source) if job.source else None,
-            "config": job.to_dict(),
+            "input.path": config["input"]["path"],
+            "model.path": config["model"].get("path") or None,
+            "job_file": str(job_file) if job_file else None,
+            "config": config,
         },
     }
+
+
+def _path(value: Any) -> Path | None:
+    return Path(value) if value else None
 
 
 def read_manifest(path: Path | ObjectPath) -> dict[str, Any] | None:
@@ -126,12 +135,6 @@ def write_manifest(m: dict[str, Any], path: Path | ObjectPath) -> None:
     write_json_atomic(m, path)
 
 
-def legacy_fingerprint(fp: dict[str, Any]) -> bool:
-    """Written by a version that identified input files by size and mtime (no content)."""
-    files = fp.get("input.files") or []
-    return bool(files) and all(isinstance(f, list) and isinstance(f[-1], int) for f in files)
-
-
 def _short(v: Any, limit: int = 100) -> str:
     s = json.dumps(v)
     return s if len(s) <= limit else s[: limit - 3] + "..."
@@ -142,8 +145,6 @@ def difference(this: dict[str, Any], stored: dict[str, Any] | None) -> str | Non
     if stored is None:
         return "no batchjob manifest (not written by batchjob, or by a version without one)"
     a, b = this["fingerprint"], stored["fingerprint"]
-    if legacy_fingerprint(b) and "stat" in this:  # earlier versions: files by size and mtime
-        a = {**a, "input.files": this["stat"]["input.files"]}
     for key in sorted(a.keys() | b.keys()):
         if a.get(key) != b.get(key):
             va, vb = a.get(key), b.get(key)

@@ -111,6 +111,8 @@ def _line(
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        if "reasoning_text" in x:  # output.reasoning_parser: vLLM's field for the <think> part
+            (choice["message"] if chat else choice)["reasoning_content"] = x["reasoning_text"]
         choices.append(choice)
     completion = sum(x["num_output_tokens"] for x in rows)
     usage = {
@@ -152,7 +154,7 @@ def write_responses(
     """The committed results -> ``out`` (the layout's ``jsonl_file``) in the Batch API's
     output format."""
     assert isinstance(out, Path)  # an object-store output.path is refused at load for this
-    from batchjob.outputs.layout import committed_files  # the commit's files, no other
+    from batchjob.outputs.ownership import committed_files  # the commit's files, no other
 
     table = pa.concat_tables([pq.read_table(f) for f in committed_files(results_path)])
     order = [("row_id", "ascending")]
@@ -173,6 +175,7 @@ def write_responses(
             "url",
             "model",
             "output_text",
+            "reasoning_text",
             "finish_reason",
             "num_prompt_tokens",
             "num_output_tokens",

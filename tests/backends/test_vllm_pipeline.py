@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from batchjob.cli import main
 from batchjob.config import load_job
 from batchjob.errors import EXIT_CONFIG
-from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.naming import OutputLayout
 from tests.backends.vllm_kit import (
     RESULT_COLUMNS,
     native_results,

@@ -22,7 +22,7 @@ import pytest
 
 from batchjob.config import load_job
 from batchjob.errors import EXIT_CONFIG, EXIT_RUNTIME
-from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.naming import OutputLayout
 from batchjob.runner.pipeline import JobResult, run
 from tests.e2e.jobkit import cli, read_results, write_job
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.config import load_job
-from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.naming import OutputLayout
 from batchjob.runner.pipeline import run
 from tests.e2e.jobkit import ROOT, read_results, write_job
 

@@ -6,8 +6,8 @@
   or metadata folder are refused before any work;
 - a file output and a folder output of the same stem have their own metadata folders (and
   do not both write one OpenAI Batch file);
-- an earlier version's metadata folder of a single-file output (``out/res.meta/``) is taken
-  over: its parts resume, its complete results stay complete;
+- ``out/res.meta/`` is the folder output ``out/res``'s: a run of ``out/res.parquet`` never
+  reads, moves or resumes it, whatever its manifest names;
 - a job's input is identified by its bytes: rewritten with the same size and mtime, it is
   another job.
 """
@@ -41,7 +41,7 @@ def _user_folder(folder: Path) -> dict[str, bytes]:
 
 
 def _rows(path: Path) -> pa.Table:
-    from batchjob.outputs.layout import committed_files
+    from batchjob.outputs.ownership import committed_files
 
     return pa.concat_tables([pq.read_table(f) for f in committed_files(path)]).sort_by("row_id")
 
@@ -145,59 +145,22 @@ def test_one_openai_batch_file_is_not_written_by_two_outputs(tmp_path, run_model
     assert (tmp_path / "x" / "res.jsonl").read_bytes() == lines
 
 
-def _legacy_manifest(path: Path) -> None:
-    """Rewrite a manifest as an earlier version wrote it: input files by size and mtime."""
-    m = json.loads(path.read_text())
-    m["fingerprint"]["input.files"] = m.pop("stat")["input.files"]
-    m.pop("results", None)
-    path.write_text(json.dumps(m))
-
-
-def test_an_earlier_versions_metadata_folder_resumes(tmp_path, run_model, run_data, monkeypatch):
-    job = write_job(tmp_path, run_model, run_data, "out/res.parquet", flush_rows="4")
-    monkeypatch.setenv("BATCHJOB_FAULT_POINT", "part:3:ENOSPC")  # two parts, then a failure
-    assert cli("run", job).exit_code == EXIT_RUNTIME
-    monkeypatch.delenv("BATCHJOB_FAULT_POINT")
-    new, old = tmp_path / "out" / "res.parquet.meta", tmp_path / "out" / "res.meta"
-    written = sum(pq.read_metadata(p).num_rows for p in (new / "parts").glob("part-*"))
-    new.rename(old)  # where an earlier version kept it, in its manifest's form
-    _legacy_manifest(old / "parts" / "manifest.json")
-    res = cli("run", job, "--json")
-    assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["rows_skipped_done"] == written > 0  # its parts resumed
-    assert not old.exists() and (new / "manifest.json").is_file()
-    n = pq.read_metadata(run_data).num_rows
-    assert read_results(tmp_path / "out" / "res.parquet")["row_id"].to_pylist() == list(range(n))
-
-
-def test_an_earlier_versions_complete_output_stays_complete(tmp_path, run_model, run_data):
+def test_a_meta_folder_of_the_stem_is_not_the_file_outputs(tmp_path, run_model, run_data):
+    """``out/res.meta/`` names the metadata of the folder output ``out/res``: even holding a
+    manifest of ``out/res.parquet``, the file output's run leaves it as it is and computes
+    its rows afresh in ``out/res.parquet.meta/``."""
     job = write_job(tmp_path, run_model, run_data, "out/res.parquet")
     assert cli("run", job).exit_code == 0
     new, old = tmp_path / "out" / "res.parquet.meta", tmp_path / "out" / "res.meta"
     new.rename(old)
-    _legacy_manifest(old / "manifest.json")
-    res = cli("run", job)
-    assert res.exit_code == 0 and "already complete" in res.output, res.output
-    assert not old.exists() and new.is_dir()
-
-
-def test_an_earlier_versions_folder_output_stays_complete(tmp_path, run_model, run_data):
-    """A results folder of an earlier version: results-NNNNN.parquet and a "N rows" _SUCCESS,
-    vouched for by its manifest: complete, and an overwrite replaces them (and only them)."""
-    job = write_job(tmp_path, run_model, run_data, "out/day1", rows_per_file="10")
-    assert cli("run", job).exit_code == 0
-    out, meta = tmp_path / "out" / "day1", tmp_path / "out" / "day1.meta"
-    for i, f in enumerate(sorted(out.glob("results-*.parquet"))):
-        f.rename(out / f"results-{i:05d}.parquet")
-    n = pq.read_metadata(run_data).num_rows
-    (out / "_SUCCESS").write_text(f"{n} rows\n")
-    _legacy_manifest(meta / "manifest.json")
-    res = cli("run", job)
-    assert res.exit_code == 0 and "already complete" in res.output, res.output
-    res = cli("run", job, "--set", "output.overwrite=true", "--set", "input.limit=3")
+    (tmp_path / "out" / "res.parquet").unlink()
+    before = _tree(old)
+    res = cli("run", job, "--json")
     assert res.exit_code == 0, res.output
-    assert read_results(out)["row_id"].to_pylist() == [0, 1, 2]
-    assert not list(out.glob("results-0000?.parquet"))
+    n = pq.read_metadata(run_data).num_rows
+    assert json.loads(res.stdout)["rows_skipped_done"] == 0
+    assert _tree(old) == before and (new / "manifest.json").is_file()
+    assert read_results(tmp_path / "out" / "res.parquet")["row_id"].to_pylist() == list(range(n))
 
 
 # ---------------------------------------------------------------------------------------

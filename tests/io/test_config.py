@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from batchjob.config import JobConfig, load_job, parse_assignments, parse_bytes
 from batchjob.errors import ConfigError
-from batchjob.outputs.layout import OutputLayout
+from batchjob.outputs.naming import OutputLayout
 
 FULL = """
 [input]

@@ -13,7 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.config import OutputConfig
-from batchjob.outputs.layout import OutputLayout, committed_files
+from batchjob.outputs.naming import OutputLayout
+from batchjob.outputs.ownership import committed_files, foreign_entries, owned_results, swappable
+from batchjob.outputs.recovery import clean_stale
 from batchjob.outputs.results import ResultRow, ResultSink
 from batchjob.storage.atomic import rename_exchange
 
@@ -86,6 +88,22 @@ def test_folder_commits_swap_whole_folders_with_new_names(tmp_path):
     assert [p.name for p in committed_files(out)] == second["files"]
 
 
+def test_committed_files_are_only_those_batchjobs_success_lists(tmp_path):
+    """A folder's committed files are the ones its batchjob ``_SUCCESS`` names: other Parquet
+    files beside them are not results, and a folder with no such ``_SUCCESS`` has none."""
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(_passthrough(1), out / "results-00000.parquet")
+    (out / "_SUCCESS").write_text("1 rows\n")  # not batchjob's marker
+    assert committed_files(out) == []
+    (out / "_SUCCESS").unlink()
+    layout = _layout(out, allow_other_files=True)
+    _write(layout, "aaaaaaaa", [0, 1, 2]).finalize(_passthrough(3), expected_rows=3)
+    listed = json.loads((out / "_SUCCESS").read_text())["files"]
+    assert [p.name for p in committed_files(out)] == listed
+    assert "results-00000.parquet" not in listed
+
+
 def test_a_kill_between_the_two_renames_is_put_right(tmp_path):
     """Without rename-exchange the old folder goes to <meta>/previous first: a run killed
     before the new one is in place leaves no results folder; the next run moves it back."""
@@ -94,7 +112,7 @@ def test_a_kill_between_the_two_renames_is_put_right(tmp_path):
     _write(layout, "aaaaaaaa", [0, 1]).finalize(_passthrough(2), expected_rows=2)
     before = sorted(os.listdir(out))
     out.rename(layout.previous)  # where the kill left it
-    layout.clean_stale()
+    clean_stale(layout)
     assert sorted(os.listdir(out)) == before and not layout.previous.exists()
 
 
@@ -116,15 +134,15 @@ def test_only_what_batchjob_wrote_is_its_own(tmp_path):
     for name in ("notes.txt", "results-00007.parquet", "report.json", ".hidden.tmp"):
         (out / name).write_text("user")
     layout = _layout(out, allow_other_files=True)
-    assert layout.foreign_entries() == sorted(os.listdir(out))
-    assert not layout.swappable()
+    assert foreign_entries(layout) == sorted(os.listdir(out))
+    assert not swappable(layout)
     _write(layout, "aaaaaaaa", [0, 1, 2]).finalize(_passthrough(3), expected_rows=3)
     ours = json.loads((out / "_SUCCESS").read_text())["files"]
-    assert layout.owned_results() == {"_SUCCESS", *ours}
-    assert sorted(layout.foreign_entries()) == [
+    assert owned_results(layout) == {"_SUCCESS", *ours}
+    assert sorted(foreign_entries(layout)) == [
         ".hidden.tmp",
         "notes.txt",
         "report.json",
         "results-00007.parquet",
     ]
-    assert all((out / n).read_text() == "user" for n in layout.foreign_entries())
+    assert all((out / n).read_text() == "user" for n in foreign_entries(layout))
