@@ -1,5 +1,6 @@
-"""The numpy batch builder (``build_batch``) against the per-sequence builder it replaced, on
-random scheduler outputs and on every iteration of real scheduler runs."""
+"""The numpy batch builder (``build_batch``) against a per-sequence reference builder written
+out here (Python, one chunk at a time, each array filled as its definition reads), on random
+scheduler outputs and on every iteration of real scheduler runs."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _reference_pad(tables: list[np.ndarray]) -> np.ndarray:
 
 
 def _reference_build(out: SchedulerOutput, block_size: int, device: torch.device) -> ModelBatch:
-    """The per-sequence builder as it was before the numpy one (Python per chunk)."""
+    """The reference: every array built in Python, one sequence's chunk at a time."""
     chunks = out.chunks
     lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
     cu_q = np.zeros(len(chunks) + 1, dtype=np.int64)

@@ -1,6 +1,6 @@
 """The batched sampler (``sample_batch``, ``uniform_draws``, ``finish_codes``, ``RowParams``)
-against the per-row path it replaced: the sampler as it was (a Python value per row, one
-``uniform_draw`` per drawn row) and ``check_stop``, on mixed batches."""
+against a per-row reference written out here (a Python value per row, one ``uniform_draw``
+per drawn row) and ``check_stop``, on mixed batches."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _reference_sample(
     row_ids: Sequence[int],  # [K]: stable id of each row's request
     steps: Sequence[int],  # [K]: index of the token being generated (0 = first)
 ) -> torch.Tensor:  # int64 [K]
-    """The per-row sampler as it was before ``sample_batch`` (Python lists per row)."""
+    """The reference sampler: Python lists, one row at a time."""
     k, v = logits.shape
     out = torch.empty(k, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]

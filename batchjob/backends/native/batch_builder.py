@@ -57,7 +57,7 @@ def upload(
     ``packed`` (on a GPU): all arrays of one dtype go into one pinned host buffer, each at a
     64-byte-aligned offset, and cross in one asynchronous copy; the tensors are views of the
     device buffer. A step's batch is a dozen small arrays, and one pinned allocation and one
-    copy per array cost the host ~50 us each (H200, 2026-11-28) while the GPU waits for
+    copy per array cost the host ~50 us each (measured on an H200) while the GPU waits for
     the step. The host buffer comes from torch's pinned caching allocator, which keeps it
     until the copy has completed, so the next step cannot overwrite it in flight.
     """

@@ -1,8 +1,9 @@
 """The forward with everything but attention replayed from CUDA graphs (piecewise graphs).
 
-An eager decode step of a 32-layer model issues ~25 small torch launches per layer (norms,
-projections, RoPE, residual adds, the MLP); at decode batch sizes the GPU then waits on the
-host for half of each step. Attention cannot be captured as it is: its grid and scalar
+An eager decode step issues ~25 small torch launches per layer outside attention (norms,
+projections, RoPE, residual adds, the MLP; ~35 per layer in all, ~1,100 launches per step at
+32 layers as docs/design.md counts them); at decode batch sizes the GPU then waits on the host
+for half of each step. Attention cannot be captured as it is: its grid and scalar
 arguments follow each batch's groups, prefix lengths and prefix split. So the forward is cut
 at attention into L + 1 pieces, each captured once per token-count bucket:
 
