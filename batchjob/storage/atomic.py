@@ -122,6 +122,10 @@ def atomic_open(
     return _atomic_open(Path(path), mode, make_parent)
 
 
+def _name(path: Target) -> str:
+    return path.name if isinstance(path, ObjectPath) else os.path.basename(path)
+
+
 @contextmanager
 def naming(path: Target) -> Iterator[None]:
     """An ``OSError`` raised inside the block names ``path`` (pyarrow's write errors, a full
@@ -129,7 +133,8 @@ def naming(path: Target) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if e.filename is not None and str(e.filename) != "None":
+        named = e.filename is not None or _name(path) in str(e)  # pyarrow's S3 errors name it
+        if named:
             raise
         code = e.errno if e.errno is not None else errno.EIO
         raise OSError(code, e.strerror or str(e), str(path)) from e

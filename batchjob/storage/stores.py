@@ -140,7 +140,7 @@ class ObjectPath:
 # filesystems
 
 _settings: StorageConfig | None = None
-_cache: dict[tuple[str, str], Any] = {}
+_cache: dict[tuple[str, str, int], Any] = {}
 
 
 def configure(settings: StorageConfig | None) -> None:
@@ -172,19 +172,37 @@ def s3_options(settings: StorageConfig | None) -> dict[str, Any]:
     return kw
 
 
+def retries(settings: StorageConfig | None) -> int:
+    """Retries of one failed S3 request (``storage.retries``; its default without settings)."""
+    if settings is None:
+        from batchjob.storage.settings import StorageConfig
+
+        settings = StorageConfig()
+    return settings.retries
+
+
 def filesystem(scheme: str, settings: StorageConfig | None = None) -> pafs.FileSystem:
     """The filesystem of ``scheme`` under ``settings`` (default: the configured ones).
-    Raises ValueError (with the reason) for an unknown scheme or bad options."""
+    Raises ValueError (with the reason) for an unknown scheme or bad options.
+
+    S3 retries each failed request (a network error, a 5xx, throttling) ``storage.retries``
+    times with the AWS SDK's standard strategy (its backoff doubles from 25 ms), unless
+    ``storage.options`` sets its own ``retry_strategy``. Every request pyarrow makes is one
+    it may repeat: a GET, HEAD or LIST, a whole-object PUT, a multipart part."""
     settings = settings if settings is not None else _settings
-    key = (scheme, json.dumps(s3_options(settings), sort_keys=True, default=str))
+    opts = s3_options(settings)
+    key = (scheme, json.dumps(opts, sort_keys=True, default=str), retries(settings))
     if key in _cache:
         return _cache[key]
     import pyarrow.fs as pafs
 
     options = dict(settings.options) if settings is not None else {}
     if scheme in _S3_SCHEMES:
+        if "retry_strategy" not in opts:
+            # pyarrow's max_attempts counts the first try (3: two retries)
+            opts["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(retries(settings) + 1)
         try:
-            fs: pafs.FileSystem = pafs.S3FileSystem(**s3_options(settings))
+            fs: pafs.FileSystem = pafs.S3FileSystem(**opts)
         except (TypeError, ValueError) as e:
             raise ValueError(f"pyarrow.fs.S3FileSystem refused the options: {e}") from None
     else:
@@ -282,9 +300,11 @@ def _s3_client() -> Any:
     opts = {"access_key": "aws_access_key_id", "secret_key": "aws_secret_access_key"}
     opts["session_token"] = "aws_session_token"
     client_kw = {opts[k]: v for k, v in kw.items() if k in opts}
-    config = None
+    # botocore's standard mode: max_attempts counts the first try; backoff doubles, jittered
+    retry = {"max_attempts": retries(_settings) + 1, "mode": "standard"}
+    config = botocore.config.Config(retries=retry)
     if kw.get("anonymous"):
-        config = botocore.config.Config(signature_version=botocore.UNSIGNED)
+        config = config.merge(botocore.config.Config(signature_version=botocore.UNSIGNED))
     return boto3.client(
         "s3",
         endpoint_url=kw.get("endpoint_override"),
@@ -324,9 +344,22 @@ def content_id(path: str) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def _ours(p: ObjectPath, data: bytes) -> bool:
+    """A conditional write refused after a retry may have been refused because its own first
+    try got through (the reply was lost): the object then holds exactly ``data``, which holds
+    a token of the writer's own."""
+    try:
+        got = read_versioned(p)
+    except OSError:
+        return False
+    return got is not None and got[0] == data
+
+
 def put_if_absent(p: ObjectPath, data: bytes) -> bool | None:
     """Create object ``p`` only if it does not exist (S3 ``If-None-Match: *``): True created,
-    False it exists, None no conditional put here (not S3, no boto3, or the server has none)."""
+    False it exists, None no conditional put here (not S3, no boto3, or the server has none).
+    Retried as every request is (``storage.retries``): a refusal of a retry that finds
+    ``data`` there is this call's own write."""
     if p.scheme not in _S3_SCHEMES:
         return None
     client = _s3_client()
@@ -340,7 +373,7 @@ def put_if_absent(p: ObjectPath, data: bytes) -> bool | None:
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         code = e.response.get("Error", {}).get("Code")
         if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-            return False
+            return _ours(p, data)
         if status == 501 or code == "NotImplemented":
             return None
         raise OSError(f"{p}: cannot create the lock object: {e}") from None
@@ -388,7 +421,7 @@ def put_if_match(p: ObjectPath, data: bytes, etag: str) -> bool | None:
         return True
     except botocore.exceptions.ClientError as e:
         if (done := outcome(e)) is not None:
-            return done
+            return done or _ours(p, data)
     try:  # no conditional overwrite: a conditional delete, then a conditional create
         client.delete_object(Bucket=bucket, Key=key, IfMatch=etag)
     except botocore.exceptions.ClientError as e:

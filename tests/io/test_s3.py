@@ -229,6 +229,81 @@ def test_two_takers_of_a_dead_holders_lock_one_gets_it(s3, monkeypatch):
     assert not s3.get_file_info(key).is_file  # B's lock removed when B is done
 
 
+@pytest.fixture
+def flaky(s3):
+    """A proxy in front of the S3 server that can go down for a moment (``outage``)."""
+    from tests.io.flaky_proxy import FlakyProxy
+
+    host, port = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://").split(":")
+    proxy = FlakyProxy((host, int(port)))
+    yield proxy
+    proxy.close()
+
+
+def _run_through_an_outage(s3, flaky, args: list[str], prefix: str, seconds: float):
+    """``batchjob run ARGS`` through the proxy, which goes down for ``seconds`` once the run
+    has written two parts -> the finished process."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.e2e.jobkit import ROOT
+
+    cmd = [sys.executable, "-m", "batchjob.cli", "run", "--no-progress", *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), AWS_ENDPOINT_URL=flaky.url)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len([k for k in _keys(s3, f"{prefix}.meta") if k.startswith("parts/part-")]) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "no parts written"
+        time.sleep(0.02)
+    flaky.outage(seconds)
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+OUTAGE_S = 2.0  # longer than the AWS SDK's default two retries wait (about 0.1 to 2 s)
+
+
+def test_an_object_store_outage_is_retried_through(s3, model, data, local_results, flaky):
+    """A 2 s outage mid-run (connections cut, new ones refused): each request is retried
+    (``storage.retries``, 10 by default) and the run finishes as if nothing happened. Before
+    retries were configured it ended the run with exit 1 (pyarrow's default: two retries)."""
+    out = f"s3://{BUCKET}/out/blip"
+    args = _job(model, data[1], out, "scheduler.chunk_size=8", "output.flush_rows=1")
+    code, err = _run_through_an_outage(s3, flaky, args, "out/blip", OUTAGE_S)
+    assert flaky.outages == 1
+    assert code == 0, err
+    got = _read(s3, out)
+    assert got["row_id"].to_pylist() == list(range(local_results.num_rows))
+    assert got.equals(local_results)
+
+
+def test_without_retries_an_outage_is_exit_1_and_the_rerun_resumes(
+    s3, model, data, local_results, flaky
+):
+    out = f"s3://{BUCKET}/out/blip0"
+    args = _job(model, data[1], out, "scheduler.chunk_size=8", "output.flush_rows=1")
+    code, err = _run_through_an_outage(
+        s3, flaky, [*args, "--set", "storage.retries=0"], "out/blip0", OUTAGE_S
+    )
+    assert code == 1, err
+    lines = [x for x in err.strip().splitlines() if not x.startswith("batchjob: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "rerun" in lines[0], err
+    parts = [k for k in _keys(s3, "out/blip0.meta") if k.startswith("parts/part-")]
+    assert parts and _keys(s3, "out/blip0") == []  # rows written so far are kept
+    res = cli("run", "--no-progress", *args)
+    assert res.exit_code == 0, res.output
+    assert _read(s3, out).equals(local_results)
+
+
+def test_storage_retries_bounds(s3, model, data):
+    for bad in ("-1", "21", "true"):
+        res = cli(
+            "run", "--no-progress", *_job(model, data[1], "s3://x/o", f"storage.retries={bad}")
+        )
+        assert res.exit_code == EXIT_CONFIG and res.stderr.startswith("error: storage.retries:")
+
+
 def _results(names: list[str]) -> int:
     """How many result files: ``results-NNNNN-<commit>.parquet``, and nothing but _SUCCESS."""
     found = [n for n in names if n.startswith("results-") and n.endswith(".parquet")]
