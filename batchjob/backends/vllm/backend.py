@@ -1,9 +1,10 @@
 """vLLM behind the ``Backend`` interface: the plan executed by vLLM's offline engine.
 
 The engine starts in ``rows_over_budget`` or ``check_fits``, whichever is called first (its
-``max_model_len`` defaults to the job's longest request that fits the KV budget, so a small
-budget still starts), with its engine core in this process and the model in a worker
-process. ``run`` submits requests group by group in plan order (Eq. 4),
+``max_model_len`` defaults to the model's context capped by what the KV budget holds, so a
+small budget still starts and a warm engine takes later, longer requests), with its engine
+core in this process and the model in a worker process (started without importing the
+caller's script again: ``spawn``). ``run`` submits requests group by group in plan order (Eq. 4),
 whole groups at a time while fewer than ``window`` requests are in flight, steps the engine,
 and hands each request to ``on_finish`` as soon as it finishes (results stream to disk);
 the scheduler class (``scheduler.py``) records every step for ``on_iteration``. One engine
@@ -30,8 +31,10 @@ from batchjob.backends.base import (
     RunSink,
 )
 from batchjob.backends.scoring import LabelCombiner, expand
+from batchjob.backends.vllm.embedding import run_embeddings, with_kwargs
 from batchjob.backends.vllm.engine_args import (
     EngineSettings,
+    drop_vllm_log,
     engine_settings,
     environment,
     route_vllm_log,
@@ -39,8 +42,10 @@ from batchjob.backends.vllm.engine_args import (
 )
 from batchjob.backends.vllm.requests import OutputTracker, ScoreTracker, Submission, plan_order
 from batchjob.backends.vllm.scheduler import scheduler_class_path
+from batchjob.backends.vllm.spawn import main_module_hidden
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
 from batchjob.model.info import ModelInfo, model_info_for
+from batchjob.model.pooling import PoolingSpec, pooling_spec
 from batchjob.plan.build import plan_job
 from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
@@ -96,6 +101,12 @@ class VllmBackend(Backend):
         self.scheduler: Any = None
         self.window = 0
         self._runs = 0
+        self.starts = 0  # engines started by this backend (a warm Generator: one)
+        self.keep_log = False  # a failure named vLLM's log: close() leaves it
+        # model.task = "embed": vLLM's pooling runner with this pooling (``vllm.embedding``)
+        self.pooling: PoolingSpec | None = None
+        if cfg.model.task == "embed":
+            self.pooling = pooling_spec(cfg.model, info.path, info.config.hidden_size)
         # fail on settings before any data is touched (vLLM itself starts in check_fits)
         engine_settings(cfg, self.model.dtype, 2)
 
@@ -104,8 +115,11 @@ class VllmBackend(Backend):
         log_config = s.env.get("VLLM_LOGGING_CONFIG_PATH")
         if log_config is not None:
             route_vllm_log(Path(log_config))
+        if self.pooling is not None:
+            s = with_kwargs(s, self.pooling)
         with environment(s.env):
             self._start_engine(s, longest, longest_row)
+        self.starts += 1
         self.device = "cpu" if s.on_cpu else "cuda:0"
         self.window = max(2 * self.engine.vllm_config.scheduler_config.max_num_seqs, 256)
 
@@ -125,23 +139,26 @@ class VllmBackend(Backend):
             raise ConfigError(f"{_key_for(msg)}: vLLM refused the settings: {msg}{hint}") from None
         sc = config.scheduler_config
         policy = self.cfg.scheduler.policy
-        sc.scheduler_cls = scheduler_class_path(policy, bool(sc.async_scheduling))
+        if self.pooling is None:  # pooling requests run on vLLM's own scheduler
+            sc.scheduler_cls = scheduler_class_path(policy, bool(sc.async_scheduling))
         try:
-            self.engine = LLMEngine(
-                vllm_config=config,
-                executor_class=Executor.get_class(config),
-                log_stats=False,
-                multiprocess_mode=False,
-            )
+            with main_module_hidden():  # a script without a __main__ guard: not run again
+                self.engine = LLMEngine(
+                    vllm_config=config,
+                    executor_class=Executor.get_class(config),
+                    log_stats=False,
+                    multiprocess_mode=False,
+                )
         except Exception as e:
             msg = " ".join(str(e).split())
             key = _key_for(msg)
             if key in ("engine.kv_cache_bytes", "engine.block_size"):
                 raise ConfigError(f"{key}: vLLM could not start: {msg}{hint}") from None
             msg = msg.replace(_VLLM_SEE_ABOVE, "")  # the trace is in vLLM's log
+            self.keep_log = True
             raise VllmError(f"vLLM failed to start: {msg}{_log_hint()}") from e
         self.scheduler = self.engine.engine_core.engine_core.scheduler
-        if self.cfg.scheduler.policy == "batchllm":
+        if self.cfg.scheduler.policy == "batchllm" and self.pooling is None:
             self.scheduler.bj_kv_threshold = self.cfg.scheduler.kv_threshold_for("vllm")
 
     @property
@@ -171,9 +188,23 @@ class VllmBackend(Backend):
                 f"row_id {row_id} needs {cdiv(tokens, bs)} ({tokens} tokens)"
             )
 
-    def _start_for(self, longest: int, row_id: int) -> None:
-        """Start vLLM for requests of at most ``longest`` tokens (its default max_model_len)."""
+    def _engine_len(self, longest: int) -> int:
+        """The max_model_len vLLM starts with when the job sets none: the model's context,
+        capped by what the KV budget holds (vLLM refuses to start a context its cache cannot
+        hold), so later runs of the same engine (a warm ``Generator``) take longer requests
+        without a restart; ``longest`` where the budget is known only once vLLM runs (a GPU's
+        engine.gpu_memory_fraction)."""
         s = engine_settings(self.cfg, self.model.dtype, longest)
+        budget = s.kwargs.get("kv_cache_memory_bytes")
+        if budget is None:
+            return longest
+        bs = int(s.kwargs.get("block_size", 16))
+        held = (int(budget) // (bs * self.model.kv_bytes_per_token) - 1) * bs  # a block spare
+        return max(longest, min(self.model.max_model_len, held))
+
+    def _start_for(self, longest: int, row_id: int) -> None:
+        """Start vLLM for requests of at least ``longest`` tokens (``_engine_len``)."""
+        s = engine_settings(self.cfg, self.model.dtype, self._engine_len(longest))
         self._check_budget(s, longest, row_id)
         self._start(s, longest, row_id)
 
@@ -234,6 +265,15 @@ class VllmBackend(Backend):
 
     # --- running ----------------------------------------------------------------------
     def run(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
+        if self.pooling is not None:
+            self.check_fits(prompts, plan)
+            self._runs += 1
+            if not self.engine.reset_prefix_cache():
+                raise VllmError("vLLM could not reset its prefix cache (requests still running)")
+            return run_embeddings(
+                self.engine, prompts, plan, self.pooling, sink.on_finish, self.window,
+                f"r{self._runs}",
+            )  # fmt: skip
         if prompts.settings is not None and prompts.settings.labels is not None:
             return self._score(prompts, plan, sink)
         self.check_fits(prompts, plan)
@@ -241,7 +281,7 @@ class VllmBackend(Backend):
         sampling, eos = self.cfg.sampling, self.model.config.eos_token_ids
         tag = f"r{self._runs}"
         groups = plan_order(prompts, plan, sampling, eos, tag, seeded=self.device != "cpu")
-        tracker = OutputTracker(prompts, sampling, eos, self.detokenize)
+        tracker = OutputTracker(prompts, sampling, eos, self.detokenize, self.cfg.reasoning_parser)
         return self._execute(prompts, groups, tracker, sink.on_finish, sink.on_iteration)
 
     def _score(self, prompts: TokenizedPrompts, plan: Plan, sink: RunSink) -> BackendRun:
@@ -316,6 +356,7 @@ class VllmBackend(Backend):
                 outputs = engine.step()
             except Exception as e:
                 msg = str(e).replace(_VLLM_SEE_ABOVE, "")  # the trace is in the log
+                self.keep_log = True
                 raise VllmError(f"vLLM failed while running: {msg}{_log_hint()}") from e
             for out in outputs:
                 done, abort = tracker.update(out, positions[out.request_id])
@@ -364,3 +405,5 @@ class VllmBackend(Backend):
         if self.engine is not None:
             self.engine.engine_core.shutdown()
             self.engine = self.scheduler = None
+        if not self.keep_log:
+            drop_vllm_log()
