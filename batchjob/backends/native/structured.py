@@ -10,6 +10,10 @@ the token bitmask of the constrained rows, applies it to their logits (disallowe
 -inf) before sampling, and feeds the sampled token back with ``accept``. EOS is allowed only
 once the output is complete; a request that reaches ``max_tokens`` before that finishes
 "length" with status ``json_incomplete``, ``regex_incomplete`` or ``choice_incomplete``.
+
+With ``output.reasoning_parser`` (``reasoning``), a row whose prompt leaves it inside its
+reasoning is free until it generates ``</think>``; its guide constrains what follows (the
+end token itself is not fed to the grammar), as vLLM's structured output does.
 """
 
 from __future__ import annotations
@@ -42,10 +46,12 @@ class GrammarConstraint:
         vocab_size: int,
         eos_ids: Sequence[int],
         stop_ids: Sequence[int] = (),
+        reasoning: tuple[int, Sequence[int]] | None = None,
     ) -> None:
         """``guides``: one for every request, or one per prompt position (None: free).
         ``stop_ids``: ``sampling.stop_token_ids``; with EOS they may end a complete output
-        (vLLM gives its grammars every stop id of the request)."""
+        (vLLM gives its grammars every stop id of the request). ``reasoning``: (the
+        ``</think>`` id, the positions that start inside their reasoning)."""
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
@@ -80,6 +86,8 @@ class GrammarConstraint:
         self._pending: dict[int, int] = {}  # seq -> its output's trailing special lead byte
         self._out: dict[int, bytearray] = {}  # seq -> its output's bytes so far
         self._matchers: dict[int, Any] = {}  # xgrammar.GrammarMatcher (untyped)
+        self._end_id = reasoning[0] if reasoning is not None else -1
+        self._thinking: set[int] = set(reasoning[1]) if reasoning is not None else set()
 
     def guide(self, seq: int) -> Guide | None:
         return self._guides if isinstance(self._guides, Guide) else self._guides[seq]
@@ -117,7 +125,8 @@ class GrammarConstraint:
     def mask(self, logits: torch.Tensor, seqs: Sequence[int]) -> None:
         """Set to -inf, in place, the logits of the tokens each row's grammar forbids now."""
         guides = [self.guide(s) for s in seqs]
-        rows = [j for j, g in enumerate(guides) if g is not None]
+        thinking = self._thinking
+        rows = [j for j, g in enumerate(guides) if g is not None and seqs[j] not in thinking]
         if not rows:
             return
         bitmask = self._xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
@@ -146,6 +155,10 @@ class GrammarConstraint:
 
     def accept(self, seq: int, token: int) -> bool:
         """Feed the sampled token; True once the output is complete and closed by EOS."""
+        if seq in self._thinking:  # reasoning: free, until its end token
+            if token == self._end_id:
+                self._thinking.discard(seq)
+            return False
         m = self._matcher(seq)
         if m is None:
             return False
@@ -166,6 +179,8 @@ class GrammarConstraint:
         if guide is None:
             return None
         status = STATUS_INCOMPLETE[guide.kind]
+        if seq in self._thinking:
+            return status, "the reasoning did not end (no </think>)"
         m = self._matchers.get(seq)
         if m is None or not (m.is_terminated() or m.is_completed()):
             return status, _UNFINISHED[guide.kind]
@@ -176,6 +191,7 @@ class GrammarConstraint:
         return None
 
     def release(self, seq: int) -> None:
+        self._thinking.discard(seq)
         self._matchers.pop(seq, None)
         self._pending.pop(seq, None)
         self._out.pop(seq, None)

@@ -7,8 +7,9 @@ Mapping (batchjob key -> vLLM engine argument):
   ``quantization`` (unset: vLLM reads the checkpoint's ``quantization_config``);
   ``model.dtype`` -> ``dtype`` (``auto`` resolved as the native engine does: on a CPU,
   bfloat16 for a half-precision checkpoint where the CPU has bf16 matmul hardware, else
-  float32); ``model.max_model_len`` -> ``max_model_len`` (default: the longest prompt +
-  max_tokens of the job, so a small KV budget still starts).
+  float32); ``model.max_model_len`` -> ``max_model_len`` (default: the model's context capped by
+  the tokens the KV budget holds, at least the job's longest prompt + max_tokens, so a small
+  KV budget still starts; ``VllmBackend._engine_len``).
 - ``engine.kv_cache_bytes`` -> ``kv_cache_memory_bytes`` (default on CPU: 2 GiB, as native);
   without it on a GPU ``engine.gpu_memory_fraction`` -> ``gpu_memory_utilization``.
 - ``engine.block_size`` -> ``block_size``, checked against what the platform's attention
@@ -245,6 +246,8 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         kw["quantization"] = cfg.model.quantization
     if structured:  # compact JSON, as the native engine writes
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
+        if cfg.reasoning_parser is not None:  # the grammar starts after the reasoning
+            kw["structured_outputs_config"]["reasoning_parser"] = cfg.reasoning_parser
     env: dict[str, str | None] = quiet_log_env()
     if e.kv_cache_bytes is not None:
         kw["kv_cache_memory_bytes"] = e.kv_cache_bytes
@@ -311,6 +314,20 @@ def route_vllm_log(config_path: Path) -> None:
         handler.setFormatter(logging.Formatter(_LOG_FORMAT))
         vllm_logger.handlers = [handler]
         vllm_logger.propagate = False
+
+
+def drop_vllm_log() -> None:
+    """After an engine closed cleanly: its log and logging config deleted, this process's
+    vllm logger off the file, so no run leaves a file in $TMPDIR (a failed run keeps its log:
+    the error line names it)."""
+    log = vllm_log_file()
+    vllm_logger = logging.getLogger("vllm")
+    for h in [h for h in vllm_logger.handlers if isinstance(h, logging.FileHandler)]:
+        if Path(h.baseFilename) == log:
+            vllm_logger.removeHandler(h)
+            h.close()
+    for path in (log, log.with_suffix(".json")):
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,9 @@ Each row's sampling settings become its ``SamplingParams``: penalties, ``min_p``
 ``allowed_token_ids``, and its guide as ``StructuredOutputsParams`` (``json``, ``regex`` or
 ``choice``). A finished constrained output is checked on its text (JSON parses, the regex
 matches in full by xgrammar's own matcher, the text is one of the choices); one that is not
-gets the guide's ``*_incomplete`` status.
+gets the guide's ``*_incomplete`` status. With ``output.reasoning_parser`` vLLM starts the
+grammar after the reasoning (its ``structured_outputs_config.reasoning_parser``), and the
+check reads the answer only (``batchjob.backends.reasoning``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from batchjob.backends.base import Detokenize, FinishedRequest, TokenLogprobs
+from batchjob.backends.reasoning import split_reasoning
 from batchjob.backends.vllm.scheduler import EXTRA_KEY
 from batchjob.config import SamplingConfig
 from batchjob.config.guided import Guide
@@ -292,9 +295,11 @@ class OutputTracker:
         sampling: SamplingConfig,
         eos_ids: Sequence[int],
         detokenize: Detokenize,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.prompts = prompts
         self.sampling = sampling
+        self.reasoning_parser = reasoning_parser
         self.guides = row_guides(sampling, prompts)
         self.check = GuideCheck()
         self.delta = has_stop_strings(sampling, prompts)  # DELTA outputs, checked per token
@@ -326,7 +331,10 @@ class OutputTracker:
         guide = self.guides[position] if self.guides is not None else None
         if guide is not None:
             body = [t for t in toks if t not in self.stop_set]
-            if not self.check(guide, text if text is not None else self.detokenize(body)):
+            answer = text if text is not None else self.detokenize(body)
+            if self.reasoning_parser is not None:
+                answer = split_reasoning(self.reasoning_parser, answer)[1] or ""
+            if not self.check(guide, answer):
                 status = STATUS_INCOMPLETE[guide.kind]
                 row = int(self.prompts.row_ids[position])
                 message = f"row {row}: {_UNFINISHED[guide.kind]} (finish {reason})"
