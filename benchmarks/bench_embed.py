@@ -47,9 +47,10 @@ def build(args) -> tuple[Path, Path]:
             make_tiny_embedding_model(model, family="qwen3", pooling=args.pooling, vocab_size=1000,
                                       hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64,
                                       init_std=0.02)  # fmt: skip
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
-    instr = rng.integers(3, 1000, args.instruction_tokens).tolist()
-    rows = [[1, *instr, *rng.integers(3, 1000, int(rng.integers(8, 41))).tolist()]
+    instr = rng.integers(3, vocab, args.instruction_tokens).tolist()
+    rows = [[1, *instr, *rng.integers(3, vocab, int(rng.integers(8, 41))).tolist()]
             for _ in range(args.rows)]  # fmt: skip
     data = OUT / f"rows-{args.rows}.parquet"
     OUT.mkdir(parents=True, exist_ok=True)
@@ -82,6 +83,9 @@ def run_one(system: str, model: str, data: str, pooling: str, dtype: str, out: s
             t0 = time.perf_counter()
             res = g.generate(table)
             seconds = time.perf_counter() - t0
+        bad = [s for s in res["status"].to_pylist() if s != "ok"]
+        if bad:
+            raise SystemExit(f"{system}: {len(bad)} rows not embedded (first: {bad[0]})")
         emb = np.asarray(res["embedding"].to_pylist(), dtype=np.float32)
     np.save(out + ".npy", emb)
     tokens = sum(map(len, rows))
