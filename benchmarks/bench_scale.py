@@ -13,6 +13,7 @@ resident set from /proc/<pid>/status every 50 ms:
   high-water mark, exact), which the sampler reads last.
 
     .venv/bin/python benchmarks/bench_scale.py plan --rows 100000,300000,1000000,10000000
+    .venv/bin/python benchmarks/bench_scale.py plan --rows 10000000 --plan-memory 1GiB  # partitions
     .venv/bin/python benchmarks/bench_scale.py run --rows 500000,1000000
     .venv/bin/python benchmarks/bench_scale.py all   # both (what `make bench-scale` runs)
 
@@ -189,14 +190,28 @@ def _cli() -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def bench_plan(rows: int) -> dict:
+def bench_plan(rows: int, plan_memory: str | None = None) -> dict:
+    """``plan_memory``: scheduler.plan_memory (a budget below the dataset's plans it in
+    partitions); None: the default (half of RAM)."""
     data = write_dataset(DATA / f"plan-{rows}.parquet", rows, PLAN_VOCAB)
     out = OUT / f"plan-{rows}"
     cmd = [*_cli(), "-v", "plan", "--input", str(data)]
     cmd += ["--output", str(out), "--set", "input.batch_rows=65536", "--json"]
+    if plan_memory:
+        cmd += ["--set", f"scheduler.plan_memory={plan_memory}"]
     r = measure(cmd, _env(), OUT / f"plan-{rows}.log")
     stages = {s["name"]: s["seconds"] for s in r["json"].get("stages", [])}
-    return {"command": "plan", "rows": rows, **r, "stage_s": stages}
+    parts = r["json"].get("partitions")
+    what = f"plan ({parts['count']} partitions)" if parts else "plan"
+    saving = {k: r["json"][k] for k in ("saving_ratio_single_level", "saving_ratio_multi_level")}
+    return {
+        "command": what,
+        "rows": rows,
+        **r,
+        "stage_s": stages,
+        "plan_memory": plan_memory,
+        **saving,
+    }
 
 
 def bench_run(rows: int, max_tokens: int) -> dict:
@@ -227,9 +242,12 @@ def _row(r: dict) -> str:
         for k, v in r["stage_s"].items()
         if isinstance(v, float)
     )
+    saving = r["json"].get("saving_ratio_single_level")
+    saving_s = f"{saving:.2%}" if isinstance(saving, float) else "-"
     return (
         f"| {r['command']} | {r['rows']:,} | {r['wall_s']:.1f} | "
-        f"{r['peak_rss_kb'] / gib:.2f} | {r['peak_rss_kb'] * 1024 / r['rows']:.0f} | {stages} |"
+        f"{r['peak_rss_kb'] / gib:.2f} | {r['peak_rss_kb'] * 1024 / r['rows']:.0f} | "
+        f"{saving_s} | {stages} |"
     )
 
 
@@ -240,6 +258,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--label", default="", help="a name for these runs in results.jsonl")
     ap.add_argument("--src", help="import batchjob from this folder (another checkout)")
+    ap.add_argument("--plan-memory", help="plan: scheduler.plan_memory, e.g. 1GiB")
     args = ap.parse_args()
     global SRC
     SRC = args.src
@@ -259,10 +278,13 @@ def main() -> None:
         jobs += [("plan", n) for n in plan_rows]
     if args.what in ("run", "all"):
         jobs += [("run", n) for n in run_rows]
-    print("| command | rows | wall s | peak RSS GiB | bytes/row | stage: wall / peak RSS |")
-    print("|---|---:|---:|---:|---:|---|")
+    print(
+        "| command | rows | wall s | peak RSS GiB | bytes/row | saving ratio "
+        "| stage: wall / peak RSS |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
     for what, n in jobs:
-        r = bench_plan(n) if what == "plan" else bench_run(n, args.max_tokens)
+        r = bench_plan(n, args.plan_memory) if what == "plan" else bench_run(n, args.max_tokens)
         r["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         r["loadavg"] = os.getloadavg()
         r["label"] = args.label

@@ -59,7 +59,7 @@ GROUP = np.dtype(
 )
 MEMBER = np.dtype([("position", "<i8"), ("row_id", "<i8"), ("decode", "<i4")])
 CHUNK_ROWS = 1 << 16  # rows per read of a partition being re-split
-MERGE_GROUPS = 1 << 20  # groups the merge buffers over all partitions at most
+MERGE_GROUPS = 1 << 18  # groups the merge buffers over all partitions at most
 WRITE_ROWS = 1 << 17  # plan-file rows per Parquet row group
 
 
