@@ -4,6 +4,7 @@ The driver (``batchjob run`` with ``cluster.address = "local"``: its own Ray) is
 both engine workers are mid-shard: the workers stop writing part files at once and their
 processes end within seconds (they checked the driver before each part and every second), the
 dead run's part names carry its run token, and the rerun resumes the parts, exactly once.
+No Ray process outlives it either (the raylet's DashboardAgent and RuntimeEnvAgent did).
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _group(pgid: int) -> dict[int, str]:
+    """{pid: command line} of the live (not zombie) processes of process group ``pgid``."""
+    out = {}
+    for p in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    out[int(p)] = f.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+    return out
+
+
 def _parts(meta: Path) -> set[str]:
     return {p.name for p in (meta / "parts").glob("part-*.parquet")}
 
@@ -67,6 +81,8 @@ def test_workers_stop_when_their_driver_is_killed(
                     workers[f.stem] = json.loads(f.read_text())["pid"]
             time.sleep(0.01)
         at_kill = _parts(meta)
+        ray_procs = _group(driver.pid)  # Ray's processes: the driver's session
+        assert any(n.startswith("ray::DashboardAgent") for n in ray_procs.values()), ray_procs
         os.kill(driver.pid, signal.SIGKILL)
         driver.wait()
         killed = time.monotonic()
@@ -79,6 +95,10 @@ def test_workers_stop_when_their_driver_is_killed(
         late = sorted(_parts(meta) - written)
         assert not late, f"{len(late)} parts written after the driver died ({len(at_kill)} before)"
         assert gone_after < 2.5, f"workers still alive {gone_after:.1f} s after the driver died"
+        while _group(driver.pid) and time.monotonic() < killed + 8:
+            time.sleep(0.1)
+        left = _group(driver.pid)  # the raylet's agents outlived it (they watch the raylet)
+        assert not left, f"Ray processes alive 8 s after the driver died: {left}"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(driver.pid, signal.SIGKILL)  # the driver's Ray (its own session)

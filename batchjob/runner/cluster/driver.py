@@ -31,6 +31,7 @@ from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.build import plan_job
 from batchjob.plan.plan import Plan
 from batchjob.plan.shard import shard_plan, split
+from batchjob.runner.cluster.reaper import stop_watching, watch_descendants
 from batchjob.runner.cluster.worker import DriverInfo, ShardWorker, workers_dir
 from batchjob.runner.execute import Execution, merge, select_rows
 from batchjob.runner.heartbeat import Heartbeat
@@ -88,6 +89,8 @@ def connect(ray, cfg: ClusterConfig) -> bool:
     """Join (or start, for "local") the cluster; True when this call started Ray here."""
     if ray.is_initialized():
         return False
+    if cfg.address == "local":  # Ray started here ends with this process, however it ends
+        watch_descendants()
     try:
         ray.init(
             address=cfg.address,
@@ -100,6 +103,13 @@ def connect(ray, cfg: ClusterConfig) -> bool:
             f"cluster.address: cannot reach the Ray cluster at {cfg.address!r}: {e}"
         ) from None
     return True
+
+
+def disconnect(ray, started: bool) -> None:
+    """Leave the cluster; a Ray that ``connect`` started here is shut down, leftovers reaped."""
+    if started:
+        ray.shutdown()
+        stop_watching()
 
 
 def runtime_options() -> dict[str, Any]:
@@ -132,8 +142,7 @@ def run_on_cluster(
         driver.heartbeat = Heartbeat(len(prompts), heartbeat_s) if heartbeat_s else None
         return driver.run(prompts, plan)
     finally:
-        if started:
-            ray.shutdown()
+        disconnect(ray, started)
 
 
 class _Driver:

@@ -187,7 +187,7 @@ def load_prompts_on_cluster(
     job: JobConfig, tokenizer: PromptTokenizer | None = None
 ) -> tuple[TokenizedInput, ModelInfo | None]:
     """``load_prompts`` with the reading and tokenizing done by Ray tasks over fragments."""
-    from batchjob.runner.cluster.driver import _import_ray, connect, runtime_options
+    from batchjob.runner.cluster.driver import _import_ray, connect, disconnect, runtime_options
 
     dataset = open_input(job.input, job.model)
     tasks = (
@@ -215,8 +215,7 @@ def load_prompts_on_cluster(
                 raise cause from None  # a corrupt file, a bad column: its own exit code
             raise
     finally:
-        if started:
-            ray.shutdown()
+        disconnect(ray, started)
     loaded = concat([p for _, p in done], time.perf_counter() - t0)
     log.info(
         "read + tokenize: %d rows, %d fragments in %d Ray tasks (%d processes), %.2f s",
