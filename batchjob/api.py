@@ -29,6 +29,7 @@ planned and run on its own, so memory stays flat however long the stream.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -40,6 +41,7 @@ import pyarrow as pa
 
 from batchjob.config import SECTIONS, JobConfig, load_job
 from batchjob.config.load import IMPLICIT_MAX_TOKENS_COLUMN, build_job, closest_key, read_tables
+from batchjob.config.vllm_values import is_engine_arg, is_sampling_params, sampling_table
 from batchjob.errors import ConfigError, InputDataError
 from batchjob.inputs.table import DATA_NAME
 
@@ -72,6 +74,9 @@ def generate_config(
 ) -> JobConfig:
     """The job ``generate`` runs: ``job`` (a file or ``JobConfig``), then the ``sections``
     tables, checked as a job file's; its input is the data given to ``generate``."""
+    if is_sampling_params(sections.get("sampling")):  # a vllm.SamplingParams, field by field
+        keys = frozenset(f.name for f in dataclasses.fields(SECTIONS["sampling"]))
+        sections = {**sections, "sampling": sampling_table(sections["sampling"], keys)}
     tables: dict[str, dict[str, Any]] = {}
     for name, table in sections.items():
         if name not in SECTIONS:
@@ -83,6 +88,11 @@ def generate_config(
             elif key is not None and key.endswith("." + name):  # a key outside its table
                 section = key.split(".")[0]
                 hint = f"; settings go in their section's table: {section}={{{name!r}: ...}}"
+            elif is_engine_arg(name):  # LLM(tensor_parallel_size=2)
+                hint = (
+                    f"; a vLLM engine argument goes in engine={{'backend': 'vllm', "
+                    f"'vllm': {{{name!r}: ...}}}}"
+                )
             elif key is not None:
                 section, k = key.split(".")
                 hint = f"; did you mean {section}={{{k!r}: ...}}?"

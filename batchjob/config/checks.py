@@ -41,8 +41,16 @@ def parse_bytes(value: int | str) -> int:
 # checks used by __post_init__: each raises ConfigError("section.key: ...")
 
 
+def plain(value: Any) -> Any:
+    """A numpy scalar or array as the Python value it holds, so a message says ``-1.0``, not
+    ``np.float64(-1.0)``; anything else as is."""
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
 def _fail(key: str, msg: str, value: Any) -> None:
-    raise ConfigError(f"{key}: {msg}, got {value!r}")
+    raise ConfigError(f"{key}: {msg}, got {plain(value)!r}")
 
 
 INT64_MAX = 2**63 - 1  # no integer setting is larger: numpy and Arrow hold them as int64

@@ -15,7 +15,7 @@ from typing import Any
 from batchjob.config.checks import _fail
 from batchjob.config.embedding import check_embedding
 from batchjob.config.json_schema import XGRAMMAR_HINT
-from batchjob.config.per_row import GUIDE_COLUMNS, PROCESSOR_COLUMNS, VLLM_MAX_TEMPERATURE
+from batchjob.config.per_row import GUIDE_COLUMNS, PROCESSOR_COLUMNS
 from batchjob.config.sections import (
     ClusterConfig,
     EngineConfig,
@@ -64,8 +64,8 @@ class JobConfig:
         parser = self.output.reasoning_parser
         if parser and (self.sampling.labels or self.input.labels_column):
             _fail("output.reasoning_parser", "cannot be combined with scoring (labels)", parser)
-        if parser and getattr(self.model, "task", "generate") != "generate":
-            _fail("output.reasoning_parser", "is for model.task = \"generate\"", parser)
+        if parser and self.model.task != "generate":
+            _fail("output.reasoning_parser", 'is for model.task = "generate"', parser)
         check_embedding(self.model, self.sampling, self.input, self.output)
         if self.model.quantization is not None and self.engine.backend != "vllm":
             why = 'is for engine.backend = "vllm" (the native engine runs full-precision weights)'
@@ -106,9 +106,6 @@ class JobConfig:
         if inp.labels_column and (changed := s.processors()):
             key = f"sampling.{changed[0]}"
             _fail(key, "cannot be combined with scoring (input.labels_column)", inp.labels_column)
-        if self.engine.backend == "vllm" and s.temperature > VLLM_MAX_TEMPERATURE:
-            why = f"vLLM takes [0, {VLLM_MAX_TEMPERATURE:g}] (engine.backend = vllm)"
-            _fail("sampling.temperature", why, s.temperature)
         spec = (self.engine.vllm or {}).get("speculative_config")
         if self.engine.backend == "vllm" and spec:  # vLLM: SamplingParams._validate_spec_decode
             for key, on in (("min_p", s.min_p > 0), ("logit_bias", bool(s.logit_bias))):

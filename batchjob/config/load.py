@@ -25,6 +25,7 @@ from typing import Any
 
 from batchjob.config.job import SECTIONS as _SECTIONS
 from batchjob.config.job import JobConfig
+from batchjob.config.vllm_values import is_engine_arg
 from batchjob.errors import ConfigError
 from batchjob.model.hf_config import read_generation_sampling_defaults
 from batchjob.model.hub import is_hub_id
@@ -140,6 +141,8 @@ def _check_keys(raw: dict[str, Any], where: str) -> None:
             hint = f"; did you mean [{near[0]}]?" if near else ""
             if not near and (moved := closest_key("", section)) is not None:
                 hint = f"; did you mean {moved}?"  # a key written outside its section
+            if not near and is_engine_arg(section) and not (moved or "").endswith(section):
+                hint = f"; a vLLM engine argument goes in engine.vllm.{section}"
             raise ConfigError(
                 f"{where}: unknown section [{section}]{hint} "
                 f"(expected one of {', '.join(_SECTIONS)})"
@@ -153,6 +156,8 @@ def _check_keys(raw: dict[str, Any], where: str) -> None:
             if key not in names:
                 near_key = closest_key(section, key)
                 hint = f"; did you mean {near_key}?" if near_key else ""
+                if is_engine_arg(key) and not (near_key or "").endswith("." + key):
+                    hint = f"; a vLLM engine argument goes in engine.vllm.{key}"
                 raise ConfigError(
                     f"{section}.{key}: unknown key in {where}{hint} "
                     f"(known: {', '.join(sorted(names))})"

@@ -2,9 +2,11 @@
 
 A per-row setting is a ``[sampling]`` key that a row can override through an input column
 (``input.<name>_column``; a null value takes the job's). Each entry says what the column holds
-(``kind``), the values it allows (``lo``, ``hi``, ``lo_open``; ``vllm_hi``: the tighter upper
-bound vLLM's ``SamplingParams`` takes), how the row's value applies (``applies``), whether it
-is a logits processor or an OpenAI Batch request field, and its meaning. Everything that lists
+(``kind``), the values it allows (``lo``, ``hi``, ``lo_open``: one set for both backends,
+vLLM's ``SamplingParams`` ranges, so a job valid on one runs on the other; ``off``: vLLM's
+value meaning "off" where batchjob's differs, taken as batchjob's), how the row's value
+applies (``applies``), whether it is a logits processor or an OpenAI Batch request field, and
+its meaning. Everything that lists
 these settings derives from here: the checks of ``[sampling]`` (``SamplingConfig``), the
 ``input.*_column`` keys (their names, their reference lines in ``batchjob keys``), the checks
 of a row's value and the status it gets when bad (``batchjob.inputs.row_settings``,
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 MAX_TOKENS = 2**31 - 1  # per-row limits are int32 (a row's max_tokens column: the same bound)
 MAX_SAMPLES = 2**16  # sampling.n and a row's n: a result is keyed by row_id * 2**16 + sample
-VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses more (the native engine takes 100)
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams and the OpenAI API refuse more; so do both backends
 INT64_MAX = 2**63 - 1  # no integer setting is larger: numpy and Arrow hold them as int64
 
 # what a setting's column holds -> (the Arrow type it needs, as a message says it; the
@@ -48,7 +50,7 @@ class RowSetting:
     lo: float | None = None  # number / integer: the lowest value allowed
     hi: float | None = None  # ... the highest (INT64_MAX: no upper bound)
     lo_open: bool = False  # the lowest value itself is refused
-    vllm_hi: float | None = None  # engine.backend = vllm: vLLM's own upper bound
+    off: int | None = None  # vLLM's "off" value (top_k = -1), taken as the default (0)
     invalid: str | None = None  # a row's bad value: this message instead of the range's
     processor: bool = False  # a logits processor (off for scoring; SamplingConfig.processors)
     request: bool = False  # an OpenAI Batch request's body field (batchjob.inputs.openai_batch)
@@ -76,24 +78,22 @@ class RowSetting:
         """The column type it needs, as an error message names it."""
         return KINDS[self.kind][0]
 
-    def allowed(self, backend: str) -> str:
-        """What a bad row value's message says it must be: ``must be in [0, 100]``."""
+    def allowed(self) -> str:
+        """What a bad row value's message says it must be: ``must be in [0, 2]``."""
         if self.invalid is not None:
             return self.invalid
         assert self.lo is not None and self.hi is not None, self.name
         if self.kind == "integer":
-            hi = int(self.hi)
-            return f"must be >= {self.lo}" if hi == INT64_MAX else f"must be in [{self.lo}, {hi}]"
-        if backend == "vllm" and self.vllm_hi is not None:
-            return f"must be in [{self.lo:g}, {self.vllm_hi:g}] on engine.backend = vllm"
+            hi, off = int(self.hi), "" if self.off is None else f" (or {self.off}: off)"
+            if hi == INT64_MAX:
+                return f"must be >= {self.lo}{off}"
+            return f"must be in [{self.lo}, {hi}]{off}"
         return f"must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
 
-    def bounds(self, backend: str) -> tuple[float, float]:
-        """(lo, hi) of a number or integer setting on ``backend``."""
+    def bounds(self) -> tuple[float, float]:
+        """(lo, hi) of a number or integer setting (``off`` included), on both backends."""
         assert self.lo is not None and self.hi is not None, self.name
-        if backend == "vllm" and self.vllm_hi is not None:
-            return self.lo, self.vllm_hi
-        return self.lo, self.hi
+        return (self.lo if self.off is None else min(self.lo, self.off)), self.hi
 
     def range(self) -> str:
         """The values a number or integer setting allows, as the reference says them:
@@ -113,16 +113,15 @@ class RowSetting:
         text = f"per-row {self.doc}, {KINDS[self.kind][1]}"
         if r := self.range():
             text += f" {r}" if r.startswith(">") else f" in {r}"
-        if self.vllm_hi is not None:
-            text += f" (vLLM: [{self.lo:g}, {self.vllm_hi:g}])"
+        if self.off is not None:
+            text += f" ({self.lo:g} or {self.off}: off)"
         return text
 
 
 ROW_SETTINGS: tuple[RowSetting, ...] = (
-    RowSetting("temperature", "number", "temperature", lo=0.0, hi=100.0, request=True,
-               vllm_hi=VLLM_MAX_TEMPERATURE),
+    RowSetting("temperature", "number", "temperature", lo=0.0, hi=MAX_TEMPERATURE, request=True),
     RowSetting("top_p", "number", "top_p", lo=0.0, hi=1.0, lo_open=True, request=True),
-    RowSetting("top_k", "integer", "top_k", lo=0, hi=INT64_MAX, request=True),
+    RowSetting("top_k", "integer", "top_k", lo=0, hi=INT64_MAX, off=-1, request=True),
     RowSetting("seed", "integer", "seed", lo=0, hi=INT64_MAX, request=True),
     RowSetting("stop", "strings", "stop strings", request=True),
     RowSetting("min_p", "number", "min_p", lo=0.0, hi=1.0, processor=True, request=True),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -216,7 +217,7 @@ class SamplingConfig:
     max_tokens: int = 128  # output limit where the row has none (finish "length")
     n: int = 1  # samples per prompt, one result row each (sample_index); they share the prompt
     temperature: float = 0.0  # 0: greedy (argmax)
-    top_k: int = 0  # keep the k most likely tokens; 0 (or >= vocab size): off
+    top_k: int = 0  # keep the k most likely tokens; 0 (-1 as vLLM, or >= vocab size): off
     top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1: off
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; 0: off
     presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
@@ -233,7 +234,7 @@ class SamplingConfig:
     logprobs: int | None = None  # per generated token: its log-prob and the top N (N <= 20)
     prompt_logprobs: int | None = None  # per prompt token: its log-prob and the top N (N <= 20)
     labels: tuple[str, ...] = ()  # scoring mode: each label's log-prob, nothing generated
-    json_schema: str | None = None  # constrain output: a schema file or inline JSON "{...}"
+    json_schema: str | None = None  # constrain output: a schema file, inline JSON "{...}", a table
     regex: str | None = None  # constrain output to match this regex
     choice: tuple[str, ...] = ()  # constrain output to one of these strings
 
@@ -241,15 +242,18 @@ class SamplingConfig:
         _int("sampling.max_tokens", self.max_tokens, lo=1, hi=MAX_TOKENS)
         for st in ROW_SETTINGS:  # the bounds of the per-row settings (the rows' own, too)
             if st.kind == "number":
-                lo, hi = st.bounds(backend="native")
+                lo, hi = st.bounds()
                 v = getattr(self, st.name)
                 number = isinstance(v, int | float) and not isinstance(v, bool)
                 if st.invalid is not None and number and not lo < v < math.inf:
                     _fail(st.key, st.invalid, v)  # repetition_penalty: "> 0 and finite"
                 _float(self, st.name, st.key, lo, hi, lo_open=st.lo_open)
             elif st.kind == "integer":
-                lo, hi = st.bounds(backend="native")
-                _int(st.key, getattr(self, st.name), lo=int(lo), hi=int(hi))
+                assert st.lo is not None and st.hi is not None, st.name
+                v = getattr(self, st.name)
+                if st.off is not None and v == st.off and not isinstance(v, bool):
+                    object.__setattr__(self, st.name, int(st.lo))  # vLLM's top_k = -1: off
+                _int(st.key, getattr(self, st.name), lo=int(st.lo), hi=int(st.hi))
         object.__setattr__(self, "logit_bias", logit_bias_table(self.logit_bias))
         _list(self, "allowed_token_ids", "sampling.allowed_token_ids", int)
         if any(t < 0 for t in self.allowed_token_ids):
@@ -364,9 +368,13 @@ def _guided(key: str, check: Any, value: Any) -> None:
 
 
 def _json_schema(v: Any) -> str:
-    """Inline JSON (starts with "{") or a schema file -> the schema as compact JSON text,
-    checked to be a JSON Schema that xgrammar can compile (else ConfigError naming the key)."""
+    """Inline JSON (starts with "{"), a schema file, or the schema as a table (a dict, as
+    vLLM's ``StructuredOutputsParams(json=...)`` takes it) -> the schema as compact JSON
+    text, checked to be a JSON Schema that xgrammar can compile (else ConfigError naming the
+    key)."""
     key = "sampling.json_schema"
+    if isinstance(v, dict):
+        v = json.dumps(v)
     _str(key, v)
     text = v
     if not v.lstrip().startswith("{"):

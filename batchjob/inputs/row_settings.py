@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchjob.config import InputConfig, ModelConfig, SamplingConfig
+from batchjob.config.checks import plain
 from batchjob.config.per_row import BY_COLUMN, ROW_SETTINGS, SAMPLING_FIELDS, RowSetting
 from batchjob.errors import ConfigError, InputDataError
 from batchjob.inputs.parquet import ROW_ID, RejectedRows
@@ -41,9 +42,9 @@ _FLOATS = tuple(s.name for s in ROW_SETTINGS if s.applies == "sampling" and s.ki
 _INTS = tuple(s.name for s in ROW_SETTINGS if s.applies == "sampling" and s.kind == "integer")
 
 
-def _allowed(st: RowSetting, backend: str, v: np.ndarray) -> np.ndarray:
-    """bool: which of a number setting's values ``v`` it allows on ``backend``."""
-    lo, hi = st.bounds(backend)
+def _allowed(st: RowSetting, v: np.ndarray) -> np.ndarray:
+    """bool: which of a number setting's values ``v`` it allows (on either backend)."""
+    lo, hi = st.bounds()
     return ((v > lo) if st.lo_open else (v >= lo)) & (v <= hi)
 
 
@@ -190,7 +191,7 @@ def read_row_settings(
         if i not in bad:
             bad[i] = (
                 STATUS_INVALID[name],
-                f"row {int(row_ids[i])}: column {col!r} (input.{name}) = {v!r}: {what}",
+                f"row {int(row_ids[i])}: column {col!r} (input.{name}) = {plain(v)!r}: {what}",
             )
 
     def reject(mask: np.ndarray, name: str, col: str, what: str, values) -> None:
@@ -203,23 +204,25 @@ def read_row_settings(
         arr = _column(table, col)
         null = arr.is_null().to_numpy(zero_copy_only=False)
         st = BY_COLUMN[name]
-        if st.kind == "number":  # its bounds on this backend (vLLM's temperature: its own)
+        if st.kind == "number":  # one set of bounds, both backends
             v = arr.cast(pa.float64()).fill_null(math.nan).to_numpy(zero_copy_only=False)
             v = np.asarray(v, dtype=np.float64).copy()
             with np.errstate(invalid="ignore"):
-                out = ~null & ~_allowed(st, backend, v)
-            reject(out, name, col, st.allowed(backend), v)
+                out = ~null & ~_allowed(st, v)
+            reject(out, name, col, st.allowed(), v)
             v[null | out] = math.nan
             fields[name.removesuffix("_column")] = v
         elif st.kind == "integer":
-            lo, hi = (int(b) for b in st.bounds(backend))
+            lo, hi = (int(b) for b in st.bounds())
             big = pc.fill_null(pc.greater(arr.cast(pa.float64()), float(hi)), False)
             big = big.to_numpy(zero_copy_only=False)
             v = arr.cast(pa.int64(), safe=False).fill_null(_UNSET).to_numpy(zero_copy_only=False)
             v = np.asarray(v, dtype=np.int64).copy()
             out = (~null & (v < lo)) | big
-            what = st.allowed(backend)
+            what = st.allowed()
             reject(out, name, col, what, arr.to_pylist() if out.any() else v)
+            if st.off is not None:  # vLLM's "off" (top_k = -1) is batchjob's
+                v[~null & (v == st.off)] = int(st.lo or 0)
             v[null | out] = _UNSET
             fields[name.removesuffix("_column")] = v
         elif name in GUIDE_FIELDS:

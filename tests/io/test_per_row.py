@@ -31,7 +31,7 @@ def test_the_sections_declare_the_tables_settings() -> None:
 
 def _edges(s) -> list[float]:
     """Values just inside and just outside a number or integer setting's bounds."""
-    lo, hi = s.bounds("native")
+    lo, hi = s.bounds()
     if s.kind == "integer":
         out = [lo - 1, lo] + ([] if int(hi) == INT64_MAX else [hi, hi + 1])
         return [int(v) for v in out]
