@@ -4,7 +4,8 @@
 in-memory planning peak (``batchjob.plan.budget.plan_bytes`` of its rows and tokens, from
 the input's metadata) exceeds ``scheduler.plan_memory``, and nothing in it needs the whole
 dataset at once (per-row setting columns, ``sampling.n`` above 1 and scoring labels plan
-in memory, as before). A job within its budget plans in memory exactly as it always has.
+in memory, as before, and so do per-row adapters). A job within its budget plans in
+memory exactly as it always has.
 
 ``plan_partitioned`` reads and tokenizes the input batch by batch (the same checks as
 ``batchjob.tokenize.batched``: each bad row rejected with its status), spills each valid
@@ -89,7 +90,9 @@ def partitioned_reason(job: JobConfig, dataset: InputDataset) -> str | None:
     budget = budget_of(job.scheduler.plan_memory)
     if need <= budget:
         return None
-    whole = [c for c in ROW_SETTING_COLUMNS if getattr(job.input, c, None)]
+    # input.adapter_column: groups keyed by (adapter, tokens), which the partitions ignore
+    columns = (*ROW_SETTING_COLUMNS, "adapter_column")
+    whole = [f"input.{c}" for c in columns if getattr(job.input, c, None)]
     if job.sampling.n > 1:
         whole.append("sampling.n")
     if job.sampling.labels:
@@ -169,6 +172,8 @@ def plan_partitioned(
         rows["row_id"] = part.row_ids
         rows["length"] = part.lengths
         mt = part.max_tokens.astype(np.int64)
+        if job.model.task == "embed":  # as prepare has it: KV for the prompt alone
+            mt = np.ones_like(mt)
         if max_len is not None:  # as Prepared.requests caps them (cap_to_context)
             mt = np.minimum(mt, np.maximum(max_len - part.lengths, 1))
         rows["max_tokens"] = mt

@@ -58,11 +58,13 @@ def test_plan_in_partitions_writes_the_in_memory_plan(
     assert not list((tmp_path / "part.meta").glob(".plan-spill-*"))  # work files removed
 
 
+@pytest.mark.parametrize(
+    ("setting", "samples"), [("sampling.n=2", 2), ("input.seed_column=request_id", 1)]
+)
 def test_a_job_that_needs_every_row_at_once_plans_in_memory(
-    tmp_path: Path, text_data: Path, tiny_model_dir: Path
+    tmp_path: Path, text_data: Path, tiny_model_dir: Path, setting: str, samples: int
 ) -> None:
-    s = plan(
-        tmp_path, text_data, tiny_model_dir, "n2", "scheduler.plan_memory=64KiB", "sampling.n=2"
-    )
+    """Samples of a row and per-row settings are planned by ``Prepared``, in memory."""
+    s = plan(tmp_path, text_data, tiny_model_dir, "whole", "scheduler.plan_memory=64KiB", setting)
     assert "partitions" not in s
-    assert s["ok"] == 2 * (pq.read_metadata(text_data).num_rows - 1)  # every row's 2 samples
+    assert s["ok"] == samples * (pq.read_metadata(text_data).num_rows - 1)
