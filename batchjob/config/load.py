@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import logging
 import os
 import tomllib
@@ -210,6 +211,9 @@ def read_tables(
         schema = raw.get("sampling", {}).get("json_schema")
         if isinstance(schema, str) and not schema.lstrip().startswith("{"):
             raw["sampling"]["json_schema"] = _resolve(schema, source.parent)  # a file path
+        adapters = raw.get("model", {}).get("adapters")
+        if isinstance(adapters, dict):  # name = folder: each folder a path
+            raw["model"]["adapters"] = {k: _resolve(v, source.parent) for k, v in adapters.items()}
 
     for section, table in (tables or {}).items():
         _check_keys({section: dict(table)}, where)
@@ -281,6 +285,26 @@ def _checkpoint_sampling(raw: dict[str, dict[str, Any]], sections: dict[str, Any
         ) from None
 
 
+def _request_needs(raw: dict[str, dict[str, Any]], sections: dict[str, Any]) -> None:
+    """An OpenAI Batch file (a local .jsonl input) computes what its requests ask, as the
+    Batch API does, without flags: ``sampling.logprobs`` = the most top log-probs a request
+    asks (only those requests get them in their output lines), ``input.json_schema_column``
+    where a request has a ``response_format`` (and xgrammar is installed). A key the job
+    sets itself wins (then a request asking more is its line's invalid_request)."""
+    inp = sections["input"]
+    if not inp.path.endswith(".jsonl") or not os.path.isfile(inp.path):
+        return
+    from batchjob.inputs.openai_batch import requests_ask  # inputs import config, not back
+
+    asks = requests_ask(inp.path)
+    given_sampling, given_input = raw.get("sampling", {}), raw.get("input", {})
+    if asks.logprobs is not None and "logprobs" not in given_sampling:
+        sections["sampling"] = dataclasses.replace(sections["sampling"], logprobs=asks.logprobs)
+    xgrammar = importlib.util.find_spec("xgrammar") is not None  # else: invalid_request rows
+    if asks.json_schema and "json_schema_column" not in given_input and xgrammar:
+        sections["input"] = dataclasses.replace(inp, json_schema_column="json_schema")
+
+
 def build_job(raw: dict[str, dict[str, Any]], source: Path | None, where: str) -> JobConfig:
     """The job of ``read_tables``' tables: every section built and checked; a ConfigError
     names the key and ``where``."""
@@ -292,6 +316,7 @@ def build_job(raw: dict[str, dict[str, Any]], source: Path | None, where: str) -
         sections = {name: cls(**raw.get(name, {})) for name, cls in _SECTIONS.items()}
         sections["model"] = sections["model"].with_hub_snapshots()  # after every check
         sections["sampling"] = _checkpoint_sampling(raw, sections)
+        _request_needs(raw, sections)
         job = JobConfig(**sections, source=source)
     except ConfigError as e:
         raise ConfigError(f"{e}{suffix}") from None

@@ -4,16 +4,20 @@ the source of truth for resume; a kill before this file is written redoes it on 
 
 ``choices[k]`` holds sample k (the request's ``n``); its ``logprobs`` is filled from the
 results' ``output_logprobs`` (``sampling.logprobs``) for the rows whose request asks for
-log-probs (``logprobs``, ``top_logprobs``; a Parquet input's rows, or requests that say
-nothing: whenever the job computes them), in OpenAI's format: chat ``{"content": [{token,
-logprob, bytes, top_logprobs}], "refusal": null}``, completions ``{tokens, token_logprobs,
-top_logprobs, text_offset}``. Token strings are each id decoded alone with the model's tokenizer."""
+log-probs (``logprobs``, ``top_logprobs``; a request that says nothing gets none, as from
+OpenAI; a Parquet input's rows whenever the job computes them), in OpenAI's format: chat
+``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``, completions
+``{tokens, token_logprobs, top_logprobs, text_offset}``. Token strings are each id decoded
+alone with the model's tokenizer. ``model`` is the request's (the model folder's name where
+it has none); a failed request's ``error`` is ``{code, message, param, line}``: its status,
+the message with the request's line, the body field at fault."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,8 @@ def _logprobs(r: dict[str, Any], chat: bool, decode: Decode | None) -> dict[str,
     steps = r.get("output_logprobs")
     asked = r.get("logprobs")  # the request's: True / False, None when it said nothing
     if steps is None or decode is None or asked is False:
+        return None
+    if "logprobs" in r and not asked:  # a request's row: only those that asked, as OpenAI
         return None
     top_n = r.get("top_logprobs")
     if top_n is None:  # chat logprobs=true alone: no alternatives; silent: the job's top N
@@ -92,12 +98,7 @@ def _line(
     cid = r.get("custom_id") or f"row-{r['row_id']}"
     bad = next((x for x in rows if x["status"] != "ok"), None)
     if bad is not None:
-        return {
-            "id": rid,
-            "custom_id": cid,
-            "response": None,
-            "error": {"code": bad["status"], "message": bad["message"]},
-        }
+        return {"id": rid, "custom_id": cid, "response": None, "error": _error(bad)}
     chat = url == CHAT_URL
     choices = []
     for k, x in enumerate(rows):
@@ -124,7 +125,7 @@ def _line(
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{r['row_id']}",
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
-        "model": model,  # the model that answered (the request's is in the results)
+        "model": r.get("model") or model,  # the request's, as vLLM's server answers
         "choices": choices,
         "usage": usage,
     }
@@ -133,6 +134,27 @@ def _line(
         "custom_id": cid,
         "response": {"status_code": 200, "request_id": f"req_{r['row_id']:012d}", "body": body},
         "error": None,
+    }
+
+
+# the body field a message names: "body.top_logprobs ...", or a request's per-row setting,
+# whose column is named after its body field ("column 'temperature' (input....)")
+_PARAM = re.compile(r"\bbody\.([A-Za-z_][A-Za-z_0-9.]*)|column '([A-Za-z_0-9]+)'")
+
+
+def _error(r: dict[str, Any]) -> dict[str, Any]:
+    """A failed request's error object, with its context as the Batch API's errors carry it:
+    the request ``line`` of the input file and the body field at fault (``param``)."""
+    message = r["message"] or r["status"]
+    line = r.get("line")
+    if line is not None and f"line {line}" not in message:
+        message = f"line {line}: {message}"
+    param = _PARAM.search(message)
+    return {
+        "code": r["status"],
+        "message": message,
+        "param": (param.group(1) or param.group(2)).rstrip(".") if param else None,
+        "line": line,
     }
 
 
@@ -181,6 +203,7 @@ def write_responses(
             "num_output_tokens",
             "status",
             "message",
+            "line",
             "output_logprobs",
             "logprobs",
             "top_logprobs",

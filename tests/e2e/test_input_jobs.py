@@ -78,7 +78,8 @@ def test_openai_migration_job(tmp_path: Path, run_model: Path) -> None:
         resp = line["response"]
         assert resp["status_code"] == 200 and resp["request_id"]
         body = resp["body"]
-        assert body["object"] == "chat.completion" and body["model"] == run_model.name
+        assert body["object"] == "chat.completion"
+        assert body["model"] == (sent[i]["body"].get("model") or run_model.name)  # the request's
         choice = body["choices"][0]
         assert choice["message"] == {"role": "assistant", "content": row["output_text"]}
         assert choice["finish_reason"] == row["finish_reason"] in ("stop", "length")

@@ -140,9 +140,11 @@ def test_chat_fields(tmp_path: Path, run_model: Path) -> None:
     alone = by_id["lp-alone"][1]["response"]["body"]["choices"][0]["logprobs"]
     assert alone["content"] and all(c["top_logprobs"] == [] for c in alone["content"])
     assert by_id["lp-off"][1]["response"]["body"]["choices"][0]["logprobs"] is None
-    # a request that says nothing gets the job's log-probs (sampling.logprobs = 3)
-    plain = by_id["plain"][1]["response"]["body"]["choices"][0]["logprobs"]
-    assert all(len(c["top_logprobs"]) == 3 for c in plain["content"])
+    # a request that says nothing gets none, as from OpenAI, though the job computes them
+    assert by_id["plain"][1]["response"]["body"]["choices"][0]["logprobs"] is None
+    assert by_id["plain"][0]["output_logprobs"] is not None
+    # each output line's model is its request's, not the model folder's name
+    assert {x["response"]["body"]["model"] for x in lines if x["response"]} == {"gpt-4o-mini"}
     # penalties and logit_bias: the row's own settings (a +100 bias: that token every step)
     biased = by_id["logit-bias"][0]
     assert biased["output_token_ids"] == [5] * biased["num_output_tokens"]
@@ -156,6 +158,11 @@ def test_chat_fields(tmp_path: Path, run_model: Path) -> None:
     msg = by_id["lp-too-many"][1]["error"]["message"]
     assert "body.top_logprobs = 5 is more than this job's sampling.logprobs = 3" in msg
     assert "line 5" in msg
+    error = by_id["lp-too-many"][1]["error"]  # the line's context, as the Batch API's errors
+    assert (error["code"], error["line"], error["param"]) == ("invalid_request", 5, "top_logprobs")
+    bad_temp = by_id["bad-temp"][1]["error"]  # a per-row status: the line added to the message
+    assert bad_temp["line"] == 23 and bad_temp["message"].startswith("line 23: ")
+    assert bad_temp["param"] == "temperature"
 
     # per-row settings from the body, without the job naming their columns
     row = by_id["sampled"][0]
@@ -166,16 +173,19 @@ def test_chat_fields(tmp_path: Path, run_model: Path) -> None:
     assert all(r["num_output_tokens"] <= 6 for r in ok)
 
 
-def test_chat_fields_the_job_does_not_compute(tmp_path: Path, run_model: Path) -> None:
-    """Without sampling.logprobs and input.json_schema_column, rows asking for log-probs or a
-    response format are invalid_request, the message naming the field and the key to set."""
-    cases = [c for c in CHAT_CASES if c[0] in ("plain", "lp-alone", "json-object")]
+def test_chat_fields_need_no_flags(tmp_path: Path, run_model: Path) -> None:
+    """Log-probs and response_format are honoured for the requests that ask, as the Batch API
+    does, with no --set: the job computes the most top log-probs any request asks for."""
+    pytest.importorskip("xgrammar")
+    names = ("plain", "lp-top2", "lp-alone", "json-object")
+    cases = [c for c in CHAT_CASES if c[0] in names]
     requests = _write(tmp_path / "chat2.jsonl", CHAT, cases)
     rows, lines = _run(tmp_path, requests, run_model)
-    assert [r["status"] for r in rows] == ["ok", "invalid_request", "invalid_request"]
-    assert "body.logprobs" in rows[1]["message"] and "sampling.logprobs" in rows[1]["message"]
-    assert "input.json_schema_column" in rows[2]["message"]
-    assert lines[0]["response"]["body"]["choices"][0]["logprobs"] is None
+    by_id = _check_statuses(cases, rows, lines)  # json-object: constrained output ("{...")
+    choice = {cid: by_id[cid][1]["response"]["body"]["choices"][0] for cid in names[:3]}
+    assert choice["plain"]["logprobs"] is None
+    assert all(len(c["top_logprobs"]) == 2 for c in choice["lp-top2"]["logprobs"]["content"])
+    assert all(c["top_logprobs"] == [] for c in choice["lp-alone"]["logprobs"]["content"])
 
 
 def test_completions_are_raw_text_and_get_logprobs(tmp_path: Path, run_model: Path) -> None:
