@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import bench_vllm_attention as vllm_attention  # this folder: the script's own
 import torch
+from lib.timing import whole_cycles
+from lib.workloads import ATTENTION_SHAPES, BS, block_tables
 
 from batchjob.backends.native.attention.cpu import run_units
 from batchjob.backends.vllm import prefix_attention as pa
@@ -34,7 +35,7 @@ from batchjob.kernels.cpu import build
 from batchjob.kernels.cpu.build import CpuKernel
 
 # bench_vllm_attention's batches, and one with long unshared sequences
-SHAPES = [*vllm_attention.SHAPES, ("decode 64, nothing shared, 2000 each", 64, 1, 0, 2000, 1)]
+SHAPES = [*ATTENTION_SHAPES, ("decode 64, nothing shared, 2000 each", 64, 1, 0, 2000, 1)]
 
 
 def load(source: Path, isa: str) -> CpuKernel:
@@ -52,8 +53,8 @@ def batch(
 ) -> Callable:
     """A call running one layer's attention of ``shape`` on a kernel build; each call the next
     of ``layers`` caches (the first again every ``layers`` calls)."""
-    nblocks, table, seq, qsl = vllm_attention.block_tables(shape)
-    bs = vllm_attention.BS
+    nblocks, table, seq, qsl = block_tables(shape)
+    bs = BS
     dtype = torch.bfloat16 if bf16 else torch.float32
     kvs = itertools.cycle([torch.randn(nblocks, hkv, bs, 2 * d).to(dtype) for _ in range(layers)])
     q = torch.randn(int(qsl[-1]), hq, d)
@@ -97,7 +98,7 @@ def main() -> None:
                 call(ka)
             diff = (ref - call(kb)).abs().max().item()
             times: dict[str, list[float]] = {"a": [], "b": []}
-            reps = vllm_attention.whole_cycles(10, args.layers)
+            reps = whole_cycles(10, args.layers)
             for _ in range(args.rounds):
                 for name, k in (("a", ka), ("b", kb)):
                     for _ in range(args.layers):

@@ -22,15 +22,9 @@ import click
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from bench_peers import (  # noqa: E402
-    WORKLOADS,
-    build_model,
-    job_toml,
-    model_dir,
-    outputs_by_row,
-    run_child,
-    write_workload,
-)
+from lib.peers import job_toml, outputs_by_row  # noqa: E402
+from lib.timing import run_child  # noqa: E402
+from lib.workloads import WORKLOADS, build_model, model_dir, write_workload  # noqa: E402
 
 from batchjob.model.host_cpu import cpu_summary  # noqa: E402
 

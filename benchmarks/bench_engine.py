@@ -26,6 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from lib.workloads import prompts_from_table  # noqa: E402
+
 from batchjob.backends.native.engine import Engine  # noqa: E402
 from batchjob.backends.native.models.loader import load_model  # noqa: E402
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig  # noqa: E402
@@ -71,18 +73,6 @@ class Measurement:
     @property
     def tokens_per_s(self) -> float:
         return (self.prompt_tokens + self.generated_tokens) / self.wall_s
-
-
-def prompts_from_table(table: pa.Table) -> TokenizedPrompts:
-    col = table["prompt"].combine_chunks()
-    offsets = col.offsets.to_numpy().astype(np.int64)
-    tokens = col.values.to_numpy().astype(np.int32)
-    return TokenizedPrompts(
-        row_ids=np.arange(table.num_rows, dtype=np.int64),
-        tokens=tokens,
-        offsets=offsets - offsets[0],
-        max_tokens=table["max_tokens"].to_numpy().astype(np.int32),
-    )
 
 
 def workload_prompts(name: str, vocab_size: int, max_tokens: int) -> TokenizedPrompts:

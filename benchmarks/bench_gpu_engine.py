@@ -29,7 +29,6 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
@@ -39,9 +38,8 @@ import click
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_engine import prompts_from_table  # noqa: E402
+from lib.workloads import prompts_from_table  # noqa: E402
 
 import batchjob.backends.native.engine as engine_mod  # noqa: E402
 from batchjob.backends.native.engine import Engine  # noqa: E402

@@ -27,45 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lib.timing import whole_cycles
+from lib.workloads import ATTENTION_SHAPES as SHAPES
+from lib.workloads import BS, block_tables
 
-BS = 32
-# (name, groups, members a group, shared prefix tokens, own tokens, query tokens a request)
-SHAPES = [
-    ("decode 100: 25 groups of 4 over 320", 25, 4, 320, 100, 1),
-    ("decode 64: 4 groups of 16 over 1984", 4, 16, 1984, 220, 1),
-    ("decode 96, nothing shared, 500 each", 96, 1, 0, 500, 1),
-    ("prefill 8 x 64 over 4 prefixes of 320", 4, 2, 320, 64, 64),
-    ("prefill 2048, one sequence", 1, 1, 0, 2048, 2048),
-    ("prefill 16 x 200 over one prefix of 1984", 1, 16, 1984, 200, 200),
-]
 HEADS = [(8, 8, 128), (8, 2, 128), (8, 8, 64)]  # query heads, KV heads, head dim
-
-
-def block_tables(shape: tuple) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A vLLM-style batch of ``shape``: (blocks in the cache, block tables [R, M] int32 with
-    each group's prefix blocks shared and the requests shuffled, sequence lengths, query
-    start offsets [R + 1]). Block 0 stays unused, as vLLM's null block."""
-    _, groups, members, prefix, own, qlen = shape
-    r = groups * members
-    nb_p, nb_own = prefix // BS, -(-own // BS)
-    nblocks = groups * nb_p + r * nb_own + 1
-    ids = (torch.randperm(nblocks - 1) + 1).int()
-    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
-    nxt = groups * nb_p
-    for i in range(r):
-        g = i // members
-        table[i, :nb_p] = ids[g * nb_p : (g + 1) * nb_p]
-        table[i, nb_p:] = ids[nxt : nxt + nb_own]
-        nxt += nb_own
-    table = table[torch.randperm(r)].contiguous()
-    seq = torch.full((r,), prefix + own, dtype=torch.int32)
-    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
-    return nblocks, table, seq, qsl
-
-
-def whole_cycles(calls: int, layers: int) -> int:
-    """At least ``calls`` calls, in whole cycles over ``layers`` caches."""
-    return layers * -(-calls // layers)
 
 
 def best_ms(fns: dict[str, Callable[[], None]], rounds: int = 3, calls: int = 10):

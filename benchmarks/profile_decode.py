@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from bench_peers import build_model, job_toml, write_workload  # noqa: E402
+from lib.peers import job_toml  # noqa: E402
+from lib.workloads import build_model, write_workload  # noqa: E402
 
 import batchjob.backends.native.engine as engine_mod  # noqa: E402
 import batchjob.backends.native.output_processor as output_processor  # noqa: E402

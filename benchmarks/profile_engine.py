@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from bench_peers import build_model, job_toml, model_dir, write_workload  # noqa: E402
+from lib.peers import job_toml  # noqa: E402
+from lib.workloads import build_model, model_dir, write_workload  # noqa: E402
 
 import batchjob.backends.native.engine as engine_mod  # noqa: E402
 from batchjob.backends.native.attention import cpu as attention_cpu  # noqa: E402

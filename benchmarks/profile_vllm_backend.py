@@ -383,7 +383,6 @@ def run_child(args) -> dict:
     probes (the prefix cache reset before each); the result, one entry per run."""
     probe_dir = Path(os.environ[PROBE_ENV])
     PROBE.dump_dir = None  # this process's totals are read in place (batchjob: with the core)
-    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
     t_start = time.perf_counter()
     if args.system in POLICY:
         run, config = _batchjob_runner(args)
@@ -478,13 +477,13 @@ def _engine_config(vllm_config) -> dict:
 
 def _stop_ids(args) -> list[int]:
     """--stop-ids N: the ids bench_peers.py stops rows at."""
-    import bench_peers as bp
+    from lib.peers import stop_id_list
 
-    return bp.stop_id_list(args.stop_ids or 0)
+    return stop_id_list(args.stop_ids or 0)
 
 
 def _batchjob_runner(args):
-    import batchjob_vllm_peer as peer
+    from peers import batchjob_vllm_peer as peer
 
     from batchjob.backends.base import RunSink
     from batchjob.backends.vllm.backend import VllmBackend
@@ -542,7 +541,7 @@ def _batchjob_runner(args):
 
 
 def _vllm_runner(args):
-    import vllm_peer
+    from peers import vllm_peer
 
     flags = ["--model", args.model, "--input", args.data, "--output-json", args.result]
     flags += ["--omp-bind", os.environ["VLLM_CPU_OMP_THREADS_BIND"], "--block-size", "32"]
@@ -838,8 +837,7 @@ def parent(args) -> None:
     import subprocess
     import tempfile
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_peers as bp
+    from lib import workloads
 
     from batchjob.model.host_cpu import host_cpu
 
@@ -852,8 +850,8 @@ def parent(args) -> None:
         model = make_shaped_model(ROOT / "models" / shape.name, shape)
         args.head_dim, args.kv_heads = shape.head_dim, shape.kv_heads
     else:
-        model = bp.build_model(
-            bp.model_dir(args.head_dim, args.kv_heads),
+        model = workloads.build_model(
+            workloads.model_dir(args.head_dim, args.kv_heads),
             smoke=False,
             head_dim=args.head_dim,
             kv_heads=args.kv_heads,
@@ -880,10 +878,10 @@ def parent(args) -> None:
     print(header, flush=True)
     results = []
     for name in [w for w in args.workloads.split(",") if w]:
-        sc, ls, mt = bp.WORKLOADS[name]
+        sc, ls, mt = workloads.WORKLOADS[name]
         sc, ls, mt = args.scale or sc, args.len_scale or ls, args.max_tokens or mt
         data = args.work / "data" / f"{name}-{sc}-{ls}-{mt}-v{vocab}.parquet"
-        t = bp.write_workload(name, sc, ls, mt, vocab, data)
+        t = workloads.write_workload(name, sc, ls, mt, vocab, data)
         print(f"{name}: {t.num_rows} requests, scale {sc}/{ls}/{mt}", flush=True)
         procs: dict[str, subprocess.Popen] = {}
         dirs: dict[str, Path] = {}

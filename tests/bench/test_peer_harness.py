@@ -43,6 +43,13 @@ def _load(name: str, folder: Path = PEERS) -> ModuleType:
     return mod
 
 
+def _bench_peers(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/bench_peers.py as a module, its folder first on sys.path as when it runs
+    (it imports benchmarks/lib as ``lib``)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return _load("bench_peers", ROOT / "benchmarks")
+
+
 vllm_peer = _load("vllm_peer")  # only stdlib at import time: vllm is imported inside run()
 hf_peer = _load("hf_peer")  # imports vllm_peer (as a script, its folder is on sys.path)
 
@@ -182,19 +189,19 @@ def test_vllm_peer_prefix_cache_and_tokens(model_dir: Path, workload: Path, tmp_
     assert [r["output_ids"] for r in rows] == greedy_reference(model_dir, prompts, max_tokens)
 
 
-def test_bench_models_per_head_dim_and_kv_heads(tmp_path: Path) -> None:
+def test_bench_models_per_head_dim_and_kv_heads(tmp_path: Path, monkeypatch) -> None:
     """--head-dims / --kv-heads: one folder per shape, grouped-query attention when kv < 8."""
-    bp = _load("bench_peers", ROOT / "benchmarks")
-    assert bp.model_dir(128).name == "bench-peer"  # the original's folder, unchanged
-    assert bp.model_dir(64).name == "bench-peer-d64"
-    assert bp.model_dir(128, 2).name == "bench-peer-kv2"
-    assert bp.model_dir(32, 4).name == "bench-peer-d32-kv4"
-    cfg = json.loads((bp.build_model(tmp_path / "m", False, 32, 2) / "config.json").read_text())
+    w = _bench_peers(monkeypatch).workloads
+    assert w.model_dir(128).name == "bench-peer"  # the original's folder, unchanged
+    assert w.model_dir(64).name == "bench-peer-d64"
+    assert w.model_dir(128, 2).name == "bench-peer-kv2"
+    assert w.model_dir(32, 4).name == "bench-peer-d32-kv4"
+    cfg = json.loads((w.build_model(tmp_path / "m", False, 32, 2) / "config.json").read_text())
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (8, 2, 32)
 
 
 def _fake_run(name: str, system: str, rep: int, bp: ModuleType):
-    return bp.RunResult(name, system, rep, 10, 1000, 100, 2.0, 5.0, 0.5, float("nan"), 100.0,
+    return bp.peers.RunResult(name, system, rep, 10, 1000, 100, 2.0, 5.0, 0.5, float("nan"), 100.0,
                         4.0, 0.1, float("nan"))  # fmt: skip
 
 
@@ -220,7 +227,7 @@ def _bench_with_stub_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *fla
     the runs table it wrote."""
     from click.testing import CliRunner
 
-    bp = _load("bench_peers", ROOT / "benchmarks")
+    bp = _bench_peers(monkeypatch)
     calls: list[tuple[str, list[tuple[str, int]], Path | None]] = []
     budgets.clear()
 
@@ -238,12 +245,12 @@ def _bench_with_stub_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *fla
         (tmp_path / "m" / "config.json").write_text(json.dumps({"vocab_size": 1000}))
         return tmp_path / "m"
 
-    monkeypatch.setattr(bp, "run_vllm_plan", vllm_plan)
-    monkeypatch.setattr(bp, "run_backend_plan", backend_plan)
-    monkeypatch.setattr(bp, "build_model", model)
-    monkeypatch.setattr(bp, "plot", lambda rows, path: None)
-    monkeypatch.setattr(bp, "HAVE_VLLM", True)
-    monkeypatch.setattr(bp, "VLLM_PY", Path(sys.executable))
+    monkeypatch.setattr(bp.peers, "run_vllm_plan", vllm_plan)
+    monkeypatch.setattr(bp.peers, "run_backend_plan", backend_plan)
+    monkeypatch.setattr(bp.workloads, "build_model", model)
+    monkeypatch.setattr(bp.reports, "plot", lambda rows, path: None)
+    monkeypatch.setattr(bp.peers, "HAVE_VLLM", True)
+    monkeypatch.setattr(bp.peers, "VLLM_PY", Path(sys.executable))
     args = ["--systems", "batchjob-vllm,vllm-sorted", "--repeats", "3", "--out", str(tmp_path)]
     args += ["--workloads", "micro-2000-200-s16", "--scale", "0.02", "--len-scale", "0.05"]
     res = CliRunner().invoke(bp.main, [*args, *flags], catch_exceptions=False)
@@ -251,15 +258,15 @@ def _bench_with_stub_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *fla
     return calls, pq.read_table(tmp_path / "peers_runs.parquet")
 
 
-def test_interleaved_schedule_alternates_and_rotates() -> None:
-    bp = _load("bench_peers", ROOT / "benchmarks")
+def test_interleaved_schedule_alternates_and_rotates(monkeypatch) -> None:
+    schedule = _bench_peers(monkeypatch).matrix.interleaved_schedule
     a, b = "batchjob-vllm", "vllm-sorted"
-    assert bp.interleaved_schedule(["w"], [a, b], 3) == [
+    assert schedule(["w"], [a, b], 3) == [
         ("w", 0, a), ("w", 0, b), ("w", 1, b), ("w", 1, a), ("w", 2, a), ("w", 2, b)
     ]  # fmt: skip
     # batchjob's native engine opens repeat 0 (its outputs are the match reference); every
     # system holds every position once in three repeats; workloads one after another
-    sched = bp.interleaved_schedule(["w", "v"], ["vllm-sorted", "batchjob", "hf"], 3)
+    sched = schedule(["w", "v"], ["vllm-sorted", "batchjob", "hf"], 3)
     assert [s for n, r, s in sched if n == "w"] == [
         "batchjob", "vllm-sorted", "hf", "vllm-sorted", "hf", "batchjob",
         "hf", "batchjob", "vllm-sorted",
@@ -282,7 +289,7 @@ def test_interleave_runs_alternate_each_in_a_fresh_process(
     d = tmp_path / "runs" / "d128"
     assert [p for *_, p in calls] == [d / f"{w}-{s}-{r[0][1]}" for s, r in order]
     bp = sys.modules["bench_peers"]
-    assert runs.column_names == [f.name for f in dataclasses.fields(bp.RunResult)]
+    assert runs.column_names == [f.name for f in dataclasses.fields(bp.peers.RunResult)]
     got = zip(runs["system"].to_pylist(), runs["repeat"].to_pylist(), strict=True)
     assert sorted(got) == sorted((s, r) for s in (a, b) for r in range(3))
 
