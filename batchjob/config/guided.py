@@ -14,9 +14,14 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from batchjob.guard import bounded, check_size
 
 GUIDE_KINDS = ("json", "regex", "choice")
+GUARD_PRELOAD = ("xgrammar",)  # what the guard process imports before its first build
 
 
 @dataclass(frozen=True)
@@ -41,18 +46,37 @@ def _xgrammar_message(e: Exception) -> str:
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)[:200]
 
 
+def grammar_error(kind: str, spec: str) -> str | None:
+    """What xgrammar says building the grammar of a ``kind`` guide ("json": a schema,
+    "regex", "ebnf"), None when it builds. ImportError without xgrammar. Run through
+    ``batchjob.guard.bounded``: a build may take unbounded time or memory."""
+    import xgrammar
+
+    names = {"json": "from_json_schema", "regex": "from_regex", "ebnf": "from_ebnf"}
+    build: Callable[[str], Any] = getattr(xgrammar.Grammar, names[kind])
+    try:
+        build(spec)
+    except Exception as e:  # xgrammar raises RuntimeError/ValueError on what it cannot parse
+        return _xgrammar_message(e)
+    return None
+
+
+def bounded_grammar_error(kind: str, spec: str, what: str) -> str | None:
+    """``grammar_error`` within the per-row limits (batchjob.guard): LimitError naming
+    ``what`` when the text or the build passes them."""
+    check_size(len(spec), what)
+    return bounded(what, __name__, "grammar_error", kind, spec)
+
+
 @functools.lru_cache(maxsize=4096)  # a job's per-row settings re-check its regex per setting
 def check_regex(pattern: str) -> str:
     """``pattern`` if xgrammar compiles it; ValueError saying why not (ImportError without
-    xgrammar). A NUL character is refused as vLLM refuses it."""
+    xgrammar; LimitError past the per-row limits). A NUL character is refused as vLLM
+    refuses it."""
     if "\x00" in pattern:
         raise ValueError("a regex must not contain a NUL character")
-    import xgrammar
-
-    try:
-        xgrammar.Grammar.from_regex(pattern)
-    except Exception as e:  # xgrammar raises RuntimeError on a pattern it cannot parse
-        raise ValueError(f"not a usable regex: {_xgrammar_message(e)}") from None
+    if (why := bounded_grammar_error("regex", pattern, "compiling the regex")) is not None:
+        raise ValueError(f"not a usable regex: {why}")
     return pattern
 
 
@@ -89,10 +113,7 @@ def _check_choices(choices: tuple[str, ...]) -> str:
         raise ValueError("choices must be non-empty strings")
     if len(set(choices)) != len(choices):
         raise ValueError("choices must be distinct")
-    import xgrammar
-
-    try:
-        xgrammar.Grammar.from_ebnf(choice_grammar(list(choices)))
-    except Exception as e:
-        raise ValueError(f"the choices do not compile: {_xgrammar_message(e)}") from None
+    grammar = choice_grammar(list(choices))
+    if (why := bounded_grammar_error("ebnf", grammar, "compiling the choices")) is not None:
+        raise ValueError(f"the choices do not compile: {why}")
     return json.dumps(list(choices), ensure_ascii=False)

@@ -11,12 +11,13 @@ tokenizer_config.json (``bos_token``, ``eos_token``, ...) as variables, and
 writes, so it is tokenized with ``add_special_tokens=False`` (as HF does).
 
 The template is code a model folder (or the user) brings, run once per row, so each render
-is bounded: at most ``MAX_RENDER_SECONDS`` of time (checked at every loop iteration, macro
-call and function call) and ``MAX_RENDER_CHARS`` characters in the output and in any string
-or list the template builds (``'x' * 10**10``, ``s ~ s``, ``'%99999999999s' % x``,
-``center(10**10)``, ``join`` ... are refused before they allocate). An overrun raises
-``RenderLimitError`` (a ``jinja2.TemplateError``): the row is rejected with status
-``chat_template_error`` and the job goes on.
+is bounded by ``batchjob.guard``'s limits: at most ``MAX_RENDER_SECONDS`` of time (checked
+at every loop iteration, macro call and function call) and ``MAX_RENDER_CHARS`` characters
+in the output and in any string or list the template builds (``'x' * 10**10``, ``s ~ s``,
+``'%99999999999s' % x``, ``center(10**10)``, ``join`` ... are refused before they
+allocate). An overrun raises ``RenderLimitError`` (a ``jinja2.TemplateError`` and a
+``guard.LimitError``): the row is rejected with status ``chat_template_error`` and the job
+goes on.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import functools
 import json
 import math
 import re
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,6 +38,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
+from batchjob import guard
 from batchjob.errors import ConfigError, ModelError
 
 _SPECIAL = (
@@ -66,21 +66,20 @@ def _strftime_now(fmt: str) -> str:
 # ---------------------------------------------------------------------------------------
 # resource bounds per render
 
-MAX_RENDER_SECONDS = 2.0  # one row's render (a real chat template takes well under 1 ms)
-MAX_RENDER_CHARS = 16 << 20  # 16,777,216: output, and any string or list built on the way
+MAX_RENDER_SECONDS = guard.MAX_SECONDS  # one row's render (a real one: well under 1 ms)
+MAX_RENDER_CHARS = guard.MAX_CHARS  # output, and any string or list built on the way
 
 
-class RenderLimitError(jinja2.exceptions.TemplateError):
-    """A render went past MAX_RENDER_SECONDS or MAX_RENDER_CHARS."""
+class RenderLimitError(guard.LimitError, jinja2.exceptions.TemplateError):
+    """A render went past MAX_RENDER_SECONDS or MAX_RENDER_CHARS (batchjob.guard's limits)."""
 
 
-_deadline = threading.local()  # .at: time.monotonic() deadline of this thread's render
 _TICK = "__batchjob_tick"  # the names the guard adds to a template's code
 _CONCAT = "__batchjob_concat"
 
 
 def _tick() -> str:
-    if time.monotonic() > getattr(_deadline, "at", math.inf):
+    if guard.overrun("the render") is not None:
         raise RenderLimitError(
             f"the render took more than {MAX_RENDER_SECONDS:g} s (the limit per row)"
         )
@@ -88,10 +87,10 @@ def _tick() -> str:
 
 
 def _too_big(n: float, what: str) -> None:
-    if n > MAX_RENDER_CHARS:
-        raise RenderLimitError(
-            f"{what} would hold {n:.0f} items, more than {MAX_RENDER_CHARS} (the limit per row)"
-        )
+    try:
+        guard.check_size(n, what)
+    except guard.LimitError as e:
+        raise RenderLimitError(str(e)) from None
 
 
 def _size(x: Any) -> int:
@@ -261,8 +260,7 @@ class ChatTemplate:
         ``jinja2.TemplateError`` when the template refuses the messages, ``RenderLimitError``
         when it runs past MAX_RENDER_SECONDS or MAX_RENDER_CHARS."""
         template = _compiled(self.text)
-        _deadline.at = time.monotonic() + MAX_RENDER_SECONDS
-        try:
+        with guard.deadline(MAX_RENDER_SECONDS):
             chunks, size = [], 0
             for chunk in template.generate(
                 messages=messages,
@@ -275,8 +273,6 @@ class ChatTemplate:
                 _too_big(size, "the rendered prompt")
                 chunks.append(chunk)
             return "".join(chunks)
-        finally:
-            _deadline.at = math.inf
 
 
 _CACHE: dict[str, jinja2.Template] = {}

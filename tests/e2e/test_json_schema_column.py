@@ -119,3 +119,21 @@ def test_vllm_refusals_are_checked_per_row():
     assert compact_json_schema(schema) == '{"multipleOf":3,"type":"integer"}'
     with pytest.raises(ValueError, match="vLLM's xgrammar backend refuses"):
         compact_json_schema(schema, vllm=True)
+
+
+def test_a_schema_whose_compile_runs_away_rejects_only_its_row(setup, tmp_path):
+    """A schema xgrammar would build for minutes (about 28 s here; 2,000 levels: no end)
+    rejects its row once the per-row limit passes (batchjob.guard); the job goes on."""
+    from tests.io.test_guard import nested_schema
+
+    _, model, _ = setup
+    data = tmp_path / "slow-rows.parquet"
+    schemas = [A, B, nested_schema(450)]  # last: no row waits for the guard's restart
+    pq.write_table(pa.table({"prompt": ["one", "two", "three"], "schema": schemas}), data)
+    r = cli("run", job(tmp_path, model, data, "slow"))
+    assert r.exit_code == 0, r.output
+    rows = read_results(tmp_path / "slow.parquet").to_pylist()
+    assert rows[2]["status"] == "invalid_json_schema", rows[2]
+    assert "row 2" in rows[2]["message"] and "input.json_schema_column" in rows[2]["message"]
+    assert "took more than 2 s (the limit per row)" in rows[2]["message"]
+    assert {rows[0]["status"], rows[1]["status"]} <= {"ok", "json_incomplete"}
