@@ -26,6 +26,7 @@ from typing import Any
 
 from batchjob.config.job import SECTIONS as _SECTIONS
 from batchjob.config.job import JobConfig
+from batchjob.config.request_asks import requests_ask
 from batchjob.config.vllm_values import is_engine_arg
 from batchjob.errors import ConfigError
 from batchjob.model.hf_config import read_generation_sampling_defaults
@@ -294,8 +295,6 @@ def _request_needs(raw: dict[str, dict[str, Any]], sections: dict[str, Any]) -> 
     inp = sections["input"]
     if not inp.path.endswith(".jsonl") or not os.path.isfile(inp.path):
         return
-    from batchjob.inputs.openai_batch import requests_ask  # inputs import config, not back
-
     asks = requests_ask(inp.path)
     given_sampling, given_input = raw.get("sampling", {}), raw.get("input", {})
     if asks.logprobs is not None and "logprobs" not in given_sampling:

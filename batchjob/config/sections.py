@@ -63,6 +63,28 @@ def _prompt_source_checks(cfg: Any) -> None:
         raise ConfigError(f"input.template: {e}") from None
 
 
+def _adapter_checks(cfg: Any) -> None:
+    """model.adapters: a table of name = folder, each holding a PEFT LoRA adapter;
+    model.adapter: one of its names."""
+    if not isinstance(cfg.adapters, dict):
+        _fail("model.adapters", "must be a table of name = adapter folder", cfg.adapters)
+    folders = {}
+    for name, folder in cfg.adapters.items():
+        key = f"model.adapters.{name}"
+        if not isinstance(folder, str | Path) or not str(folder).strip():
+            _fail(key, "must be a folder (adapter_config.json, adapter_model.safetensors)", folder)
+        path = Path(folder).expanduser()
+        for need in ("adapter_config.json", "adapter_model.safetensors"):
+            if not (path / need).is_file():
+                _fail(key, f"{path} has no {need} (a PEFT LoRA adapter folder)", str(folder))
+        folders[str(name)] = path
+    object.__setattr__(cfg, "adapters", folders)
+    _str("model.adapter", cfg.adapter, optional=True)
+    if cfg.adapter is not None and cfg.adapter not in folders:
+        names = ", ".join(folders) or "none"
+        _fail("model.adapter", f"must name one of model.adapters ({names})", cfg.adapter)
+
+
 # ---------------------------------------------------------------------------------------
 # sections
 
@@ -100,6 +122,7 @@ class InputConfig:
     regex_column: str | None = None
     choice_column: str | None = None
     n_column: str | None = None
+    adapter_column: str | None = None  # the name of each row's LoRA adapter (model.adapters)
 
     def __post_init__(self) -> None:
         if self.path is not None and not isinstance(self.path, str | Path):  # TOML path = 5
@@ -117,6 +140,7 @@ class InputConfig:
         _int("input.batch_rows", self.batch_rows, lo=1)
         _int("input.limit", self.limit, lo=1, optional=True)
         _prompt_source_checks(self)
+        _str("input.adapter_column", self.adapter_column, optional=True)
         for name in ROW_SETTING_COLUMNS:
             _str(f"input.{name}", getattr(self, name), optional=True)
         if self.path.endswith(".jsonl"):  # OpenAI Batch requests: each sets its own row's
@@ -160,8 +184,14 @@ class ModelConfig:
     # is_matryoshka or matryoshka_dimensions, as vLLM asks); unset: all
     dimensions: int | None = None
 
+    # LoRA adapters in PEFT's format, name = folder (adapter_config.json and
+    # adapter_model.safetensors); rows pick one by input.adapter_column or model.adapter
+    adapters: dict[str, Path] = field(default_factory=dict)
+    adapter: str | None = None  # the adapter of rows that name none; unset: the base model
+
     def __post_init__(self) -> None:
         _str("model.revision", self.revision, optional=True)
+        _adapter_checks(self)
         _str("model.task", self.task, TASKS)
         _str("model.pooling", self.pooling, POOLING_METHODS)
         if self.normalize is not None:
@@ -231,6 +261,10 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end a row (finish "stop") besides EOS
     stop: tuple[str, ...] = ()  # stop strings (finish "stop"); the text is cut before one
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    skip_special_tokens: bool = True  # output_text without special tokens (BOS, EOS, ...)
+    # kept (skip_special_tokens = false): two in a row with no space between when false
+    spaces_between_special_tokens: bool = True
     logprobs: int | None = None  # per generated token: its log-prob and the top N (N <= 20)
     prompt_logprobs: int | None = None  # per prompt token: its log-prob and the top N (N <= 20)
     labels: tuple[str, ...] = ()  # scoring mode: each label's log-prob, nothing generated
@@ -265,6 +299,9 @@ class SamplingConfig:
         if not all(self.stop):
             _fail("sampling.stop", "stop strings must be non-empty", list(self.stop))
         _bool("sampling.ignore_eos", self.ignore_eos)
+        _bool("sampling.include_stop_str_in_output", self.include_stop_str_in_output)
+        _bool("sampling.skip_special_tokens", self.skip_special_tokens)
+        _bool("sampling.spaces_between_special_tokens", self.spaces_between_special_tokens)
         _int("sampling.logprobs", self.logprobs, lo=0, optional=True)
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             _fail("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
@@ -390,6 +427,7 @@ def _json_schema(v: Any) -> str:
         raise ConfigError(f"{key}: {e}, got {v!r}") from None
 
 
+BASELINE_MAX_NUM_SEQS = 256  # scheduler.max_num_seqs unset on the baseline policy
 KV_THRESHOLD_NATIVE = 0.95  # scheduler.kv_threshold unset, by backend (kv_threshold_for)
 KV_THRESHOLD_VLLM = 1.0
 
@@ -403,7 +441,8 @@ class SchedulerConfig:
     chunk_size: int | None = None  # tokens per iteration; unset: 2048 native, vLLM's default
     # KV fraction above which no new prefill is admitted; unset: 0.95 native, 1.0 vllm
     kv_threshold: float | None = None
-    max_num_seqs: int = 256  # running-request cap (baseline policy only)
+    # running-request cap, both policies; unset: 256 baseline, none batchllm (KV admits)
+    max_num_seqs: int | None = None
     enlarge: bool = True  # first-level enlargement of the plan's groups (Algo 1)
     reorder: bool = True  # order groups by decode/prefill ratio (Eq. 4)
     decode_reserve: bool = True  # batchllm: admit prefill against the projected decode peak
@@ -415,7 +454,7 @@ class SchedulerConfig:
         _int("scheduler.chunk_size", self.chunk_size, lo=1, optional=True)
         if self.kv_threshold is not None:
             _float(self, "kv_threshold", "scheduler.kv_threshold", 0.0, 1.0, lo_open=True)
-        _int("scheduler.max_num_seqs", self.max_num_seqs, lo=1)
+        _int("scheduler.max_num_seqs", self.max_num_seqs, lo=1, optional=True)
         _bool("scheduler.enlarge", self.enlarge)
         _bool("scheduler.reorder", self.reorder)
         _bool("scheduler.decode_reserve", self.decode_reserve)
@@ -425,6 +464,14 @@ class SchedulerConfig:
             except ValueError as e:
                 raise ConfigError(f"scheduler.plan_memory: {e}") from None
             _int("scheduler.plan_memory", self.plan_memory, lo=1)
+
+    @property
+    def running_cap(self) -> int | None:
+        """The most requests running at once: the job's ``max_num_seqs``, else 256 on the
+        baseline policy (vLLM's default) and none on batchllm (KV memory admits)."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        return BASELINE_MAX_NUM_SEQS if self.policy == "baseline" else None
 
     def kv_threshold_for(self, backend: str) -> float:
         """The admission threshold ``backend`` runs: the job's, else that backend's default.

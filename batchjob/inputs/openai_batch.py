@@ -229,34 +229,6 @@ def _request(obj: Any) -> dict[str, Any]:
     return row
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestAsks:
-    """What a request file's requests ask the job to compute."""
-
-    logprobs: int | None  # the most top log-probs a request asks (0: its tokens' only)
-    json_schema: bool  # a request has a response_format constraining its output
-
-
-def requests_ask(path: str) -> RequestAsks:
-    """One pass over the request lines (bad lines skipped: reading them reports those)."""
-    most: int | None = None
-    schema = False
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                obj = json.loads(raw) if raw.strip() else None
-                if not isinstance(obj, dict) or not isinstance(obj.get("body"), dict):
-                    continue
-                body = obj["body"]
-                asked, top = _logprobs(str(obj.get("url")), body)
-                schema = schema or _json_schema(body) is not None
-            except (ValueError, UnicodeDecodeError):
-                continue
-            if asked:
-                most = max(most or 0, top or 0)
-    return RequestAsks(most, schema)
-
-
 def read_requests(path: str) -> tuple[pa.Table, str]:
     """-> (one row per request line, the file's url). InputDataError: unreadable file, no
     request, or two endpoints in one file."""

@@ -71,8 +71,18 @@ def job_tokenizer(
     return None
 
 
-def decode(tokenizer: PromptTokenizer | None, ids) -> str | None:
-    return detokenize(tokenizer, [ids])[0] if tokenizer is not None else None
+def decode(
+    tokenizer: PromptTokenizer | None, ids, sampling: SamplingConfig | None = None
+) -> str | None:
+    """``ids`` as output text, with the job's ``skip_special_tokens`` and
+    ``spaces_between_special_tokens`` (vLLM's defaults without ``sampling``)."""
+    return None if tokenizer is None else detokenize(tokenizer, [ids], sampling)[0]
+
+
+def with_stop_string(cut: str, full: str, stops: tuple[str, ...]) -> str:
+    """``include_stop_str_in_output``: the text a stop string cut (``cut``, a prefix of
+    ``full``) with that stop string after it, the first of ``stops`` found there."""
+    return cut + next((s for s in stops if full.startswith(s, len(cut))), "")
 
 
 def select_rows(prompts: TokenizedPrompts, keep: np.ndarray) -> TokenizedPrompts:
@@ -119,6 +129,13 @@ def _over_budget_row(prompts: TokenizedPrompts, i: int, budget: int | None) -> R
     return dataclasses.replace(row, sample_index=_sample_of(prompts, i))
 
 
+def _row_stops(sampling: SamplingConfig, prompts: TokenizedPrompts, i: int) -> tuple[str, ...]:
+    """Request ``i``'s stop strings: its row's (``input.stop_column``), else the job's."""
+    rs = prompts.settings
+    own = None if rs is None or rs.stop is None else rs.stop[rs.index(int(prompts.row_ids[i]))]
+    return sampling.stop if own is None else own
+
+
 def _sample_of(prompts: TokenizedPrompts, i: int) -> int | None:
     return None if prompts.sample_index is None else int(prompts.sample_index[i])
 
@@ -128,7 +145,7 @@ def open_job_backend(
 ) -> Backend:
     """The job's backend, loaded (model weights, KV cache) and ready to run plans."""
     # no tokenizer, no stop strings (refused at load): the backend never needs text then
-    return open_backend(cfg, lambda ids: decode(tokenizer, ids) or "", model)
+    return open_backend(cfg, lambda ids: decode(tokenizer, ids, cfg.sampling) or "", model)
 
 
 def backend_config(job: JobConfig) -> BackendConfig:
@@ -206,13 +223,19 @@ def execute(
     if headline is not None and (progress or heartbeat_s):  # the start line, before the bar
         print(f"batchjob: {headline(len(prompts), n_over)}", file=sys.stderr, flush=True)
     bar = progress_bar(len(prompts), progress)
+    keep_stop = cfg.sampling.include_stop_str_in_output
 
     def on_finish(o: FinishedRequest) -> None:
         nonlocal generated, finished
         generated += len(o.token_ids)
         finished += 1
         embedded = o.embedding is not None  # nothing generated: no text to decode
-        text = o.text if o.text is not None or embedded else decode(tokenizer, o.token_ids)
+        text = o.text
+        if text is None and not embedded:
+            text = decode(tokenizer, o.token_ids, cfg.sampling)
+        elif text is not None and keep_stop and o.finish_reason == "stop":  # a stop string cut it
+            full = decode(tokenizer, o.token_ids, cfg.sampling) or ""
+            text = with_stop_string(text, full, _row_stops(cfg.sampling, prompts, o.position))
         reasoning = None
         if cfg.reasoning_parser is not None and text is not None:
             reasoning, text = split_reasoning(cfg.reasoning_parser, text)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from batchjob.config import SamplingConfig
 from batchjob.errors import ModelError
 
 
@@ -94,12 +95,28 @@ def load_tokenizer(model_path: str | Path | None) -> PromptTokenizer:
 def detokenize(
     tokenizer: PromptTokenizer | Tokenizer,
     seqs: Sequence[np.ndarray | list[int]],
-    skip_special_tokens: bool = True,
+    text: SamplingConfig | None = None,
 ) -> list[str]:
-    """Decode many token sequences in one batched (parallel) call."""
+    """Decode many token sequences in one batched (parallel) call, with vLLM's two settings
+    of ``text`` (None: their defaults): ``skip_special_tokens`` leaves added special tokens
+    out; kept, without ``spaces_between_special_tokens`` an added token right after another
+    is joined to it with no space between (vLLM's detokenizer for fast tokenizers)."""
+    text = text or SamplingConfig()
     tok = tokenizer.tokenizer if isinstance(tokenizer, PromptTokenizer) else tokenizer
     lists = [s.tolist() if isinstance(s, np.ndarray) else list(s) for s in seqs]
-    return tok.decode_batch(lists, skip_special_tokens=skip_special_tokens)
+    skip = text.skip_special_tokens
+    if skip or text.spaces_between_special_tokens:
+        return tok.decode_batch(lists, skip_special_tokens=skip)
+    added = set(tok.get_added_tokens_decoder())
+    return [_decode_tight(tok, ids, added) for ids in lists]
+
+
+def _decode_tight(tok: Tokenizer, ids: list[int], added: set[int]) -> str:
+    """``ids`` decoded in runs that break before each added token following another, the
+    runs joined with nothing between."""
+    cuts = [0] + [j for j in range(1, len(ids)) if ids[j] in added and ids[j - 1] in added]
+    bounds = zip(cuts, [*cuts[1:], len(ids)], strict=True)
+    return "".join(tok.decode(ids[a:b], skip_special_tokens=False) for a, b in bounds)
 
 
 def parallelism_disabled() -> bool:

@@ -28,7 +28,7 @@ BASE = {"input.path": "in.parquet", "output.path": "out"}
 BAD = [
     ({"sampling.stop": '[""]'}, "sampling.stop"),  # sampler: ValueError after model load
     ({"sampling.stop": '["ok", ""]'}, "sampling.stop"),
-    ({"sampling.top_k": "-1"}, "sampling.top_k"),  # sampler took -1 as "off": 0 is "off"
+    ({"sampling.top_k": "-2"}, "sampling.top_k"),  # -1 is vLLM's "off", taken as 0
     ({"sampling.temperature": "-0.5"}, "sampling.temperature"),
     ({"sampling.top_p": "0"}, "sampling.top_p"),
     ({"sampling.max_tokens": "0"}, "sampling.max_tokens"),

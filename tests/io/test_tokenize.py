@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from batchjob.config import InputConfig, load_job
+from batchjob.config import InputConfig, SamplingConfig, load_job
 from batchjob.errors import ModelError
 from batchjob.inputs.parquet import open_dataset
 from batchjob.status import (
@@ -95,9 +95,9 @@ def test_detokenize_round_trip(tiny_model_dir: Path) -> None:
     # skip_special_tokens drops the BOS (and the literal "<s>" typed in the last text)
     out = detokenize(tok, seqs)
     assert out[:4] == TEXTS[:4] and out[4] == " literal special token text"
-    assert detokenize(tok.tokenizer, [s.tolist() for s in seqs], skip_special_tokens=False)[0] == (
-        "<s>" + TEXTS[0]
-    )
+    assert detokenize(
+        tok.tokenizer, [s.tolist() for s in seqs], SamplingConfig(skip_special_tokens=False)
+    )[0] == ("<s>" + TEXTS[0])
 
 
 def test_per_row_rejects_text(tmp_path: Path, tiny_model_dir: Path) -> None:

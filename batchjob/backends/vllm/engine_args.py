@@ -23,7 +23,8 @@ Mapping (batchjob key -> vLLM engine argument):
   for this platform and parallel size, as ``LLM`` takes it: 4096 per CPU worker, 16384 on
   an H100/H200); ``scheduler.policy`` ->
   ``scheduler_cls`` (``batchllm``: batchjob's scheduler class; ``baseline``: vLLM's own
-  policy, capped by ``scheduler.max_num_seqs`` -> ``max_num_seqs``).
+  policy); ``scheduler.max_num_seqs`` -> ``max_num_seqs`` on both (batchllm unset: 1024
+  runner slots, KV memory admits).
 - ``engine.cuda_graph_max_tokens`` (GPU) -> ``max_cudagraph_capture_size``; 0 ->
   ``enforce_eager`` (no CUDA graphs); unset: vLLM's own.
 - prefix caching is always on; token ids in and out (``skip_tokenizer_init``).
@@ -222,8 +223,11 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         "seed": cfg.sampling.seed,
         "max_model_len": cfg.model.max_model_len or longest_request,
         "max_num_batched_tokens": budget,
-        # batchllm admits by KV memory (the scheduler class); vLLM needs runner slots <= budget
-        "max_num_seqs": min(BATCHLLM_MAX_SEQS, budget) if batchllm else s.max_num_seqs,
+        # batchllm admits by KV memory (the scheduler class), up to scheduler.max_num_seqs
+        # where set; vLLM needs runner slots <= budget
+        "max_num_seqs": min(BATCHLLM_MAX_SEQS, budget, s.running_cap or budget)
+        if batchllm
+        else s.running_cap,
         "disable_log_stats": True,
     }
     block_size = choose_block_size(e.block_size, accepted_block_sizes(on_cpu))
@@ -248,6 +252,8 @@ def engine_settings(cfg: BackendConfig, dtype: str, longest_request: int) -> Eng
         kw["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
         if cfg.reasoning_parser is not None:  # the grammar starts after the reasoning
             kw["structured_outputs_config"]["reasoning_parser"] = cfg.reasoning_parser
+    if cfg.model.adapters:  # LoRA: a LoRARequest per row (requests.plan_order)
+        kw |= lora_settings(cfg.model.adapters)
     env: dict[str, str | None] = quiet_log_env()
     if e.kv_cache_bytes is not None:
         kw["kv_cache_memory_bytes"] = e.kv_cache_bytes
@@ -314,6 +320,28 @@ def route_vllm_log(config_path: Path) -> None:
         handler.setFormatter(logging.Formatter(_LOG_FORMAT))
         vllm_logger.handlers = [handler]
         vllm_logger.propagate = False
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+
+
+def lora_settings(adapters: dict[str, Path]) -> dict[str, Any]:
+    """vLLM's LoRA engine arguments for ``model.adapters``: LoRA on, every adapter resident
+    at once, the smallest rank vLLM takes that holds the largest adapter's."""
+    ranks = []
+    for name, folder in adapters.items():
+        try:
+            cfg = json.loads((Path(folder) / "adapter_config.json").read_text())
+            ranks.append(int(cfg["r"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(
+                f"model.adapters.{name}: {folder}/adapter_config.json has no rank r ({e})"
+            ) from None
+    top = max(ranks)
+    rank = next((r for r in LORA_RANKS if r >= top), None)
+    if rank is None:
+        raise ConfigError(f"model.adapters: rank {top} is over vLLM's largest, {LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": len(adapters)}
 
 
 def drop_vllm_log() -> None:

@@ -80,7 +80,7 @@ class BaselineScheduler(Scheduler):
             budget -= n
         if self._preempted_now:
             return chunks, False
-        while budget > 0 and len(self._running) < self.cfg.max_num_seqs:
+        while budget > 0 and len(self._running) < (self.cfg.running_cap or 0):
             head = self._head()
             if head is None:
                 break

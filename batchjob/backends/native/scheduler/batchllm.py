@@ -310,6 +310,7 @@ class BatchLLMScheduler(Scheduler):
             return
         # the lifted pass only needs progress: no reserve there
         growth = _GrowthReserve(self) if self.cfg.decode_reserve and not one else None
+        seqs = self.cfg.running_cap
         while budget > 0:
             if self._waiting:  # distinct queue, waiting part
                 req = self._waiting[0]
@@ -320,6 +321,8 @@ class BatchLLMScheduler(Scheduler):
                     self._waiting.popleft()
                     self._parked.setdefault(donor.seq_id, []).append(req)
                     continue
+                if seqs is not None and len(self._running) >= seqs:  # scheduler.max_num_seqs
+                    return
                 if growth is not None and not growth.admit(req, 0, cap):
                     return
                 if donor is not None:  # copy the sibling's own prompt KV, compute one token
