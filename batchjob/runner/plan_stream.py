@@ -1,4 +1,4 @@
-"""`batchjob plan` of a dataset larger than its planning budget, in one streaming pass.
+"""`batchjob plan` and `batchjob run` of a dataset larger than its planning budget.
 
 ``partitioned_reason(job, dataset)`` says whether a job plans in partitions: its estimated
 in-memory planning peak (``batchjob.plan.budget.plan_bytes`` of its rows and tokens, from
@@ -7,11 +7,12 @@ dataset at once (per-row setting columns, ``sampling.n`` above 1 and scoring lab
 in memory, as before, and so do per-row adapters). A job within its budget plans in
 memory exactly as it always has.
 
-``plan_partitioned`` reads and tokenizes the input batch by batch (the same checks as
-``batchjob.tokenize.batched``: each bad row rejected with its status), spills each valid
-row's token ids to a partition by its first tokens under the metadata folder, and plans the
-partitions into the plan file (``batchjob.plan.streamed``). It holds one batch, the
-rejected rows and then one partition at a time: not the dataset.
+``spill_input`` reads and tokenizes the input batch by batch (the same checks as
+``batchjob.tokenize.batched``: each bad row rejected with its status) and spills each valid
+row's token ids to a partition by its first tokens under the metadata folder
+(``spill_folder``); ``plan_partitioned`` then plans the partitions into the plan file
+(``batchjob.plan.streamed``), ``batchjob.runner.run_stream`` runs them one by one. Either
+holds one batch, the rejected rows and then one partition at a time: not the dataset.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import pyarrow.parquet as pq
 from batchjob.config import JobConfig
 from batchjob.config.per_row import ROW_SETTING_COLUMNS
 from batchjob.errors import ModelError
-from batchjob.inputs.parquet import InputDataset, RejectedRows
+from batchjob.inputs.parquet import ROW_ID, InputDataset, RejectedRows
 from batchjob.inputs.row_token_ids import check_token_ids
 from batchjob.inputs.source import open_input
 from batchjob.model.info import ModelInfo, model_info_for
@@ -38,12 +39,14 @@ from batchjob.plan.budget import budget_of, num_partitions, plan_bytes
 from batchjob.plan.partition import ROW, PartitionSpill, Rows
 from batchjob.plan.streamed import StreamedPlan, plan_spilled
 from batchjob.storage.atomic import Target
+from batchjob.storage.workdir import owned_workdir
 from batchjob.timing import StageTiming
 from batchjob.tokenize.batched import tokenize_batch
 from batchjob.tokenize.tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 TEXT_BYTES_PER_TOKEN = 4  # text prompts: the token estimate before tokenizing
+SPILL_PREFIX = ".plan-spill-"  # <meta>/.plan-spill-*: partitions being planned or run
 
 
 @dataclass(frozen=True)
@@ -112,26 +115,43 @@ def partitioned_reason(job: JobConfig, dataset: InputDataset) -> str | None:
     )
 
 
-def _spill_folder(plan_path: Target, meta: Target) -> Path:
-    """Where the partitions go: the metadata folder when local, else a temp folder."""
+def _unify(a: pa.Schema, b: pa.Schema) -> pa.Schema:
+    return pa.unify_schemas([a, b], promote_options="permissive")
+
+
+def spill_folder(meta: Target) -> AbstractContextManager[Path]:
+    """The partitions' work folder, this process's until the block ends: under the metadata
+    folder when local (``<meta>/.plan-spill-*``; one a killed run left is removed at the next
+    start), else under the temp folder."""
     if isinstance(meta, Path):
-        meta.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=".plan-spill-", dir=meta))
-    return Path(tempfile.mkdtemp(prefix="batchjob-plan-spill-"))
+        return owned_workdir(meta, SPILL_PREFIX)
+    return owned_workdir(Path(tempfile.gettempdir()), "batchjob-plan-spill-")
 
 
-def plan_partitioned(
+@dataclass(frozen=True)
+class SpilledInput:
+    """The input read, tokenized and spilled to partitions (``spill_input``)."""
+
+    spill: PartitionSpill
+    rejected: RejectedRows
+    num_rows: int  # input rows, valid and rejected
+    tokens: int  # the valid rows' prompt tokens
+    read_s: float
+    tokenize_s: float  # tokenize + spill
+    model: ModelInfo | None
+    budget: int  # scheduler.plan_memory, resolved
+    passthrough: pa.Schema  # the pass-through columns, unified over the batches
+
+
+def spill_input(
     job: JobConfig,
-    plan_path: Target,
-    meta: Target,
+    dataset: InputDataset,
+    folder: Path,
     tokenizer: PromptTokenizer | None = None,
-    dataset: InputDataset | None = None,
-) -> PartitionedPlan:
-    """Read, tokenize and spill ``job``'s input in one pass; plan it into ``plan_path``.
-    ``meta``: the output's metadata folder (the spilled partitions go under it while
-    planning); ``dataset``: the input opened already."""
-    if dataset is None:
-        dataset = open_input(job.input, job.model, job.sampling)
+) -> SpilledInput:
+    """Read and tokenize ``job``'s input batch by batch, each valid row's token ids spilled
+    under ``folder`` to a partition by its first tokens; it holds one batch and the rejected
+    rows, not the dataset."""
     info = model_info_for(job.model, job.engine.backend)
     if dataset.prompt_is_text and tokenizer is None:
         if job.model.path is None:
@@ -144,10 +164,9 @@ def plan_partitioned(
     check_token_ids(job.sampling, vocab)
     budget = budget_of(job.scheduler.plan_memory)
     tokens_est = estimated_tokens(dataset)
-    spill = PartitionSpill(
-        _spill_folder(plan_path, meta), num_partitions(dataset.num_rows, tokens_est, budget)
-    )
+    spill = PartitionSpill(folder, num_partitions(dataset.num_rows, tokens_est, budget))
     rejected: list[RejectedRows] = []
+    schema: pa.Schema | None = None
     t_read = t_tok = 0.0
     position = 0
     total_tokens = 0
@@ -159,6 +178,10 @@ def plan_partitioned(
         t_read += t1 - t0
         if batch is None:
             break
+        pt = batch.passthrough.schema
+        schema = (
+            pt if schema is None else pa.unify_schemas([schema, pt], promote_options="permissive")
+        )
         part, rej = tokenize_batch(
             batch,
             tokenizer,
@@ -186,18 +209,48 @@ def plan_partitioned(
     pa.default_memory_pool().release_unused()
     num_rows = position + sum(len(r) for r in rejected)
     log.info("stage tokenize done: %d rows, %d tokens", num_rows, total_tokens)
-    t0 = time.perf_counter()
-    planned = plan_spilled(
+    if schema is None:
+        schema = pa.schema([(ROW_ID, pa.int64())])
+    return SpilledInput(
         spill,
+        RejectedRows.concat(rejected),
+        num_rows,
+        total_tokens,
+        t_read,
+        t_tok,
+        info,
         budget,
-        plan_path,
-        job.scheduler,
-        on_partition=lambda n, t: log.debug("planning a partition of %d rows, %d tokens", n, t),
+        schema,
     )
-    plan_s = time.perf_counter() - t0
+
+
+def plan_partitioned(
+    job: JobConfig,
+    plan_path: Target,
+    meta: Target,
+    tokenizer: PromptTokenizer | None = None,
+    dataset: InputDataset | None = None,
+) -> PartitionedPlan:
+    """Read, tokenize and spill ``job``'s input in one pass; plan it into ``plan_path``.
+    ``meta``: the output's metadata folder (the spilled partitions go under it while
+    planning); ``dataset``: the input opened already."""
+    if dataset is None:
+        dataset = open_input(job.input, job.model, job.sampling)
+    with spill_folder(meta) as folder:
+        s = spill_input(job, dataset, folder, tokenizer)
+        t0 = time.perf_counter()
+        planned = plan_spilled(
+            s.spill,
+            s.budget,
+            plan_path,
+            job.scheduler,
+            on_partition=lambda n, t: log.debug("planning a partition of %d rows, %d tokens", n, t),
+        )
+        plan_s = time.perf_counter() - t0
+    valid = s.num_rows - len(s.rejected)
     stages = (
-        StageTiming("read", t_read, num_rows, 0),
-        StageTiming("tokenize", t_tok, num_rows, total_tokens),
-        StageTiming("plan", plan_s, position, total_tokens),
+        StageTiming("read", s.read_s, s.num_rows, 0),
+        StageTiming("tokenize", s.tokenize_s, s.num_rows, s.tokens),
+        StageTiming("plan", plan_s, valid, s.tokens),
     )
-    return PartitionedPlan(planned, RejectedRows.concat(rejected), stages, info, budget)
+    return PartitionedPlan(planned, s.rejected, stages, s.model, s.budget)
