@@ -33,7 +33,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,6 +54,7 @@ from batchjob.outputs.score_columns import (
     optional_columns,
 )
 from batchjob.storage.atomic import (
+    atomic_open,
     fsync_dir,
     rename_exchange,
     write_json_atomic,
@@ -269,16 +270,31 @@ class ResultSink:
         ones in one step where the layout allows it (see the module doc)."""
         self.flush()
         results = self._joined(passthrough, expected_rows)
+        if self.layout.single_file:
+            return self._commit([results], results.num_rows)
+        step = self.rows_per_file
+        files = (results.slice(s, step) for s in range(0, max(results.num_rows, 1), step))
+        return self._commit(files, results.num_rows)
+
+    def commit_chunks(self, chunks: Iterable[pa.Table], rows: int) -> Path | ObjectPath:
+        """Commit results given as tables in row_id order (``streamed_commit``: one at a
+        time, never the whole): each of ``rows_per_file`` rows (the last fewer, at least
+        one table), a results file each, or row groups of the one file. The caller checked
+        them: ``rows`` rows, one per result key."""
+        self.flush()
+        return self._commit(chunks, rows)
+
+    def _commit(self, chunks: Iterable[pa.Table], rows: int) -> Path | ObjectPath:
         layout = self.layout
         if layout.single_file:
             if layout.remote:
-                self._commit_object(results)
+                self._commit_object(chunks, rows)
             else:
-                self._commit_file(results)
+                self._commit_file(chunks, rows)
         elif swappable(layout):
-            self._commit_swap(results)
+            self._commit_swap(chunks, rows)
         else:
-            self._commit_in_place(results)
+            self._commit_in_place(chunks, rows)
         return layout.output
 
     def _joined(self, passthrough: pa.Table, expected_rows: int) -> pa.Table:
@@ -295,12 +311,9 @@ class ResultSink:
             )
         return with_passthrough(results, passthrough)
 
-    def _files(self, results: pa.Table, commit: str) -> list[tuple[str, pa.Table]]:
-        """(name, rows) of each results file of a folder output."""
-        return [
-            (result_name(i, commit), results.slice(start, self.rows_per_file))
-            for i, start in enumerate(range(0, max(results.num_rows, 1), self.rows_per_file))
-        ]
+    def _names(self, rows: int, commit: str) -> list[str]:
+        """The results files of a folder output of ``rows`` rows (``rows_per_file`` each)."""
+        return [result_name(i, commit) for i in range(max(-(-rows // self.rows_per_file), 1))]
 
     def _commit_id(self) -> str:
         """A new commit id: no file of it can have a name the results folder holds now."""
@@ -316,26 +329,24 @@ class ResultSink:
         """The manifest of committed results: the job's + what was committed."""
         return {**self.manifest, "results": {"commit": commit, "files": files, "rows": rows}}
 
-    def _commit_file(self, results: pa.Table) -> None:
+    def _commit_file(self, chunks: Iterable[pa.Table], rows: int) -> None:
         """One results file: staged in the metadata folder, then renamed over the old one."""
         layout = self.layout
         assert isinstance(layout.output, Path) and isinstance(layout.staging, Path)
         shutil.rmtree(layout.staging, ignore_errors=True)
         staged = layout.staging / layout.output.name
-        write_parquet_atomic(results, staged)
+        _write_chunks(chunks, staged)
         fault_point("stage")
         layout.manifest_file.unlink(missing_ok=True)  # the old results lose their voucher
         fault_point("commit")
         layout.output.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, layout.output)
         fsync_dir(layout.output.parent)
-        write_manifest(
-            self._committed(None, [layout.output.name], results.num_rows), layout.manifest_file
-        )
+        write_manifest(self._committed(None, [layout.output.name], rows), layout.manifest_file)
         fault_point("committed")
         shutil.rmtree(layout.staging, ignore_errors=True)
 
-    def _commit_swap(self, results: pa.Table) -> None:
+    def _commit_swap(self, chunks: Iterable[pa.Table], rows: int) -> None:
         """A local results folder that is batchjob's alone: the new folder is built whole in
         ``<meta>/staging/`` (files + ``_SUCCESS``) and exchanged with the old folder in one
         ``renameat2(RENAME_EXCHANGE)``: a reader sees the old folder or the new one, at every
@@ -349,12 +360,11 @@ class ResultSink:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         commit = self._commit_id()
-        files = self._files(results, commit)
-        for name, rows in files:
-            write_parquet_atomic(rows, staging / name)
+        names = self._names(rows, commit)
+        for name, table in zip(names, chunks, strict=True):
+            write_parquet_atomic(table, staging / name)
             fault_point("stage")
-        names = [n for n, _ in files]
-        write_json_atomic(_success(commit, results.num_rows, names), staging / SUCCESS)
+        write_json_atomic(_success(commit, rows, names), staging / SUCCESS)
         layout.manifest_file.unlink(missing_ok=True)  # the old results lose their voucher
         fault_point("commit")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -371,24 +381,22 @@ class ResultSink:
             os.rename(staging, out)
             fault_point("swap")
         fsync_dir(out.parent)
-        write_manifest(self._committed(commit, names, results.num_rows), layout.manifest_file)
+        write_manifest(self._committed(commit, names, rows), layout.manifest_file)
         fault_point("committed")
         shutil.rmtree(staging, ignore_errors=True)  # the old folder, after an exchange
         shutil.rmtree(layout.previous, ignore_errors=True)
 
-    def _commit_object(self, results: pa.Table) -> None:
+    def _commit_object(self, chunks: Iterable[pa.Table], rows: int) -> None:
         """One results object on an object store: one atomic PUT over the old one."""
         layout = self.layout
         self.store.delete(layout.manifest_file)
         fault_point("commit")
-        write_parquet_atomic(results, layout.output)
+        _write_chunks(chunks, layout.output)
         fault_point("commit_file")
-        write_manifest(
-            self._committed(None, [layout.output.name], results.num_rows), layout.manifest_file
-        )
+        write_manifest(self._committed(None, [layout.output.name], rows), layout.manifest_file)
         fault_point("committed")
 
-    def _commit_in_place(self, results: pa.Table) -> None:
+    def _commit_in_place(self, chunks: Iterable[pa.Table], rows: int) -> None:
         """A folder that cannot be swapped: on an object store (no rename), or a local folder
         shared with files batchjob did not write (``output.allow_other_files``). ``_SUCCESS``
         goes first (readers: incomplete from here), the new files are written under names no
@@ -398,21 +406,20 @@ class ResultSink:
         layout, store, out = self.layout, self.store, self.layout.output
         old = owned_results(layout) - {SUCCESS}
         commit = self._commit_id()
-        files = self._files(results, commit)
-        names = [n for n, _ in files]
+        names = self._names(rows, commit)
         store.delete(layout.manifest_file)
         fault_point("commit")
         log = {"commit": commit, "files": names, "replaces": sorted(old)}
         write_json_atomic(log, layout.commit_log)
         store.delete(out / SUCCESS)  # readers: incomplete from here until the end
         store.mkdir(out)
-        for name, rows in files:
-            write_parquet_atomic(rows, out / name)
+        for name, table in zip(names, chunks, strict=True):
+            write_parquet_atomic(table, out / name)
             fault_point("commit_file")
         for name in sorted(old - set(names)):
             store.delete(out / name)  # batchjob's earlier files, and only those
-        write_manifest(self._committed(commit, names, results.num_rows), layout.manifest_file)
-        write_json_atomic(_success(commit, results.num_rows, names), out / SUCCESS)
+        write_manifest(self._committed(commit, names, rows), layout.manifest_file)
+        write_json_atomic(_success(commit, rows, names), out / SUCCESS)
         store.delete(layout.commit_log)
         fault_point("committed")
 
@@ -435,6 +442,19 @@ class ResultSink:
         os.replace(layout.parts, layout.trash)
         fault_point("cleanup")
         shutil.rmtree(layout.trash, ignore_errors=True)
+
+
+def _write_chunks(chunks: Iterable[pa.Table], path: Any) -> None:
+    """One Parquet file of ``chunks`` (at least one; one table: as ``write_parquet_atomic``
+    writes it), written atomically."""
+    import pyarrow.parquet as pq
+
+    it = iter(chunks)
+    first = next(it)
+    with atomic_open(path, "wb") as f, pq.ParquetWriter(f, first.schema) as w:
+        w.write_table(first)
+        for table in it:
+            w.write_table(table)
 
 
 def _success(commit: str, rows: int, files: list[str]) -> dict[str, Any]:
