@@ -15,6 +15,7 @@ resident set from /proc/<pid>/status every 50 ms:
     .venv/bin/python benchmarks/bench_scale.py plan --rows 100000,300000,1000000,10000000
     .venv/bin/python benchmarks/bench_scale.py plan --rows 10000000 --plan-memory 1GiB  # partitions
     .venv/bin/python benchmarks/bench_scale.py run --rows 500000,1000000
+    .venv/bin/python benchmarks/bench_scale.py run --rows 1000000 --plan-memory 128MiB  # partitions
     .venv/bin/python benchmarks/bench_scale.py all   # both (what `make bench-scale` runs)
 
 Data, models and outputs go under data/scale/ and out/scale/ (both gitignored); datasets
@@ -214,7 +215,7 @@ def bench_plan(rows: int, plan_memory: str | None = None) -> dict:
     }
 
 
-def bench_run(rows: int, max_tokens: int) -> dict:
+def bench_run(rows: int, max_tokens: int, plan_memory: str | None = None) -> dict:
     model, vocab = tiny_model()
     data = write_dataset(DATA / f"run-{rows}-v{vocab}.parquet", rows, vocab)
     out = OUT / f"run-{rows}"
@@ -226,8 +227,12 @@ def bench_run(rows: int, max_tokens: int) -> dict:
     # processes (2,000 rows: 28 req/s with 2 threads, 413 with 1); a 256 MiB KV cache (the
     # tiny model's peak use is ~5 MB) so that the RSS shows what the rows cost
     cmd += ["--set", "engine.threads=1", "--set", f"engine.kv_cache_bytes={256 << 20}"]
+    if plan_memory:  # a budget below the dataset's planning runs it partition by partition
+        cmd += ["--set", f"scheduler.plan_memory={plan_memory}"]
     r = measure(cmd, _env(), OUT / f"run-{rows}.log")
-    return {"command": "run", "rows": rows, **r, "stage_s": r["json"].get("stage_s", {})}
+    what = f"run (plan_memory {plan_memory})" if plan_memory else "run"
+    stages = r["json"].get("stage_s", {})
+    return {"command": what, "rows": rows, **r, "stage_s": stages, "plan_memory": plan_memory}
 
 
 # stage names in the JSON -> the stage whose log line ends it (read and tokenize interleave)
@@ -258,7 +263,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--label", default="", help="a name for these runs in results.jsonl")
     ap.add_argument("--src", help="import batchjob from this folder (another checkout)")
-    ap.add_argument("--plan-memory", help="plan: scheduler.plan_memory, e.g. 1GiB")
+    ap.add_argument("--plan-memory", help="scheduler.plan_memory, e.g. 1GiB")
     args = ap.parse_args()
     global SRC
     SRC = args.src
@@ -284,7 +289,10 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---|")
     for what, n in jobs:
-        r = bench_plan(n, args.plan_memory) if what == "plan" else bench_run(n, args.max_tokens)
+        if what == "plan":
+            r = bench_plan(n, args.plan_memory)
+        else:
+            r = bench_run(n, args.max_tokens, args.plan_memory)
         r["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         r["loadavg"] = os.getloadavg()
         r["label"] = args.label

@@ -446,7 +446,7 @@ class SchedulerConfig:
     enlarge: bool = True  # first-level enlargement of the plan's groups (Algo 1)
     reorder: bool = True  # order groups by decode/prefill ratio (Eq. 4)
     decode_reserve: bool = True  # batchllm: admit prefill against the projected decode peak
-    # `batchjob plan` memory: a larger dataset is planned in partitions; unset: half of RAM
+    # planning memory: a larger dataset is planned and run in partitions; unset: half of RAM
     plan_memory: int | None = None
 
     def __post_init__(self) -> None:

@@ -226,7 +226,7 @@ def resplit(spill: PartitionSpill, part: int, budget: int, folder: Path) -> Part
     return sub
 
 
-def _fit(spill: PartitionSpill, budget: int, folder: Path) -> tuple[list, set[int], int]:
+def fit_partitions(spill: PartitionSpill, budget: int, folder: Path) -> tuple[list, set[int], int]:
     """(spill, partition) pairs to plan, the key depths used, partitions left over budget."""
     todo: list[tuple[PartitionSpill, int]] = []
     depths = {spill.depth}
@@ -401,7 +401,7 @@ def plan_spilled(
     work = spill.folder
     scheduler = scheduler or SchedulerConfig()
     try:
-        todo, depths, over = _fit(spill, budget, work)
+        todo, depths, over = fit_partitions(spill, budget, work)
         if over:
             log.warning(
                 "%d partitions exceed scheduler.plan_memory = %d bytes even split by their "

@@ -30,14 +30,16 @@ from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
 from batchjob.plan.build import plan_job
 from batchjob.plan.plan_io import write_plan
-from batchjob.runner.execute import backend_config, execute, job_tokenizer
+from batchjob.runner.execute import Execution, backend_config, execute, job_tokenizer
 from batchjob.runner.execute import cap_to_context as cap_to_context
+from batchjob.runner.plan_stream import partitioned_reason
 from batchjob.runner.prepare import prepare
 from batchjob.runner.progress import results_phrase
 from batchjob.storage.faults import fault_point
 from batchjob.storage.lock import output_lock
 from batchjob.storage.stores import ObjectPath
 from batchjob.storage.stores import configure as configure_storage
+from batchjob.tokenize.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,16 @@ def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None)
             started,
             dataset.prompt_is_text,
             run_token=token,
+            streamed=job.cluster.address == "none" and _over_plan_memory(job, dataset),
         )
+
+
+def _over_plan_memory(job: JobConfig, dataset) -> bool:
+    """The job plans over ``scheduler.plan_memory`` and can run in partitions."""
+    why = partitioned_reason(job, dataset)
+    if why is not None:
+        log.info("%s: running partition by partition", why)
+    return why is not None
 
 
 def _complete_already(layout: OutputLayout, this: dict) -> bool:
@@ -148,6 +159,7 @@ def _run_locked(
     started: str = "",
     text_prompts: bool = True,
     run_token: str = "",
+    streamed: bool = False,
 ) -> JobResult:
     stage: dict[str, float] = {}
 
@@ -156,22 +168,17 @@ def _run_locked(
     )  # once: encodes text, decodes outputs
     # read + tokenize (on a cluster: Ray tasks over the input's row groups); the model folder
     # is read once, for the later stages
+    if streamed:
+        return _run_streamed(
+            job, layout, this, progress, t_job, heartbeat_s, started, run_token, tokenizer
+        )
     prep = prepare(job, tokenizer, on_cluster=job.cluster.address != "none")
     loaded, model = prep.loaded, prep.model
     stage["read_s"], stage["tokenize_s"] = loaded.read.seconds, loaded.tokenize.seconds
     log.info("stage tokenize done (read + tokenize: %d rows)", loaded.num_rows)
     if len(loaded.prompts) == 0:
         raise AllRowsRejectedError(_rejected_summary(loaded))  # nothing written: fix the data
-    sink = ResultSink(
-        layout,
-        this,
-        run=run_token,
-        flush_rows=job.output.flush_rows,
-        rows_per_file=job.output.rows_per_file,
-        extra_columns=job_columns(
-            job.sampling, job.input, job.output.reasoning_parser, job.model.task
-        ),
-    )
+    sink = _job_sink(job, layout, this, run_token)
     done = sink.done_keys()
     prompts = prep.requests(done)  # every row's samples, less those done earlier
     prep.report_rejected(sink, done)  # one result row per rejected row
@@ -206,27 +213,90 @@ def _run_locked(
         ex = run_on_cluster(
             job, layout, this, prompts, plan, text_prompts, progress, heartbeat_s, sink.run
         )
-    plan, run_info, n_over = ex.plan, ex.run, ex.over_budget
+    n_over = ex.over_budget
     stage["load_s"] = ex.load_s
-    stage["run_s"] = run_info.wall_s
+    stage["run_s"] = ex.run.wall_s
     log.info("stage run done in %.2f s", stage["run_s"])
 
     t0 = time.perf_counter()
     results_path = sink.finalize(loaded.passthrough, expected_rows=expected)
     stage["write_s"] = time.perf_counter() - t0
     log.info("stage write done in %.2f s", stage["write_s"])
+    rows = {
+        "total": expected,
+        "ok": expected - len(loaded.rejected) - n_over,
+        "rejected": len(loaded.rejected) + n_over,
+        "skipped": len(done),
+        "input": loaded.num_rows,
+    }
+    return _report(job, layout, this, sink, ex, rows, stage, results_path, t_job, started)
+
+
+def _job_sink(job: JobConfig, layout: OutputLayout, this: dict, run_token: str) -> ResultSink:
+    return ResultSink(
+        layout,
+        this,
+        run=run_token,
+        flush_rows=job.output.flush_rows,
+        rows_per_file=job.output.rows_per_file,
+        extra_columns=job_columns(
+            job.sampling, job.input, job.output.reasoning_parser, job.model.task
+        ),
+    )
+
+
+def _run_streamed(
+    job: JobConfig,
+    layout: OutputLayout,
+    this: dict,
+    progress: bool,
+    t_job: float,
+    heartbeat_s: float | None,
+    started: str,
+    run_token: str,
+    tokenizer: PromptTokenizer | None,
+) -> JobResult:
+    """A job over ``scheduler.plan_memory``: read, planned and run partition by partition,
+    committed a results file at a time (``run_stream``)."""
+    from batchjob.runner.run_stream import run_partitioned
+
+    sink = _job_sink(job, layout, this, run_token)
+    done = run_partitioned(job, layout, sink, tokenizer, progress=progress, heartbeat_s=heartbeat_s)
+    log.info("stage write done in %.2f s", done.stage_s["write_s"])
+    return _report(
+        job,
+        layout,
+        this,
+        sink,
+        done.execution,
+        done.rows,
+        done.stage_s,
+        done.results,
+        t_job,
+        started,
+    )
+
+
+def _report(
+    job: JobConfig,
+    layout: OutputLayout,
+    this: dict,
+    sink: ResultSink,
+    ex: Execution,
+    rows: dict[str, int],
+    stage: dict[str, float],
+    results_path,
+    t_job: float,
+    started: str,
+) -> JobResult:
+    """The committed run's report (and OpenAI Batch lines); then the parts go."""
+    plan = ex.plan
     summary = summarize(
-        run_info,
+        ex.run,
         prompt_tokens=ex.prompt_tokens,
         generated_tokens=ex.generated_tokens,
         requests_run=ex.requests_run,
-        rows={
-            "total": expected,
-            "ok": expected - len(loaded.rejected) - n_over,
-            "rejected": len(loaded.rejected) + n_over,
-            "skipped": len(done),
-            "input": loaded.num_rows,
-        },
+        rows=rows,
         plan_ratios=(plan.stats.saving_ratio_single_level, plan.stats.saving_ratio_multi_level),
         total_s=time.perf_counter() - t_job,
         stage_s=stage,
@@ -236,7 +306,7 @@ def _run_locked(
     )
     summary = dataclasses.replace(summary, job=_identity(this, started), task=job.model.task)
     fault_point("report")
-    paths = write_report(summary, run_info, layout.report_file)
+    paths = write_report(summary, ex.run, layout.report_file)
     if job.output.format == "openai-jsonl":  # from the committed results: a kill before
         from batchjob.outputs.openai_batch import write_responses  # cleanup redoes it
 
