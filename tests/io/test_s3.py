@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -158,6 +159,76 @@ def test_kill_mid_run_and_mid_commit_then_resume_exactly_once(s3, model, data, l
     assert got["row_id"].to_pylist() == list(range(local_results.num_rows))
     assert got.equals(local_results)
     assert not [k for k in _keys(s3, "out/killed.meta") if k.startswith(("parts/", "lock"))]
+
+
+# the kill/fault soak of tests/e2e/test_fault_injection.py on object-store outputs: a folder
+# (commit in place: commit, each file, committed) and a single object (one PUT), every named
+# point the object-store write path passes, and a seeded random time
+_soak = random.Random(20261201)
+S3_KILLS = [
+    ("folder", ["part:1"]),
+    ("folder", [f"part:{_soak.randint(2, 6)}"]),
+    ("folder", ["manifest:1"]),
+    ("folder", ["commit:1"]),
+    ("folder", ["commit_file:2"]),
+    ("folder", ["committed:1"]),
+    ("folder", ["report:1"]),
+    ("folder", ["part:2", "commit_file:1", "cleanup:2"]),
+    ("folder", [f"timed:{_soak.uniform(1.0, 6.0):.2f}"]),
+    ("object", ["commit:1"]),
+    ("object", ["commit_file:1"]),
+    ("object", ["committed:1"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "specs"), S3_KILLS, ids=[f"{k}-{'-'.join(s)}" for k, s in S3_KILLS]
+)
+def test_killed_at_each_point_on_s3_reruns_exactly_once(
+    s3, model, data, local_results, kind, specs
+):
+    """SIGKILLed at the point (each spec one killed run), then rerun: exactly one result row
+    per input row, equal to the uninterrupted run, and nothing left in the meta folder but
+    the manifest, plan and report."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.e2e.jobkit import ROOT
+
+    name = f"soak-{kind}-{'-'.join(specs).replace(':', '')}"
+    out = f"s3://{BUCKET}/out/{name}" + (".parquet" if kind == "object" else "")
+    prefix = out.removeprefix(f"s3://{BUCKET}/")
+    args = _job(model, data[1], out, "scheduler.chunk_size=8", "output.flush_rows=2")
+    args += ["--set", "output.rows_per_file=10"]
+    for spec in specs:
+        fault, _, at = spec.partition(":")
+        cmd = [sys.executable, "-m", "batchjob.cli", "run", "--no-progress", *args]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        if fault != "timed":
+            env["BATCHJOB_FAULT_POINT"] = spec
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        if fault == "timed":
+            try:
+                proc.wait(timeout=float(at))
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == (-9 if fault != "timed" else proc.returncode), err
+        assert proc.returncode in (0, -9), err
+    res = cli("run", "--no-progress", *args)
+    assert res.exit_code == 0, res.output
+    got = _read(s3, out)
+    assert got["row_id"].to_pylist() == list(range(local_results.num_rows))  # once each
+    assert got.equals(local_results)
+    meta = _keys(s3, f"{prefix}.meta")
+    assert {"manifest.json", "plan.parquet", "report.json"} <= set(meta)
+    assert not [k for k in meta if k.startswith(("parts/", "lock", "commit"))], meta
+    if kind == "folder":
+        success = json.loads(s3.open_input_stream(f"{BUCKET}/{prefix}/_SUCCESS").read())
+        assert sorted(_keys(s3, prefix)) == sorted(["_SUCCESS", *success["files"]])
+    again = cli("run", "--no-progress", *args)
+    assert again.exit_code == 0 and "already complete" in again.output, again.output
 
 
 def test_lock_object_refuses_a_second_writer(s3, model, data):
