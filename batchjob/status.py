@@ -15,6 +15,7 @@ STATUS_INVALID_MAX_TOKENS = "invalid_max_tokens"
 STATUS_NULL_FIELD = "null_field"  # input.template names a column that is null in this row
 STATUS_CHAT_TEMPLATE = "chat_template_error"  # the chat template refused the row's messages
 STATUS_INVALID_REQUEST = "invalid_request"  # an OpenAI Batch line that is not a valid request
+STATUS_INVALID_ADAPTER = "invalid_adapter"  # input.adapter_column names no model.adapters entry
 # a per-row setting column (input.<name>_column) holding a value the setting refuses: its
 # status is the setting's (batchjob.config.per_row.ROW_SETTINGS)
 STATUS_INVALID_SETTING = {s.column: s.status for s in ROW_SETTINGS}  # "invalid_<name>"

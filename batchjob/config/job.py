@@ -61,6 +61,12 @@ class JobConfig:
             key = "input.messages_column" if self.input.messages_column else "input.system_prompt"
             _fail("model.chat_template", f"'none' cannot render chat turns ({key} is set)", "none")
         self._check_sampling()
+        adapters, column = self.model.adapters, self.input.adapter_column
+        if column is not None and not adapters:
+            _fail("input.adapter_column", "needs model.adapters (name = adapter folder)", column)
+        if (adapters or column) and (self.sampling.labels or self.input.labels_column):
+            key = "input.adapter_column" if column else "model.adapters"
+            _fail(key, "cannot be combined with scoring (labels) yet", column or list(adapters))
         parser = self.output.reasoning_parser
         if parser and (self.sampling.labels or self.input.labels_column):
             _fail("output.reasoning_parser", "cannot be combined with scoring (labels)", parser)
@@ -142,6 +148,8 @@ class JobConfig:
         def plain(v: Any) -> Any:
             if isinstance(v, Path | ObjectPath):
                 return str(v)
+            if isinstance(v, dict):  # model.adapters: name = folder
+                return {k: plain(x) for k, x in v.items()}
             return list(v) if isinstance(v, tuple) else v
 
         return {

@@ -50,6 +50,7 @@ _TYPES = {
     "tuple[str, ...]": "list of text",
     "dict[str, Any]": "table",
     "dict[int, float]": "table of token id = number",
+    "dict[str, Path]": "table of name = folder",
 }
 
 

@@ -8,9 +8,10 @@ another job and the run stops with exit 3 naming the first field that differs.
 In the fingerprint: the input files (path or URI, size, and a hash of every byte:
 ``sha256:``, or an S3 object's ``etag:``; ``storage.stores.content_id``) and row count, every
 other input setting (prompt and max_tokens columns, row limit, ...); the model folder's identity
-(config.json and tokenizer.json hashes, weight file names, sizes and mtimes) and every other
-model setting (dtype, max_model_len); every sampling setting; the plan-shaping scheduler
-settings (enlarge, reorder); engine.backend; output.reasoning_parser; the batchjob version.
+(config.json and tokenizer.json hashes, weight file names, sizes and mtimes), each LoRA
+adapter's file hashes and every other model setting (dtype, max_model_len, adapters); every
+sampling setting; the plan-shaping scheduler settings (enlarge, reorder); engine.backend;
+output.reasoning_parser; the batchjob version.
 Not in it (may differ between runs): threads, progress, chunk size, KV budget and threshold,
 block size, attention backend, policy, device, id_column, batch_rows and every other output
 setting (flush_rows, rows_per_file, overwrite).
@@ -35,6 +36,7 @@ from batchjob.storage.atomic import write_json_atomic
 from batchjob.storage.stores import ObjectPath, content_id, file_stat, store_for
 from batchjob.version import __version__
 
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -94,6 +96,12 @@ def fingerprint(config: Sections, input_files: Sequence[str], num_rows: int) -> 
         "input.num_rows": num_rows,
         "model.identity": model_identity(_path(config["model"].get("path"))),
     }
+    adapters = config["model"].get("adapters") or {}
+    if adapters:  # each LoRA adapter by its files' content
+        fp["model.adapters.identity"] = {
+            name: [_sha256(Path(folder) / f) for f in _ADAPTER_FILES]
+            for name, folder in adapters.items()
+        }
     for section, values in config.items():
         for key, value in values.items():
             dotted = f"{section}.{key}"

@@ -22,7 +22,7 @@ import numpy as np
 
 from batchjob.config import SchedulerConfig
 from batchjob.plan.order import group_order
-from batchjob.plan.plan import Plan
+from batchjob.plan.plan import Plan, PlanStats
 from batchjob.plan.prefix_tree import PrefixTree, build_prefix_tree
 from batchjob.plan.reuse import Grouping, first_level_groups, optimal_groups, paper_groups
 from batchjob.plan.seqsort import SortedSequences, sort_sequences
@@ -63,6 +63,8 @@ def build_plan(
     of their own prompt part (``sibling_saving``)."""
     if algorithm not in ("optimal", "paper"):
         raise ValueError(f"algorithm must be 'optimal' or 'paper', got {algorithm!r}")
+    if prompts.adapter is not None and len(np.unique(prompts.adapter)) > 1:
+        return _plan_by_adapter(prompts, enlarge, order, algorithm)
     if prompts.sample_index is not None:
         return _plan_samples(prompts, enlarge, order, algorithm, on_stage)
     stage = on_stage or _noop
@@ -153,6 +155,53 @@ def _plan_samples(
         members=members,
         row_ids=np.asarray(ids, dtype=np.int64)[members],
         decode_estimate=prompts.max_tokens.astype(np.int32)[members],
+        stats=stats,
+    )
+
+
+def _plan_by_adapter(
+    prompts: TokenizedPrompts, enlarge: bool, order: bool, algorithm: Algorithm
+) -> Plan:
+    """Groups keyed by (adapter, tokens): the rows of each adapter (``prompts.adapter``; -1:
+    the base model) planned on their own, since KV computed under one adapter is no other's,
+    then every group in one Eq. 4 order."""
+    keys = np.asarray(prompts.adapter)
+    prefix, sizes, members = [], [], []
+    single = multi = 0
+    for key in np.unique(keys):
+        pos = np.flatnonzero(keys == key)
+        sub = dataclasses.replace(prompts.take(pos), adapter=None)
+        p = build_plan(sub, enlarge=enlarge, order=False, algorithm=algorithm)
+        prefix.append(p.group_prefix_len)
+        sizes.append(np.diff(p.group_offsets))
+        members.append(pos[p.members])
+        single += p.stats.single_level_prefill_tokens
+        multi += p.stats.multi_level_prefill_tokens
+    prefix_len, size, grouped = (np.concatenate(x) for x in (prefix, sizes, members))
+    offsets = np.zeros(len(size) + 1, dtype=np.int64)
+    np.cumsum(size, out=offsets[1:])
+    lengths, decode = prompts.lengths, prompts.max_tokens.astype(np.int64)
+    perm = group_order(prefix_len, offsets, grouped, lengths, decode, by_ratio=order)
+    new_offsets = np.zeros_like(offsets)
+    np.cumsum(size[perm], out=new_offsets[1:])
+    starts = np.repeat(offsets[:-1][perm] - new_offsets[:-1], size[perm])
+    grouped = grouped[starts + np.arange(len(grouped))]
+    logical = int(lengths.sum())
+    stats = PlanStats(
+        num_requests=len(lengths),
+        num_groups=len(size),
+        logical_prefill_tokens=logical,
+        single_level_prefill_tokens=single,
+        multi_level_prefill_tokens=multi,
+        saving_ratio_single_level=1.0 - single / logical if logical else 0.0,
+        saving_ratio_multi_level=1.0 - multi / logical if logical else 0.0,
+    )
+    return Plan(
+        group_prefix_len=prefix_len[perm],
+        group_offsets=new_offsets,
+        members=grouped,
+        row_ids=np.asarray(prompts.row_ids, dtype=np.int64)[grouped],
+        decode_estimate=prompts.max_tokens.astype(np.int32)[grouped],
         stats=stats,
     )
 

@@ -21,6 +21,7 @@ from batchjob.model.info import ModelInfo
 from batchjob.model.pooling import pooling_spec
 from batchjob.outputs.results import ResultRow, RowSink
 from batchjob.runner.execute import cap_to_context, expected_results, job_samples, select_rows
+from batchjob.tokenize.adapters import assign_adapters
 from batchjob.tokenize.batched import TokenizedInput, load_prompts
 from batchjob.tokenize.prompts import TokenizedPrompts, request_keys
 from batchjob.tokenize.samples import expand_samples
@@ -93,4 +94,6 @@ def prepare(
         )
         if model is not None:
             pooling_spec(job.model, model.path, model.config.hidden_size)
+    names = tuple(job.model.adapters)  # each row's LoRA adapter (model.adapters)
+    loaded = assign_adapters(loaded, names, job.input.adapter_column, job.model.adapter)
     return Prepared(loaded, model, job_samples(job.sampling, job.input))

@@ -32,9 +32,14 @@ class TokenizedPrompts:
     settings: RowSettings | None = None  # per-row sampling/labels, keyed by row_id
     # int32 [N]: which sample of its row each prompt is (sampling.n); None: one sample per row
     sample_index: np.ndarray | None = None
+    # int32 [N]: the LoRA adapter each prompt runs with (its index in model.adapters, -1:
+    # the base model); None: every prompt runs on the base model
+    adapter: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.row_ids)
+        if self.adapter is not None and self.adapter.shape != (n,):
+            raise ValueError(f"adapter must have shape ({n},), got {self.adapter.shape}")
         if self.sample_index is not None and self.sample_index.shape != (n,):
             raise ValueError(f"sample_index must have shape ({n},), got {self.sample_index.shape}")
         if self.offsets.shape != (n + 1,):
@@ -85,6 +90,7 @@ class TokenizedPrompts:
             max_tokens=self.max_tokens[pos],
             settings=self.settings,
             sample_index=None if self.sample_index is None else self.sample_index[pos],
+            adapter=None if self.adapter is None else self.adapter[pos],
         )
 
     @classmethod

