@@ -70,6 +70,11 @@ class NativeBackend(Backend):
         self, cfg: BackendConfig, detokenize: Detokenize, info: ModelInfo | None = None
     ) -> None:
         check_device(cfg.model.device)
+        if cfg.model.adapters:
+            raise ConfigError(
+                "model.adapters: the native engine does not apply LoRA adapters; "
+                'engine.backend = "vllm" does'
+            )
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
         self.cfg = cfg

@@ -280,7 +280,10 @@ class VllmBackend(Backend):
         self._runs += 1
         sampling, eos = self.cfg.sampling, self.model.config.eos_token_ids
         tag = f"r{self._runs}"
-        groups = plan_order(prompts, plan, sampling, eos, tag, seeded=self.device != "cpu")
+        adapters = tuple(self.cfg.model.adapters.items())
+        groups = plan_order(
+            prompts, plan, sampling, eos, tag, seeded=self.device != "cpu", adapters=adapters
+        )
         tracker = OutputTracker(prompts, sampling, eos, self.detokenize, self.cfg.reasoning_parser)
         return self._execute(prompts, groups, tracker, sink.on_finish, sink.on_iteration)
 
@@ -349,7 +352,7 @@ class VllmBackend(Backend):
                 for sub in subs:
                     positions[sub.request_id] = sub.position
                     prompt = TokensPrompt(prompt_token_ids=sub.tokens)
-                    engine.add_request(sub.request_id, prompt, sub.params)
+                    engine.add_request(sub.request_id, prompt, sub.params, lora_request=sub.lora)
             if not positions:
                 break
             try:

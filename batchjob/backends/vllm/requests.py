@@ -21,8 +21,9 @@ check reads the answer only (``batchjob.backends.reasoning``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,7 @@ class Submission:
     position: int
     params: object  # vllm.SamplingParams
     tokens: list[int] = field(repr=False)
+    lora: object = None  # vllm.lora.request.LoRARequest of the row's adapter; None: the base
 
 
 def row_sampling(sampling: SamplingConfig, prompts: TokenizedPrompts, pos: int) -> SamplingConfig:
@@ -152,6 +154,7 @@ def plan_order(
     run_tag: str,
     seeded: bool = True,
     score_targets: Sequence[np.ndarray] | None = None,
+    adapters: Sequence[tuple[str, Path]] = (),
 ) -> Iterator[list[Submission]]:
     """Groups in plan order, each a list of its members' submissions (members in order).
 
@@ -163,6 +166,9 @@ def plan_order(
 
     ``score_targets`` (scoring mode, ``batchjob.backends.scoring``): one greedy step per request,
     returning the raw log-probs of exactly these tokens (vLLM's ``logprob_token_ids``).
+
+    ``adapters``: ``model.adapters`` (name, folder) in order; a row whose
+    ``prompts.adapter`` is i >= 0 runs with a ``LoRARequest`` of adapter i (id i + 1).
     """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -174,6 +180,7 @@ def plan_order(
     delta = has_stop_strings(sampling, prompts)
     kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
     samples = prompts.samples  # sampling.n: sample k is seeded with seed + k, as vLLM's n
+    loras = lora_requests(adapters)
     for g in range(plan.num_groups):
         members = plan.group_members(g)
         key = f"{run_tag}:{g}"
@@ -221,8 +228,26 @@ def plan_order(
                 structured_outputs=structured[guide] if guide is not None else None,
                 **processor_params(s, max_tokens),
             )
-            subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist()))
+            lora = loras(int(prompts.adapter[m])) if prompts.adapter is not None else None
+            subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist(), lora))
         yield subs
+
+
+def lora_requests(adapters: Sequence[tuple[str, Path]]) -> Callable[[int], Any]:
+    """Adapter index -> its ``LoRARequest`` (one object per adapter; -1: None)."""
+    made: dict[int, Any] = {}
+
+    def get(i: int) -> Any:
+        if i < 0:
+            return None
+        if i not in made:
+            from vllm.lora.request import LoRARequest
+
+            name, folder = adapters[i]
+            made[i] = LoRARequest(name, i + 1, str(folder))
+        return made[i]
+
+    return get
 
 
 def _is_json(text: str) -> bool:
