@@ -15,7 +15,7 @@ from batchjob.errors import ConfigError
 from batchjob.plan import plan_job
 from batchjob.runner.prepare import prepare
 from batchjob.testing.lora_adapter import make_lora_adapter
-from tests.e2e.jobkit import cli, write_job
+from tests.e2e.jobkit import ROOT, cli, write_job
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +87,18 @@ def test_native_engine_refuses_adapters(tmp_path, run_model, run_data, adapters)
     )
     r = cli("run", job)
     assert r.exit_code == 3 and "model.adapters: the native engine" in (r.stderr or r.output)
+
+
+def test_adapters_example_job_plans(tmp_path, run_model, run_data, adapters) -> None:
+    """jobs/adapters.toml with the tiny model and two tiny adapters in place of its own:
+    `batchjob plan` keys the groups by adapter (plans run no model)."""
+    data = _data(tmp_path, run_data, ["support", "legal", None, "support"])
+    t = pq.read_table(data)
+    t = t.append_column("question_id", pa.array(range(t.num_rows)))
+    pq.write_table(t.append_column("question", t["prompt"]), data)
+    table = f'{{support = "{adapters["a"]}", legal = "{adapters["b"]}"}}'
+    sets = [f"model.path={run_model}", f"input.path={data}", f"model.adapters={table}"]
+    sets += [f"output.path={tmp_path / 'o.parquet'}"]
+    r = cli("plan", ROOT / "jobs" / "adapters.toml", *[a for s in sets for a in ("--set", s)])
+    assert r.exit_code == 0, r.output
+    assert "groups        3 " in r.output, r.output  # support (rows 0, 3), legal, the base
