@@ -67,6 +67,9 @@ class JobConfig:
         if (adapters or column) and (self.sampling.labels or self.input.labels_column):
             key = "input.adapter_column" if column else "model.adapters"
             _fail(key, "cannot be combined with scoring (labels) yet", column or list(adapters))
+        if (adapters or column) and self.model.task != "generate":
+            key = "input.adapter_column" if column else "model.adapters"
+            _fail(key, 'is for model.task = "generate" (embeddings run the base model)', key)
         parser = self.output.reasoning_parser
         if parser and (self.sampling.labels or self.input.labels_column):
             _fail("output.reasoning_parser", "cannot be combined with scoring (labels)", parser)

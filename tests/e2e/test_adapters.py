@@ -75,6 +75,8 @@ def test_bad_adapter_settings_name_the_key(tmp_path, run_model, run_data, adapte
         _job(run_model, data, tmp_path, adapters, **{"model.adapter": "x"})
     with pytest.raises(ConfigError, match=r"input\.adapter_column: needs model\.adapters"):
         _job(run_model, data, tmp_path, {}, **{"input.adapter_column": "adapter"})
+    with pytest.raises(ConfigError, match=r"model\.adapters: is for model\.task = \"generate\""):
+        _job(run_model, data, tmp_path, adapters, **{"model.task": "embed"})
 
 
 def test_native_engine_refuses_adapters(tmp_path, run_model, run_data, adapters) -> None:
