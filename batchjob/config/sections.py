@@ -262,6 +262,8 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()  # stop strings (finish "stop"); the text is cut before one
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    # words never generated: each one's last token banned where the output ends with the rest
+    bad_words: tuple[str, ...] = ()
     skip_special_tokens: bool = True  # output_text without special tokens (BOS, EOS, ...)
     # kept (skip_special_tokens = false): two in a row with no space between when false
     spaces_between_special_tokens: bool = True
@@ -300,6 +302,9 @@ class SamplingConfig:
             _fail("sampling.stop", "stop strings must be non-empty", list(self.stop))
         _bool("sampling.ignore_eos", self.ignore_eos)
         _bool("sampling.include_stop_str_in_output", self.include_stop_str_in_output)
+        _list(self, "bad_words", "sampling.bad_words", str)
+        if not all(w.strip() for w in self.bad_words):
+            _fail("sampling.bad_words", "bad words must be non-empty", list(self.bad_words))
         _bool("sampling.skip_special_tokens", self.skip_special_tokens)
         _bool("sampling.spaces_between_special_tokens", self.spaces_between_special_tokens)
         _int("sampling.logprobs", self.logprobs, lo=0, optional=True)
@@ -336,6 +341,8 @@ class SamplingConfig:
         if guides and self.labels:
             key = f"sampling.{guides[0]}"
             _fail(key, "cannot be combined with sampling.labels", list(self.labels))
+        if self.labels and self.bad_words:
+            _fail("sampling.bad_words", "cannot be combined with sampling.labels", self.labels)
         if self.labels and self.n != 1:
             _fail("sampling.n", "must be 1 with sampling.labels (scoring draws nothing)", self.n)
         if self.labels and (changed := self.processors()):

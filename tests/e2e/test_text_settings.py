@@ -1,7 +1,7 @@
 """vLLM's output-text settings on the native engine (the vLLM backend's test:
 tests/backends/test_vllm_text_settings.py): ``skip_special_tokens``,
-``spaces_between_special_tokens``, ``include_stop_str_in_output``. (``scheduler.max_num_seqs``
-under the batchllm policy: tests/engine/test_scheduler_properties.py.)"""
+``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``bad_words``.
+(``scheduler.max_num_seqs`` under batchllm: tests/engine/test_scheduler_properties.py.)"""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import batchjob
 from batchjob.config import SamplingConfig
+from batchjob.tokenize.bad_words import bad_words_token_ids, banned_next
 from batchjob.tokenize.tokenizer import detokenize, load_tokenizer
 
 ENGINE = {"kv_cache_bytes": "8MiB", "threads": 1}
@@ -59,3 +60,39 @@ def test_include_stop_str_in_output(run_model):
     assert kept["output_text"][0].as_py() == free[: at + len(stop)]
     assert kept["output_token_ids"][0] == cut["output_token_ids"][0]  # same tokens, as vLLM
     assert kept["finish_reason"][0].as_py() == "stop"
+
+
+def _contains(seq: list[int], sub: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i : i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def test_bad_words_never_generated(run_model):
+    free = _generate(run_model, max_tokens=16)
+    tok = load_tokenizer(run_model)
+    # a word the free run generates as vLLM encodes a bad word (" word" too only where it
+    # has as many tokens as "word"): a span of output tokens that decodes to such a word
+    spans = [
+        (r, tuple(ids[i:j]))
+        for r, ids in enumerate(free["output_token_ids"].to_pylist())
+        for i in range(len(ids))
+        for j in range(i + 1, min(i + 4, len(ids)) + 1)
+    ]
+    found = [
+        (r, w, b)
+        for r, span in spans
+        if (w := tok.tokenizer.decode(list(span))).isalpha()
+        and span in (b := bad_words_token_ids(tok, [w]))
+    ]
+    assert found, "no output span encodes as a bad word would"
+    row, word, banned = found[0]
+    out = _generate(run_model, max_tokens=16, bad_words=[word])
+    for ids in out["output_token_ids"].to_pylist():
+        assert not any(_contains(ids, b) for b in banned), (ids, banned)
+    assert out["output_token_ids"][row] != free["output_token_ids"][row]
+
+
+def test_banned_next_is_vllms_rule():
+    bad = ((7,), (3, 4, 5))
+    assert banned_next(bad, []) == [7]
+    assert banned_next(bad, [1, 3, 4]) == [7, 5]
+    assert banned_next(bad, [3, 4, 1]) == [7]

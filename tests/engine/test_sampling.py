@@ -110,7 +110,8 @@ def test_params_validation():
     with pytest.raises(ConfigError, match=r"sampling\.max_tokens"):
         SamplingConfig(max_tokens=0)
     with pytest.raises(ConfigError, match=r"sampling\.top_k"):
-        SamplingConfig(top_k=-1)  # one spelling of "off": 0
+        SamplingConfig(top_k=-2)
+    assert SamplingConfig(top_k=-1).top_k == 0  # vLLM's spelling of "off"
     with pytest.raises(ConfigError, match=r"sampling\.stop"):
         SamplingConfig(stop=["x", ""])
     assert SamplingConfig(stop_token_ids=[3, 4], stop=["x"]).stop_token_ids == (3, 4)

@@ -34,6 +34,7 @@ from batchjob.inputs.row_guides import row_guides
 from batchjob.model.info import ModelInfo
 from batchjob.model.pooling import pooling_spec
 from batchjob.plan.plan import Plan
+from batchjob.tokenize.bad_words import bad_words_of
 from batchjob.tokenize.prompts import TokenizedPrompts
 
 
@@ -90,6 +91,8 @@ class NativeBackend(Backend):
             linear=cfg.engine.linear,
         )
         self.device = str(self.info.device)
+        words = cfg.sampling.bad_words  # as token ids, with the model's tokenizer
+        self.bad_words = bad_words_of(cfg.model.tokenizer or self.info.path, words)
         try:
             self.engine = Engine(model, self.info, cfg.scheduler, cfg.engine)
         except ValueError as e:
@@ -132,6 +135,7 @@ class NativeBackend(Backend):
             detokenize=self.detokenize,
             on_iteration=on_iteration,
             constraint=constraint,
+            bad_words=self.bad_words,
         )
         return self._backend_run(r)
 

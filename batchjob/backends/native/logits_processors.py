@@ -7,7 +7,8 @@ greedy row picks the same token and a drawn row draws from the same distribution
 
 1. the batch rows' logits in float32 (a grammar's mask already applied, as vLLM's model
    runner does before its sampler);
-2. allowed token ids: every other id -inf;
+2. allowed token ids: every other id -inf; then ``bad_words``: each bad sequence's last
+   token -inf where the output so far ends with the rest of it (``tokenize.bad_words``);
 3. min_tokens: while fewer than min_tokens tokens are out, the row's stop ids and the model's
    EOS ids (EOS even with ``ignore_eos``, as vLLM's ``all_stop_token_ids``) -inf; a
    grammar-constrained row left with no finite logit gets those stop logits back;
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from batchjob.config import SamplingConfig
+from batchjob.tokenize.bad_words import banned_next
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,20 @@ class Processors:
     any_penalty: bool
     min_p: np.ndarray  # float32 [C]
     any_min_p: bool
+    bad_words: tuple[tuple[int, ...], ...] = ()  # sampling.bad_words' token ids (every row)
+
+    @property
+    def keeps_history(self) -> bool:
+        """Whether the rows' output tokens are kept (penalties count them, bad words match)."""
+        return self.any_penalty or bool(self.bad_words)
 
     @classmethod
-    def build(cls, configs: Sequence[SamplingConfig], eos_ids: Sequence[int]) -> Processors:
+    def build(
+        cls,
+        configs: Sequence[SamplingConfig],
+        eos_ids: Sequence[int],
+        bad_words: tuple[tuple[int, ...], ...] = (),
+    ) -> Processors:
         def arr(f, dtype) -> np.ndarray:
             return np.asarray([f(c) for c in configs], dtype=dtype)
 
@@ -98,7 +111,7 @@ class Processors:
         has_allowed = arr(lambda c: bool(c.allowed_token_ids), bool)
         has_bias = arr(lambda c: bool(c.logit_bias), bool)
         min_tokens = arr(lambda c: c.min_tokens, np.int64)
-        active = penalized | has_allowed | has_bias | (min_tokens > 0)
+        active = penalized | has_allowed | has_bias | (min_tokens > 0) | bool(bad_words)
         min_p = arr(lambda c: c.min_p, np.float32)
         return cls(
             active=active,
@@ -121,6 +134,7 @@ class Processors:
             any_penalty=bool(penalized.any()),
             min_p=min_p,
             any_min_p=bool((min_p > 0).any()),
+            bad_words=bad_words,
         )
 
 
@@ -171,6 +185,11 @@ class OutputHistory:
         out.scatter_add_(1, torch.from_numpy(toks), torch.ones(k, t, dtype=torch.long))
         return out[:, :vocab]
 
+    def tokens(self, seq: int, n: int) -> list[int]:
+        """Request ``seq``'s first ``n`` output tokens."""
+        s = int(self.slot[seq])
+        return [] if s < 0 or n == 0 else self.buf[s, :n].tolist()
+
     def release(self, seq: int) -> None:
         s = int(self.slot[seq])
         if s >= 0:
@@ -197,12 +216,13 @@ class DecodeState:
         self.constrained = constrained
         self.inplace = inplace
         n = len(prompt_offsets) - 1
-        self.history = OutputHistory(n) if procs.any_penalty else None
+        self.history = OutputHistory(n) if procs.keeps_history else None
 
     def record(self, seqs: np.ndarray, cfg: np.ndarray, tokens: np.ndarray, steps: np.ndarray):
-        """After a step: the sampled tokens of the penalized rows go into the history."""
+        """After a step: the sampled tokens of the penalized rows (every row, with bad words)
+        go into the history."""
         if self.history is not None:
-            pen = self.procs.penalized[cfg]
+            pen = self.procs.penalized[cfg] | bool(self.procs.bad_words)
             self.history.record(seqs[pen], tokens[pen], steps[pen])
 
     def release(self, seq: int) -> None:
@@ -238,6 +258,13 @@ def apply_processors(
         others = torch.ones(len(r), v, dtype=torch.bool, device=dev)
         others[torch.from_numpy(owner).to(dev), torch.from_numpy(ids).to(dev)] = False
         x[r] = x[r].masked_fill(others, neg_inf)
+
+    if procs.bad_words and state.history is not None:  # 2b. bad words, per row
+        for row in rows.tolist():
+            past = state.history.tokens(int(seqs[row]), int(steps[row]))
+            banned = banned_next(procs.bad_words, past)
+            if banned:
+                x[row, torch.tensor(banned, device=dev)] = neg_inf
 
     m = steps[rows] < procs.min_tokens[c]
     if m.any():  # 3. min_tokens: stop ids and EOS masked

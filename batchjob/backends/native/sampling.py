@@ -88,7 +88,11 @@ class RowParams:
 
     @classmethod
     def build(
-        cls, configs: Sequence[SamplingConfig], index: np.ndarray, eos_ids: Sequence[int]
+        cls,
+        configs: Sequence[SamplingConfig],
+        index: np.ndarray,
+        eos_ids: Sequence[int],
+        bad_words: tuple[tuple[int, ...], ...] = (),
     ) -> RowParams:
         def arr(f, dtype) -> np.ndarray:
             return np.asarray([f(c) for c in configs], dtype=dtype)
@@ -109,7 +113,7 @@ class RowParams:
                 for c in configs
             ),
             stop_strings=arr(lambda c: bool(c.stop), bool),
-            procs=Processors.build(configs, eos_ids),
+            procs=Processors.build(configs, eos_ids, bad_words),
         )
 
 

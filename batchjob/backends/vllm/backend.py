@@ -49,6 +49,7 @@ from batchjob.model.pooling import PoolingSpec, pooling_spec
 from batchjob.plan.build import plan_job
 from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
+from batchjob.tokenize.bad_words import bad_words_of
 from batchjob.tokenize.prompts import TokenizedPrompts
 
 
@@ -109,6 +110,8 @@ class VllmBackend(Backend):
             self.pooling = pooling_spec(cfg.model, info.path, info.config.hidden_size)
         # fail on settings before any data is touched (vLLM itself starts in check_fits)
         engine_settings(cfg, self.model.dtype, 2)
+        words = cfg.sampling.bad_words  # as token ids, with the model's tokenizer
+        self.bad_words = bad_words_of(cfg.model.tokenizer or cfg.model.path, words)
 
     # --- start-up ---------------------------------------------------------------------
     def _start(self, s: EngineSettings, longest: int, longest_row: int) -> None:
@@ -282,7 +285,14 @@ class VllmBackend(Backend):
         tag = f"r{self._runs}"
         adapters = tuple(self.cfg.model.adapters.items())
         groups = plan_order(
-            prompts, plan, sampling, eos, tag, seeded=self.device != "cpu", adapters=adapters
+            prompts,
+            plan,
+            sampling,
+            eos,
+            tag,
+            seeded=self.device != "cpu",
+            adapters=adapters,
+            bad_words=self.bad_words,
         )
         tracker = OutputTracker(prompts, sampling, eos, self.detokenize, self.cfg.reasoning_parser)
         return self._execute(prompts, groups, tracker, sink.on_finish, sink.on_iteration)

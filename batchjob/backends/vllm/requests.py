@@ -155,6 +155,7 @@ def plan_order(
     seeded: bool = True,
     score_targets: Sequence[np.ndarray] | None = None,
     adapters: Sequence[tuple[str, Path]] = (),
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> Iterator[list[Submission]]:
     """Groups in plan order, each a list of its members' submissions (members in order).
 
@@ -228,6 +229,8 @@ def plan_order(
                 structured_outputs=structured[guide] if guide is not None else None,
                 **processor_params(s, max_tokens),
             )
+            if bad_words:  # sampling.bad_words as vLLM's tokenizer would make them (no
+                params._bad_words_token_ids = [list(w) for w in bad_words]  # tokenizer here)
             lora = loras(int(prompts.adapter[m])) if prompts.adapter is not None else None
             subs.append(Submission(f"{run_tag}-{m}", m, params, prompts.row(m).tolist(), lora))
         yield subs
