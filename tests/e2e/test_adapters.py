@@ -1,21 +1,27 @@
 """LoRA adapters in the job (model.adapters, model.adapter, input.adapter_column): the
 checks, each row's adapter read and a bad name rejecting only its row, the plan keyed by
-adapter. Outputs against merged-weights models: tests/backends/test_vllm_adapters.py."""
+adapter, the native engine's outputs against merged-weights models (vLLM's:
+tests/backends/test_vllm_adapters.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchjob.backends.native.models.loader import load_model
+from batchjob.backends.native.models.lora import attach_lora
 from batchjob.config import load_job
 from batchjob.errors import ConfigError
 from batchjob.plan import plan_job
+from batchjob.runner.pipeline import run as run_job
 from batchjob.runner.prepare import prepare
-from batchjob.testing.lora_adapter import make_lora_adapter
-from tests.e2e.jobkit import ROOT, cli, write_job
+from batchjob.testing.lora_adapter import make_lora_adapter, merge_lora
+from tests.e2e.jobkit import ROOT, cli
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +85,41 @@ def test_bad_adapter_settings_name_the_key(tmp_path, run_model, run_data, adapte
         _job(run_model, data, tmp_path, adapters, **{"model.task": "embed"})
 
 
-def test_native_engine_refuses_adapters(tmp_path, run_model, run_data, adapters) -> None:
-    data = _data(tmp_path, run_data, ["a", None])
-    job = write_job(tmp_path, run_model, data, "o.parquet")
-    job.write_text(
-        job.read_text().replace(
-            "[model]\n", f'[model]\nadapters = {{ a = "{adapters["a"]}" }}\nadapter = "a"\n'
-        )
+def _tokens(results: Path) -> list[list[int]]:
+    rows = pq.read_table(results).to_pylist()
+    assert all(r["status"] == "ok" for r in rows), rows
+    return [r["output_token_ids"] for r in sorted(rows, key=lambda r: r["row_id"])]
+
+
+@pytest.mark.slow
+def test_native_adapters_equal_merged_weights(tmp_path, run_model, run_data, adapters) -> None:
+    """The native engine, one job mixing adapters a, b and none (several adapters' tokens in
+    one forward, prefix groups per adapter): each row's greedy tokens equal those of the
+    model with its adapter merged into the weights (the base model's for rows without)."""
+    names = [("a", "b", None)[i % 3] for i in range(12)]
+    data = _data(tmp_path, run_data, names)
+    greedy = {"sampling.temperature": "0", "sampling.max_tokens": "8"}
+    sets = greedy | {"input.adapter_column": "adapter"}
+    got = _tokens(
+        run_job(_job(run_model, data, tmp_path, adapters, **sets), progress=False).results_path
     )
-    r = cli("run", job)
-    assert r.exit_code == 3 and "model.adapters: the native engine" in (r.stderr or r.output)
+    table = pq.read_table(data)
+    for name in ("a", "b", None):
+        rows = [i for i, n in enumerate(names) if n == name]
+        model = merge_lora(run_model, adapters[name], tmp_path / f"m-{name}") if name else run_model
+        sub = tmp_path / f"rows-{name}.parquet"
+        pq.write_table(table.take(rows), sub)
+        ref = load_job(
+            None,
+            greedy
+            | {"input.path": str(sub), "model.path": str(model)}
+            | {"output.path": str(tmp_path / f"ref-{name}.parquet")},
+        )
+        want = _tokens(run_job(ref, progress=False).results_path)
+        assert [got[i] for i in rows] == want, name
+    # the adapters change the outputs: rows 0, 1, 2 share a prompt pattern across a, b, none
+    assert sum(got[i] != got[i + 2] for i in range(0, 12, 3)) >= 2
+    assert sum(got[i] != got[i + 1] for i in range(0, 12, 3)) >= 2
 
 
 def test_adapters_example_job_plans(tmp_path, run_model, run_data, adapters) -> None:
@@ -104,3 +135,13 @@ def test_adapters_example_job_plans(tmp_path, run_model, run_data, adapters) -> 
     r = cli("plan", ROOT / "jobs" / "adapters.toml", *[a for s in sets for a in ("--set", s)])
     assert r.exit_code == 0, r.output
     assert "groups        3 " in r.output, r.output  # support (rows 0, 3), legal, the base
+
+
+def test_native_refuses_what_it_cannot_apply(tmp_path, run_model, adapters) -> None:
+    """DoRA (and the other PEFT variants the native layers lack) exit 3 naming the adapter."""
+    dora = shutil.copytree(adapters["a"], tmp_path / "dora")
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(cfg | {"use_dora": True}))
+    model, _ = load_model(run_model, dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match=r"model\.adapters\.d: use_dora = True"):
+        attach_lora(model, [("a", adapters["a"]), ("d", dora)])

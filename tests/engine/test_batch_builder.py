@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchjob.backends.native.attention.meta import AttentionMetadata
-from batchjob.backends.native.batch_builder import ModelBatch, build_batch, upload
+from batchjob.backends.native.batch_builder import (
+    ModelBatch,
+    SeqAdapters,
+    build_batch,
+    lora_tokens,
+    upload,
+)
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.scheduler.output import (
     ScheduledChunk,
@@ -240,3 +246,14 @@ def test_equal_on_every_iteration_of_a_run(policy):
     assert steps > 10 and sched.stats.decode_tokens > 0
     if policy == "batchllm":
         assert sched.stats.prefixes_computed > 0
+
+
+def test_lora_tokens_follow_each_sequence_and_group_prefix() -> None:
+    """Each adapter's token indices: a request's by its prompt position, a group prefix's
+    (seq_id -(g + 1)) by its group's; base-model tokens (-1) in none."""
+    adapters = SeqAdapters(rows=np.array([0, -1, 1, 1]), groups=np.array([1, -1]))
+    seq_id = np.array([prefix_seq_id(0), 2, 1, 0, prefix_seq_id(1)])
+    seq_of_token = np.repeat(np.arange(5), [3, 1, 2, 1, 2])  # 9 tokens
+    got = lora_tokens(adapters, seq_id, seq_of_token, torch.device("cpu"))
+    assert [(a, idx.tolist()) for a, idx in got] == [(0, [6]), (1, [0, 1, 2, 3])]
+    assert lora_tokens(None, seq_id, seq_of_token, torch.device("cpu")) == ()

@@ -26,6 +26,7 @@ from batchjob.backends.native.embedding import EmbeddingPooler
 from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.llama import LlamaForCausalLM
 from batchjob.backends.native.models.loader import load_model
+from batchjob.backends.native.models.lora import attach_lora
 from batchjob.backends.native.structured import GrammarConstraint
 from batchjob.backends.reasoning import reasoning_markers
 from batchjob.backends.scoring import RowScores, row_tries
@@ -71,11 +72,6 @@ class NativeBackend(Backend):
         self, cfg: BackendConfig, detokenize: Detokenize, info: ModelInfo | None = None
     ) -> None:
         check_device(cfg.model.device)
-        if cfg.model.adapters:
-            raise ConfigError(
-                "model.adapters: the native engine does not apply LoRA adapters; "
-                'engine.backend = "vllm" does'
-            )
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
         self.cfg = cfg
@@ -91,10 +87,12 @@ class NativeBackend(Backend):
             linear=cfg.engine.linear,
         )
         self.device = str(self.info.device)
+        adapters = tuple(cfg.model.adapters.items())  # index i: TokenizedPrompts.adapter i
+        lora = attach_lora(model, adapters) if adapters else None
         words = cfg.sampling.bad_words  # as token ids, with the model's tokenizer
         self.bad_words = bad_words_of(cfg.model.tokenizer or self.info.path, words)
         try:
-            self.engine = Engine(model, self.info, cfg.scheduler, cfg.engine)
+            self.engine = Engine(model, self.info, cfg.scheduler, cfg.engine, lora=lora)
         except ValueError as e:
             raise ConfigError(f"engine.kv_cache_bytes: {e}") from None
 

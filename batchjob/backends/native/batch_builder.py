@@ -27,6 +27,42 @@ class ModelBatch:
     sample_seqs: np.ndarray  # int64 [K]: seq_id of each sampled row, in logits order
     score_seqs: np.ndarray  # int64 [R]: seq_id of each scored logits row (after the K)
     score_nodes: np.ndarray  # int64 [R]: the trie node each scored row scores
+    # LoRA (model.adapters): (adapter index, int64 indices of its tokens) per adapter present
+    lora_tokens: tuple[tuple[int, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True)
+class SeqAdapters:
+    """Each sequence's LoRA adapter (index in model.adapters, -1: the base model)."""
+
+    rows: np.ndarray  # int [N]: each prompt position's (TokenizedPrompts.adapter)
+    groups: np.ndarray  # int [G]: each plan group's (its members'), for its prefix sequence
+
+    def of(self, seq_id: np.ndarray) -> np.ndarray:
+        """int64 [S]: the adapter of each seq_id (a request's, or a group prefix's)."""
+        rows = np.asarray(self.rows, dtype=np.int64)
+        groups = np.append(np.asarray(self.groups, dtype=np.int64), -1)  # never empty
+        request = seq_id >= 0
+        return np.where(
+            request, rows[np.where(request, seq_id, 0)], groups[np.where(request, 0, -seq_id - 1)]
+        )
+
+
+def lora_tokens(
+    adapters: SeqAdapters | None,
+    seq_id: np.ndarray,
+    seq_of_token: np.ndarray,
+    device: torch.device,
+) -> tuple[tuple[int, torch.Tensor], ...]:
+    """Each adapter's token indices in the batch (tokens of the base model in none)."""
+    if adapters is None or not len(seq_id):
+        return ()
+    per_token = adapters.of(seq_id)[seq_of_token]
+    return tuple(
+        (int(a), torch.from_numpy(np.flatnonzero(per_token == a)).to(device))
+        for a in np.unique(per_token)
+        if a >= 0
+    )
 
 
 def _pad_tables(tables: list[np.ndarray]) -> np.ndarray:
@@ -90,10 +126,15 @@ def _field(chunks: tuple[ScheduledChunk, ...], name: str) -> np.ndarray:
 
 
 def build_batch(
-    out: SchedulerOutput, block_size: int, device: torch.device, packed: bool | None = None
+    out: SchedulerOutput,
+    block_size: int,
+    device: torch.device,
+    packed: bool | None = None,
+    adapters: SeqAdapters | None = None,
 ) -> ModelBatch:
     """The batch's tensors: one pass over the chunks to gather their fields, then numpy.
-    ``packed`` (default: on a GPU) uploads them as one buffer per dtype (``upload``)."""
+    ``packed`` (default: on a GPU) uploads them as one buffer per dtype (``upload``).
+    ``adapters``: each sequence's LoRA adapter, its tokens in ``ModelBatch.lora_tokens``."""
     chunks = out.chunks
     s = len(chunks)
     tokens = [c.token_ids for c in chunks]
@@ -195,4 +236,5 @@ def build_batch(
         sample_seqs=seq_id[sampling],
         score_seqs=score_seqs,
         score_nodes=score_nodes,
+        lora_tokens=lora_tokens(adapters, seq_id, seq_of_token, device),
     )

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from batchjob.backends.base import FinishedRequest, IterationRecord
-from batchjob.backends.native.batch_builder import ModelBatch, build_batch
+from batchjob.backends.native.batch_builder import ModelBatch, SeqAdapters, build_batch
 from batchjob.backends.native.embedding import EmbeddingPooler
 from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.logits_processors import DecodeState
 from batchjob.backends.native.malloc_tuning import keep_freed_memory
 from batchjob.backends.native.models.llama import LlamaForCausalLM
+from batchjob.backends.native.models.lora import LoraRouter
 from batchjob.backends.native.output_processor import OutputProcessor
 from batchjob.backends.native.prompt_logprobs import PromptLogprobs
 from batchjob.backends.native.sampling import RowParams, finish_codes, sample_batch
@@ -106,8 +107,12 @@ class Engine:
         info: ModelInfo,
         scheduler: SchedulerConfig,
         engine: EngineConfig,
+        lora: LoraRouter | None = None,
     ) -> None:
+        """``lora``: the router of the model's LoRA layers (``models.lora.attach_lora``);
+        each batch binds its adapters' tokens to it (no CUDA graphs then)."""
         self.model = model
+        self.lora = lora
         self.info = info
         self.scheduler_cfg = scheduler
         self.engine_cfg = engine
@@ -128,7 +133,8 @@ class Engine:
             dtype=info.torch_dtype,
             device=info.torch_device,
         )
-        self.forward = graphed_forward(model, info, engine, self.kv)
+        eager = lora is not None  # graphs would replay one batch's adapter tokens
+        self.forward = model if eager else graphed_forward(model, info, engine, self.kv)
 
     @property
     def num_blocks(self) -> int:
@@ -200,7 +206,7 @@ class Engine:
         )
         records: list[IterationRecord] = []
         t_start = time.perf_counter()
-        for t0, out, batch in self._steps(sched):
+        for t0, out, batch in self._steps(sched, self._adapters(prompts, plan)):
             sampled: dict[int, int] = {}
             finished: set[int] = set()
             seqs = batch.sample_seqs
@@ -265,7 +271,7 @@ class Engine:
         sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan, label_steps)
         records: list[IterationRecord] = []
         t_start = time.perf_counter()
-        for t0, out, batch in self._steps(sched):
+        for t0, out, batch in self._steps(sched, self._adapters(prompts, plan)):
             logits = self.forward(
                 batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
             )
@@ -299,7 +305,7 @@ class Engine:
         sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan, steps)
         records: list[IterationRecord] = []
         t_start = time.perf_counter()
-        for t0, out, batch in self._steps(sched):
+        for t0, out, batch in self._steps(sched, self._adapters(prompts, plan)):
             h = model.last_hidden(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
             pooler.add(out, h)
             for pos in sched.update(out, {}, set()):
@@ -307,13 +313,30 @@ class Engine:
             self._record(records, out, t0, on_iteration)
         return self._engine_run(records, sched.stats, t_start)
 
-    def _steps(self, sched: Scheduler) -> Iterator[tuple[float, SchedulerOutput, ModelBatch]]:
+    def _adapters(self, prompts: TokenizedPrompts, plan: Plan | None) -> SeqAdapters | None:
+        """Each sequence's LoRA adapter (a group prefix's: its members'); None without."""
+        if self.lora is None or prompts.adapter is None:
+            return None
+        rows = np.asarray(prompts.adapter, dtype=np.int64)
+        if plan is None or not plan.num_groups:
+            return SeqAdapters(rows, np.zeros(0, dtype=np.int64))
+        return SeqAdapters(
+            rows, rows[plan.members[np.minimum(plan.group_offsets[:-1], len(plan.members) - 1)]]
+        )
+
+    def _steps(
+        self, sched: Scheduler, adapters: SeqAdapters | None = None
+    ) -> Iterator[tuple[float, SchedulerOutput, ModelBatch]]:
         """Every scheduler step until no request is left: (its start time, the scheduler's
-        output, the model batch built from it)."""
+        output, the model batch built from it, its adapters' tokens bound to ``self.lora``)."""
+        dev = self.info.torch_device
         while sched.has_unfinished():
             t0 = time.perf_counter()
             out = sched.schedule()
-            yield t0, out, build_batch(out, self.kv.block_size, self.info.torch_device)
+            batch = build_batch(out, self.kv.block_size, dev, adapters=adapters)
+            if self.lora is not None:
+                self.lora.bind(batch.lora_tokens)
+            yield t0, out, batch
 
     def _copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """KV blocks ``src`` copied into ``dst`` (every layer, K and V), before the forward."""
