@@ -31,8 +31,9 @@ def watch_descendants() -> None:
     global _watcher
     if _watcher is not None or not os.path.isdir("/proc/self/task"):
         return
+    run = f"from batchjob.runner.cluster.reaper import main; main({os.getpid()})"
     _watcher = subprocess.Popen(
-        [sys.executable, "-m", "batchjob.runner.cluster.reaper", str(os.getpid())],
+        [sys.executable, "-c", run],
         stdin=subprocess.PIPE,
         start_new_session=True,  # a Ctrl-C of the driver's terminal does not stop it first
     )
@@ -96,6 +97,8 @@ def _signal(procs: dict[int, int], sig: int) -> dict[int, int]:
 
 
 def main(driver: int) -> None:
+    """The reaper: watch ``driver``'s descendants until stdin closes, then end them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     known: dict[int, int] = {}
     while True:
         known |= _descendants(driver, known)
@@ -109,8 +112,3 @@ def main(driver: int) -> None:
         time.sleep(0.05)
         left = {p: t for p, t in left.items() if (s := _stat(p)) is not None and s[1] == t}
     _signal(left, signal.SIGKILL)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    main(int(sys.argv[1]))
