@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchjob.config import EngineConfig, ModelConfig, SamplingConfig, SchedulerConfig
+from batchjob.config import (
+    EngineConfig,
+    ModelConfig,
+    OutputConfig,
+    SamplingConfig,
+    SchedulerConfig,
+)
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
 
@@ -37,7 +43,7 @@ class BackendConfig:
     regex_column: str | None  # input.regex_column: per-row regexes
     choice_column: str | None  # input.choice_column: per-row choice lists
     # output.reasoning_parser: a constrained row's grammar starts after its reasoning
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = OutputConfig.reasoning_parser
 
     @property
     def guided(self) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.backends.base import BackendRun, IterationRecord
+from batchjob.config import ModelConfig
 from batchjob.storage.atomic import save_figure_atomic, write_json_atomic, write_parquet_atomic
 from batchjob.storage.stores import ObjectPath, store_for
 
@@ -56,7 +57,7 @@ class RunSummary:
     # which job: input/model paths, job file, config, batchjob version, started/finished (UTC)
     job: dict = field(default_factory=dict)
     input_rows: int = 0  # the input rows those results are of (rows_total with sampling.n 1)
-    task: str = "generate"  # model.task; embed: requests_per_s is rows embedded per second
+    task: str = ModelConfig.task  # model.task; embed: requests_per_s is rows embedded per second
 
 
 def outcome_counts(results: Path | ObjectPath) -> dict[str, int]:

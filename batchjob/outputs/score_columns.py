@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchjob.backends.base import TokenLogprobs
-from batchjob.config import InputConfig, SamplingConfig
+from batchjob.config import InputConfig, ModelConfig, OutputConfig, SamplingConfig
 
 _TOP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])
 _STEP = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32()), ("top", pa.list_(_TOP))])
@@ -33,8 +33,8 @@ OPTIONAL_COLUMNS: dict[str, pa.DataType] = {
 def job_columns(
     sampling: SamplingConfig,
     inp: InputConfig,
-    reasoning_parser: str | None = None,
-    task: str = "generate",
+    reasoning_parser: str | None = OutputConfig.reasoning_parser,
+    task: str = ModelConfig.task,
 ) -> tuple[str, ...]:
     """The optional columns a job with these settings writes (``reasoning_parser``:
     ``output.reasoning_parser``; ``task``: ``model.task``)."""

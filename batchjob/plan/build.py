@@ -63,10 +63,33 @@ def build_plan(
     of their own prompt part (``sibling_saving``)."""
     if algorithm not in ("optimal", "paper"):
         raise ValueError(f"algorithm must be 'optimal' or 'paper', got {algorithm!r}")
+    return _plan(prompts, enlarge, order, algorithm, on_stage)
+
+
+def _plan(
+    prompts: TokenizedPrompts,
+    enlarge: bool,
+    order: bool,
+    algorithm: Algorithm,
+    on_stage: Callable[[str], None] | None,
+) -> Plan:
+    """``build_plan`` after its checks: rows of several adapters apart, samples as their row,
+    else the token plan."""
     if prompts.adapter is not None and len(np.unique(prompts.adapter)) > 1:
         return _plan_by_adapter(prompts, enlarge, order, algorithm)
     if prompts.sample_index is not None:
         return _plan_samples(prompts, enlarge, order, algorithm, on_stage)
+    return _plan_tokens(prompts, enlarge, order, algorithm, on_stage)
+
+
+def _plan_tokens(
+    prompts: TokenizedPrompts,
+    enlarge: bool,
+    order: bool,
+    algorithm: Algorithm,
+    on_stage: Callable[[str], None] | None,
+) -> Plan:
+    """The plan of rows that are each one request (no samples) of one adapter."""
     stage = on_stage or _noop
     lengths = prompts.lengths
     srt = sort_sequences(prompts.tokens, prompts.offsets)
@@ -133,7 +156,7 @@ def _plan_samples(
     first = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if len(ids) else ids[:0]
     count = np.diff(np.r_[first, len(ids)])
     rows = dataclasses.replace(prompts.take(first), sample_index=None)
-    plan = build_plan(rows, enlarge=enlarge, order=order, algorithm=algorithm, on_stage=on_stage)
+    plan = _plan_tokens(rows, enlarge, order, algorithm, on_stage)
     per = count[plan.members]  # samples of each plan member
     members = np.repeat(first[plan.members], per) + _within(per)
     sizes = np.add.reduceat(per, plan.group_offsets[:-1]) if len(per) else per
@@ -171,7 +194,7 @@ def _plan_by_adapter(
     for key in np.unique(keys):
         pos = np.flatnonzero(keys == key)
         sub = dataclasses.replace(prompts.take(pos), adapter=None)
-        p = build_plan(sub, enlarge=enlarge, order=False, algorithm=algorithm)
+        p = _plan(sub, enlarge, False, algorithm, None)
         prefix.append(p.group_prefix_len)
         sizes.append(np.diff(p.group_offsets))
         members.append(pos[p.members])

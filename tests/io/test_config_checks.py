@@ -160,6 +160,8 @@ NOT_THE_SETTING = {
     ("batchjob/testing/tiny_model.py", "seed"): "the random weights' / tokenizer corpus seed",
     ("batchjob/testing/tiny_model.py", "dtype"): "the dtype the test checkpoint is written in",
     ("batchjob/testing/model_shapes.py", "seed"): "the benchmark checkpoint's random weights",
+    ("batchjob/testing/chain_model.py", "seed"): "the test model's random weights",
+    ("batchjob/testing/lora_adapter.py", "seed"): "the test adapter's random weights",
 }
 # copies in library functions of other areas, still to be removed by their owners (a new
 # copy anywhere else fails this test; remove an entry when its copy is gone)

@@ -144,8 +144,8 @@ def test_plan_job_is_build_plan_under_the_scheduler_section():
 
 def test_jobs_plan_through_plan_job_only():
     """Every stage plans a job through ``plan_job`` (the scheduler section), so
-    ``build_plan(`` is called three times in batchjob/: by plan_job, for a row's samples and
-    for each adapter's rows (``plan.build``'s own recursions)."""
+    ``build_plan(`` is called once in batchjob/: by plan_job (``plan.build``'s recursions for
+    samples and adapters go through its private ``_plan``)."""
     import subprocess
     from pathlib import Path
 
@@ -154,5 +154,5 @@ def test_jobs_plan_through_plan_job_only():
         ["grep", "-rn", "build_plan(", "batchjob"], cwd=root, capture_output=True, text=True
     ).stdout
     calls = [x for x in out.splitlines() if "def build_plan" not in x]
-    assert len(calls) <= 3, calls
+    assert len(calls) == 1, calls
     assert all(x.startswith("batchjob/plan/build.py:") for x in calls), calls

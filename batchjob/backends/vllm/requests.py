@@ -31,7 +31,7 @@ import numpy as np
 from batchjob.backends.base import Detokenize, FinishedRequest, TokenLogprobs
 from batchjob.backends.reasoning import split_reasoning
 from batchjob.backends.vllm.scheduler import EXTRA_KEY
-from batchjob.config import SamplingConfig
+from batchjob.config import OutputConfig, SamplingConfig
 from batchjob.config.guided import Guide
 from batchjob.config.per_row import ROW_SETTINGS
 from batchjob.inputs.row_guides import row_guides
@@ -323,7 +323,7 @@ class OutputTracker:
         sampling: SamplingConfig,
         eos_ids: Sequence[int],
         detokenize: Detokenize,
-        reasoning_parser: str | None = None,
+        reasoning_parser: str | None = OutputConfig.reasoning_parser,
     ) -> None:
         self.prompts = prompts
         self.sampling = sampling
