@@ -42,8 +42,12 @@ def test_outcome_counts_of_a_file_and_of_a_folder_of_parts(tmp_path):
     folder.mkdir()
     pq.write_table(table.slice(0, 4), folder / "results-00000.parquet")
     pq.write_table(table.slice(4), folder / "results-00001.parquet")
-    (folder / "_SUCCESS").touch()
+    files = ["results-00000.parquet", "results-00001.parquet"]
+    success = {"committer": "batchjob", "files": files}
+    (folder / "_SUCCESS").write_text(json.dumps(success))
     assert outcome_counts(folder) == EXPECTED
+    (folder / "_SUCCESS").write_text("")  # not batchjob's _SUCCESS: no committed results
+    assert outcome_counts(folder) == {}
 
 
 def test_report_files_carry_the_outcomes(tmp_path):
