@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,17 +50,22 @@ print(json.dumps({
 def test_script_without_main_guard_one_start_no_log_left(tmp_path, model_dir):
     script = tmp_path / "migrated.py"
     script.write_text(SCRIPT)
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+    # vLLM binds IPC sockets under $TMPDIR, whose path must stay under 107 bytes (AF_UNIX):
+    # pytest's own folders under xdist are longer
+    tmpdir = Path(tempfile.mkdtemp(prefix="bj-", dir="/tmp"))
     env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmpdir))
-    res = subprocess.run(
-        [sys.executable, str(script), str(model_dir)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    try:
+        res = subprocess.run(
+            [sys.executable, str(script), str(model_dir)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        leftover = sorted(os.listdir(tmpdir))
+        shutil.rmtree(tmpdir, ignore_errors=True)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.count("script body ran") == 1, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -66,3 +73,4 @@ def test_script_without_main_guard_one_start_no_log_left(tmp_path, model_dir):
     assert out["prompt_tokens"][2] > 2 * max(out["prompt_tokens"][:2]), out
     assert out["starts"] == 1, out
     assert not [f for f in out["tmp"] if f.startswith("batchjob-vllm-")], out["tmp"]
+    assert not [f for f in leftover if f.startswith("batchjob-vllm-")], leftover
