@@ -148,10 +148,12 @@ def spill_input(
     dataset: InputDataset,
     folder: Path,
     tokenizer: PromptTokenizer | None = None,
+    num_parts: int | None = None,
 ) -> SpilledInput:
     """Read and tokenize ``job``'s input batch by batch, each valid row's token ids spilled
     under ``folder`` to a partition by its first tokens; it holds one batch and the rejected
-    rows, not the dataset."""
+    rows, not the dataset. ``num_parts``: the partition count (default: from the input's size
+    and the budget; a slice of the input spilled apart gives the whole input's)."""
     info = model_info_for(job.model, job.engine.backend)
     if dataset.prompt_is_text and tokenizer is None:
         if job.model.path is None:
@@ -163,8 +165,9 @@ def spill_input(
     vocab = info.vocab_size if info else None
     check_token_ids(job.sampling, vocab)
     budget = budget_of(job.scheduler.plan_memory)
-    tokens_est = estimated_tokens(dataset)
-    spill = PartitionSpill(folder, num_partitions(dataset.num_rows, tokens_est, budget))
+    if num_parts is None:
+        num_parts = num_partitions(dataset.num_rows, estimated_tokens(dataset), budget)
+    spill = PartitionSpill(folder, num_parts)
     rejected: list[RejectedRows] = []
     schema: pa.Schema | None = None
     t_read = t_tok = 0.0
