@@ -165,10 +165,20 @@ class _Driver:
             num_gpus=cfg.num_gpus,
             max_restarts=0,  # a replacement is a new actor with a new writer id
             **runtime_options(),
-        ).remote(
-            self.job, self.layout, self.manifest, self.text, slot.writer, self.token, self.driver
-        )
+        ).remote(*self._actor_args(slot))
         slot.busy = False
+
+    def _actor_args(self, slot: _Slot) -> tuple:
+        """The worker's constructor arguments."""
+        return (
+            self.job,
+            self.layout,
+            self.manifest,
+            self.text,
+            slot.writer,
+            self.token,
+            self.driver,
+        )
 
     def _left_over(self, work: _Work) -> _Work | None:
         """The rows of ``work`` that no part file holds, planned again (None: all written)."""

@@ -149,9 +149,9 @@ class ShardWorker:
             {**info, "started": time.time()}, workers_dir(self.layout) / (f"{self.writer}.json")
         )
 
-    def run(self, prompts: TokenizedPrompts, plan: Plan) -> Execution:
-        """Run ``plan`` over ``prompts``; every finished row is in a part file on return."""
-        job = self.job
+    def _begin(self) -> None:
+        """Before each call's work: the run still holds the output (and is watched from
+        now on); the first call announces this writer and loads the tokenizer."""
         if self.guard is not None:
             self.guard.check()
             if self._watchdog is None:
@@ -159,9 +159,13 @@ class ShardWorker:
                 self._watchdog.start()
         if not self._loaded:
             self._announce()
-            self._tokenizer = job_tokenizer(job.model, job.sampling, self.text_prompts)
+            self._tokenizer = job_tokenizer(self.job.model, self.job.sampling, self.text_prompts)
             self._loaded = True
-        sink = ResultSink(
+
+    def _sink(self) -> ResultSink:
+        """A sink writing this writer's part files (checked by the guard before each)."""
+        job = self.job
+        return ResultSink(
             self.layout,
             self.manifest,
             flush_rows=job.output.flush_rows,
@@ -174,7 +178,11 @@ class ShardWorker:
             before_write=self.guard.check if self.guard is not None else None,
             own_parts_dir=False,
         )
-        return execute(backend_config(job), prompts, plan, sink, self._tokenizer)
+
+    def run(self, prompts: TokenizedPrompts, plan: Plan) -> Execution:
+        """Run ``plan`` over ``prompts``; every finished row is in a part file on return."""
+        self._begin()
+        return execute(backend_config(self.job), prompts, plan, self._sink(), self._tokenizer)
 
 
 def workers_dir(layout: OutputLayout) -> Any:
