@@ -13,6 +13,7 @@ import numpy as np
 
 from batchjob.inputs.parquet import RejectedRows
 from batchjob.model.info import ModelInfo
+from batchjob.outputs.spilled_records import RejectedSpill
 from batchjob.plan.plan import Plan, PlanStats
 from batchjob.plan.stats import PlanSummary, group_kv_tokens, summarize_plan
 from batchjob.plan.streamed import StreamedPlan
@@ -203,7 +204,7 @@ def summarize(
 
 def summarize_partitioned(
     planned: StreamedPlan,
-    rejected: RejectedRows,
+    rejected: RejectedRows | RejectedSpill,
     stages: tuple[StageTiming, ...],
     budget: int,
     model: ModelInfo | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +19,9 @@ from batchjob.backends.base import BackendRun, IterationRecord
 from batchjob.config import ModelConfig
 from batchjob.storage.atomic import save_figure_atomic, write_json_atomic, write_parquet_atomic
 from batchjob.storage.stores import ObjectPath, store_for
+
+if TYPE_CHECKING:
+    from batchjob.outputs.spilled_records import IterationLog
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,21 @@ def summarize(
     policy: str,
     device: str,
     results: Path | ObjectPath | None = None,
+    iterations: IterationLog | None = None,
 ) -> RunSummary:
-    tokens = np.array([r.decode_tokens + r.prefill_tokens for r in run.iterations], dtype=np.int64)
+    """``iterations``: the run's records spilled as they came (a partitioned run; its
+    ``run.iterations`` is then empty), else ``run.iterations``."""
+    if iterations is not None:
+        n_it, mean_it = iterations.count, iterations.mean_tokens
+        min_it, tecd = iterations.min_tokens, iterations.tecd_s
+    else:
+        tokens = np.array(
+            [r.decode_tokens + r.prefill_tokens for r in run.iterations], dtype=np.int64
+        )
+        n_it = len(tokens)
+        mean_it = float(tokens.mean()) if len(tokens) else 0.0
+        min_it = int(tokens.min()) if len(tokens) else 0
+        tecd = tecd_seconds(run.iterations)
     computed = run.computed_prefill_tokens
     first_time = computed - run.recomputed_tokens
     engine_s = max(run.wall_s, 1e-9)
@@ -131,14 +148,14 @@ def summarize(
         saving_ratio_planned=plan_ratios[0],
         saving_ratio_multi_level=plan_ratios[1],
         saving_ratio_achieved=1.0 - first_time / prompt_tokens if prompt_tokens else 0.0,
-        iterations=len(run.iterations),
-        mean_tokens_per_iteration=float(tokens.mean()) if len(tokens) else 0.0,
-        min_tokens_per_iteration=int(tokens.min()) if len(tokens) else 0,
+        iterations=n_it,
+        mean_tokens_per_iteration=mean_it,
+        min_tokens_per_iteration=min_it,
         preemptions=run.preemptions,
         peak_kv_bytes=run.peak_kv_bytes,
         kv_budget_bytes=run.kv_budget_bytes,
         engine_s=run.wall_s,
-        tecd_s=tecd_seconds(run.iterations),
+        tecd_s=tecd,
         total_s=total_s,
         stage_s=stage_s,
         requests_per_s=requests_run / engine_s,
@@ -152,14 +169,20 @@ def summarize(
 
 def plot_timeline(records: list[IterationRecord], path: Path | ObjectPath, title: str) -> None:
     """Tokens per iteration, decode and prefill stacked (the paper's Figures 2 and 6)."""
+    it = np.array([r.iteration for r in records])
+    dec = np.array([r.decode_tokens for r in records])
+    pre = np.array([r.prefill_tokens for r in records])
+    _plot(it, dec, pre, path, title)
+
+
+def _plot(
+    it: np.ndarray, dec: np.ndarray, pre: np.ndarray, path: Path | ObjectPath, title: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    it = np.array([r.iteration for r in records])
-    dec = np.array([r.decode_tokens for r in records])
-    pre = np.array([r.prefill_tokens for r in records])
     fig, ax = plt.subplots(figsize=(10, 3.5))
     ax.bar(it, dec, width=1.0, color="#1f77b4", label="decode tokens")
     ax.bar(it, pre, width=1.0, bottom=dec, color="#ff7f0e", label="prefill tokens")
@@ -175,16 +198,23 @@ def plot_timeline(records: list[IterationRecord], path: Path | ObjectPath, title
 
 
 def write_report(
-    summary: RunSummary, run: BackendRun, report_json: Path | ObjectPath
+    summary: RunSummary,
+    run: BackendRun,
+    report_json: Path | ObjectPath,
+    iterations: IterationLog | None = None,
 ) -> dict[str, Path | ObjectPath]:
-    """Write summary JSON, iterations Parquet and the PNG next to it; returns the paths."""
+    """Write summary JSON, iterations Parquet and the PNG next to it; returns the paths.
+    ``iterations``: as ``summarize``'s (copied a row group at a time)."""
     base = report_json.with_suffix("")
     paths = {
         "json": report_json,
         "iterations": base.with_name(base.name + ".iterations.parquet"),
         "timeline": base.with_name(base.name + ".timeline.png"),
     }
-    write_parquet_atomic(iterations_table(run.iterations), paths["iterations"])
+    if iterations is not None:
+        iterations.write(paths["iterations"])
+    else:
+        write_parquet_atomic(iterations_table(run.iterations), paths["iterations"])
     write_parquet_atomic(
         pa.table(
             {k: [v] for k, v in dataclasses.asdict(summary).items() if not isinstance(v, dict)}
@@ -193,6 +223,10 @@ def write_report(
     )
     paths["summary"] = base.with_name(base.name + ".summary.parquet")
     write_json_atomic(dataclasses.asdict(summary), report_json)
-    if run.iterations:
-        plot_timeline(run.iterations, paths["timeline"], f"{summary.policy}: tokens per iteration")
+    title = f"{summary.policy}: tokens per iteration"
+    if iterations is not None and iterations.count:
+        c = iterations.columns(["iteration", "decode_tokens", "prefill_tokens"])
+        _plot(c["iteration"], c["decode_tokens"], c["prefill_tokens"], paths["timeline"], title)
+    elif run.iterations:
+        plot_timeline(run.iterations, paths["timeline"], title)
     return paths

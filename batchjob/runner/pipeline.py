@@ -28,6 +28,7 @@ from batchjob.outputs.recovery import clean_stale, drop_parts
 from batchjob.outputs.report import RunSummary, summarize, write_report
 from batchjob.outputs.results import ResultSink
 from batchjob.outputs.score_columns import job_columns
+from batchjob.outputs.spilled_records import IterationLog
 from batchjob.plan.build import plan_job
 from batchjob.plan.plan_io import write_plan
 from batchjob.runner.execute import Execution, backend_config, execute, job_tokenizer
@@ -263,18 +264,22 @@ def _run_streamed(
     sink = _job_sink(job, layout, this, run_token)
     done = run_partitioned(job, layout, sink, tokenizer, progress=progress, heartbeat_s=heartbeat_s)
     log.info("stage write done in %.2f s", done.stage_s["write_s"])
-    return _report(
-        job,
-        layout,
-        this,
-        sink,
-        done.execution,
-        done.rows,
-        done.stage_s,
-        done.results,
-        t_job,
-        started,
-    )
+    try:
+        return _report(
+            job,
+            layout,
+            this,
+            sink,
+            done.execution,
+            done.rows,
+            done.stage_s,
+            done.results,
+            t_job,
+            started,
+            iterations=done.iterations,
+        )
+    finally:
+        done.iterations.close()
 
 
 def _report(
@@ -288,8 +293,10 @@ def _report(
     results_path,
     t_job: float,
     started: str,
+    iterations: IterationLog | None = None,
 ) -> JobResult:
-    """The committed run's report (and OpenAI Batch lines); then the parts go."""
+    """The committed run's report (and OpenAI Batch lines); then the parts go.
+    ``iterations``: a partitioned run's records, spilled (``ex.run.iterations`` is empty)."""
     plan = ex.plan
     summary = summarize(
         ex.run,
@@ -303,10 +310,11 @@ def _report(
         policy=job.scheduler.policy,
         device=ex.device,
         results=results_path,
+        iterations=iterations,
     )
     summary = dataclasses.replace(summary, job=_identity(this, started), task=job.model.task)
     fault_point("report")
-    paths = write_report(summary, ex.run, layout.report_file)
+    paths = write_report(summary, ex.run, layout.report_file, iterations)
     if job.output.format == "openai-jsonl":  # from the committed results: a kill before
         from batchjob.outputs.openai_batch import write_responses  # cleanup redoes it
 

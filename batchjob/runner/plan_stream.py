@@ -12,7 +12,8 @@ memory exactly as it always has.
 row's token ids to a partition by its first tokens under the metadata folder
 (``spill_folder``); ``plan_partitioned`` then plans the partitions into the plan file
 (``batchjob.plan.streamed``), ``batchjob.runner.run_stream`` runs them one by one. Either
-holds one batch, the rejected rows and then one partition at a time: not the dataset.
+holds one batch and then one partition at a time (the rejected rows go to the spill folder
+in batches as they come): not the dataset.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import pyarrow.parquet as pq
 from batchjob.config import JobConfig
 from batchjob.config.per_row import ROW_SETTING_COLUMNS
 from batchjob.errors import ModelError
-from batchjob.inputs.parquet import ROW_ID, InputDataset, RejectedRows
+from batchjob.inputs.parquet import ROW_ID, InputDataset
 from batchjob.inputs.row_token_ids import check_token_ids
 from batchjob.inputs.source import open_input
 from batchjob.model.info import ModelInfo, model_info_for
+from batchjob.outputs.spilled_records import RejectedSpill
 from batchjob.plan.budget import budget_of, num_partitions, plan_bytes
 from batchjob.plan.partition import ROW, PartitionSpill, Rows
 from batchjob.plan.streamed import StreamedPlan, plan_spilled
@@ -54,7 +56,7 @@ class PartitionedPlan:
     """What ``plan_partitioned`` read and planned."""
 
     planned: StreamedPlan
-    rejected: RejectedRows
+    rejected: RejectedSpill  # its counts (the file went with the spill folder)
     stages: tuple[StageTiming, ...]  # read, tokenize (+ spill), plan (+ write)
     model: ModelInfo | None
     budget: int
@@ -133,7 +135,7 @@ class SpilledInput:
     """The input read, tokenized and spilled to partitions (``spill_input``)."""
 
     spill: PartitionSpill
-    rejected: RejectedRows
+    rejected: RejectedSpill  # under the spill folder, read back in chunks
     num_rows: int  # input rows, valid and rejected
     tokens: int  # the valid rows' prompt tokens
     read_s: float
@@ -168,7 +170,7 @@ def spill_input(
     if num_parts is None:
         num_parts = num_partitions(dataset.num_rows, estimated_tokens(dataset), budget)
     spill = PartitionSpill(folder, num_parts)
-    rejected: list[RejectedRows] = []
+    rejected = RejectedSpill(folder)
     schema: pa.Schema | None = None
     t_read = t_tok = 0.0
     position = 0
@@ -206,17 +208,16 @@ def spill_input(
         spill.add(Rows(rows, part.tokens))
         position += len(rows)
         total_tokens += len(part.tokens)
-        if len(rej):
-            rejected.append(rej)
+        rejected.add(rej)
         t_tok += time.perf_counter() - t1
     pa.default_memory_pool().release_unused()
-    num_rows = position + sum(len(r) for r in rejected)
+    num_rows = position + len(rejected)
     log.info("stage tokenize done: %d rows, %d tokens", num_rows, total_tokens)
     if schema is None:
         schema = pa.schema([(ROW_ID, pa.int64())])
     return SpilledInput(
         spill,
-        RejectedRows.concat(rejected),
+        rejected,
         num_rows,
         total_tokens,
         t_read,

@@ -11,13 +11,16 @@ in the order they ran, partition after partition, written once the run is done. 
 streams one results file at a time (``streamed_commit``).
 
 In memory at once: one partition's rows, tokens and plan, and the backend's state for them;
-the done bitmap (a bit per input row); the rejected rows; a results file while committing.
-Not the dataset's rows, plan, pass-through columns or results. Jobs that need every row at
-once (``plan_stream.partitioned_reason``) and cluster runs run in memory.
+the done bitmap (a bit per input row); a results file while committing. Not the dataset's
+rows, plan, pass-through columns or results; the rejected rows and the engine's iteration
+records go to files in batches as they come (``batchjob.outputs.spilled_records``). Jobs
+that need every row at once (``plan_stream.partitioned_reason``) and cluster runs run in
+memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import tempfile
@@ -31,10 +34,10 @@ import pyarrow.parquet as pq
 
 from batchjob.config import JobConfig
 from batchjob.errors import AllRowsRejectedError
-from batchjob.inputs.parquet import RejectedRows
 from batchjob.inputs.source import open_input
 from batchjob.outputs.naming import OutputLayout
 from batchjob.outputs.results import ResultRow, ResultSink
+from batchjob.outputs.spilled_records import IterationLog, RejectedSpill
 from batchjob.outputs.streamed_commit import RowBits, bucket_parts, done_rows
 from batchjob.plan.build import plan_job
 from batchjob.plan.partition import Rows
@@ -67,20 +70,24 @@ class StreamedRun:
     rows: dict[str, int]  # total, ok, rejected, skipped, input (``report.summarize``)
     stage_s: dict[str, float]
     partitions: int
+    iterations: IterationLog  # the engine's records; the caller closes it after the report
 
 
-def _report_rejected(rejected: RejectedRows, sink: ResultSink, done: RowBits) -> int:
+def _report_rejected(rejected: RejectedSpill, sink: ResultSink, done: RowBits) -> int:
     """The rejected rows not written earlier to ``sink``; returns how many."""
-    todo = np.flatnonzero(~done.has(rejected.row_ids))
-    for i in todo:
-        rid = int(rejected.row_ids[i])
-        sink.add(ResultRow(rid, None, None, 0, 0, None, rejected.status[i], rejected.message[i]))
-    return len(todo)
+    n = 0
+    for chunk in rejected.chunks():
+        todo = np.flatnonzero(~done.has(chunk.row_ids))
+        for i in todo:
+            rid = int(chunk.row_ids[i])
+            sink.add(ResultRow(rid, None, None, 0, 0, None, chunk.status[i], chunk.message[i]))
+        n += len(todo)
+    return n
 
 
-def _all_rejected(rejected: RejectedRows, num_rows: int) -> str:
+def _all_rejected(rejected: RejectedSpill, num_rows: int) -> str:
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(rejected.counts().items()))
-    first = rejected.message[0] if len(rejected) else ""
+    first = rejected.first_message
     return f"every one of the {num_rows} input rows was rejected ({counts}); first: {first}"
 
 
@@ -153,6 +160,23 @@ def run_partitioned(
     heartbeat_s: float | None = None,
 ) -> StreamedRun:
     """Run ``job`` partition by partition into ``sink``, then commit (the module doc)."""
+    iterations = IterationLog(_work_parent(layout))
+    try:
+        return _run_partitioned(job, layout, sink, tokenizer, iterations, progress, heartbeat_s)
+    except BaseException:
+        iterations.close()
+        raise
+
+
+def _run_partitioned(
+    job: JobConfig,
+    layout: OutputLayout,
+    sink: ResultSink,
+    tokenizer: PromptTokenizer | None,
+    iterations: IterationLog,
+    progress: bool,
+    heartbeat_s: float | None,
+) -> StreamedRun:
     stage: dict[str, float] = {"plan_s": 0.0, "load_s": 0.0}
     dataset = open_input(job.input, job.model, job.sampling)
     done = done_rows(layout, dataset.num_rows)
@@ -209,6 +233,8 @@ def run_partitioned(
                     progress=progress,
                     heartbeat_s=heartbeat_s,
                 )
+                iterations.add(ex.run.iterations)  # to a file: not held per partition
+                ex = dataclasses.replace(ex, run=dataclasses.replace(ex.run, iterations=[]))
                 runs.append(ex)
                 pieces.add(ex.plan, rows)
         finally:
@@ -239,4 +265,4 @@ def run_partitioned(
         "skipped": skipped,
         "input": s.num_rows,
     }
-    return StreamedRun(merged, results, rows, stage, len(todo))
+    return StreamedRun(merged, results, rows, stage, len(todo), iterations)
