@@ -1,16 +1,19 @@
 """Linear layers: the C kernel over packed weights (models/cpu_linear.py) vs torch's
-F.linear, per layer shape and row count (decode batches to prefill chunks), warm and cold.
+F.linear and oneDNN's product on weights it packed once (models/onednn_ops.py, the torch side
+of a float32 PackedLinear and bf16's only path), per layer shape and row count (decode batches
+to prefill chunks), warm and cold.
 
     .venv/bin/python benchmarks/bench_cpu_linear.py [--isa auto] [--threads 2] [--repeats 30]
-        [--rows 1,8,36,66,128,256,512,1024,2048]
+        [--rows 1,8,36,66,128,256,512,1024,2048] [--dtype float32|bfloat16]
 
 Shapes (in -> out features): the benchmark models' projections at head dim 128 (hidden 256:
 qkv 256 -> 3072, o 1024 -> 256, gate_up 256 -> 1024, down 512 -> 256) and a 0.5B-class
 model's (hidden 896, intermediate 4864: gate_up 896 -> 9728, down 4864 -> 896) and a square
 2048 one. "cold": a buffer of twice the last-level cache is read before each call, as the
-KV cache streams through attention before a decode step's projections. Calls of both sides
-alternated, medians; ratio torch / kernel (above 1 the kernel is faster). The calibration
-decides per shape and row bucket from the cold case with the engine's threads.
+KV cache streams through attention before a decode step's projections. Calls of all sides
+alternated, medians; ratios F.linear / kernel and oneDNN / kernel (above 1 the kernel is
+faster). The calibration decides per shape and row bucket between the kernel and oneDNN from
+the cold case with the engine's threads. bfloat16 has no kernel: F.linear / oneDNN.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from batchjob.backends.native.attention.calibrate import alternated_times
 from batchjob.backends.native.models.cpu_linear import PackedLinear, flush_bytes
+from batchjob.backends.native.models.onednn_ops import onednn_available, onednn_linear, onednn_pack
 from batchjob.kernels.cpu import build
 from batchjob.model.host_cpu import cpu_summary
 
@@ -43,27 +47,42 @@ def paired(fns, x, repeats: int, flush: torch.Tensor | None) -> list[float]:
 @click.option("--threads", default=2, show_default=True)
 @click.option("--repeats", default=30, show_default=True)
 @click.option("--rows", default=ROWS, show_default=True, help="Comma list of row counts.")
-def main(isa: str, threads: int, repeats: int, rows: str) -> None:
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True)  # fmt: skip
+def main(isa: str, threads: int, repeats: int, rows: str, dtype: str) -> None:
     torch.set_num_threads(threads)
-    kernel = build.load_kernel(isa)
-    if kernel is None:
+    dt = getattr(torch, dtype)
+    kernel = build.load_kernel(isa) if dt == torch.float32 else None
+    if dt == torch.float32 and kernel is None:
         raise SystemExit("the C kernel did not build")
-    print(f"{cpu_summary()}; {kernel.isa} build, {threads} threads, float32")
+    if not onednn_available(dt):
+        raise SystemExit(f"this torch build has no oneDNN {dtype} matmul on packed weights")
+    built = f"{kernel.isa} build" if kernel else "no kernel"
+    print(f"{cpu_summary()}; {built}, {threads} threads, {dtype}")
     flush = torch.ones(flush_bytes() // 4)
-    print("| in -> out | rows | torch ms warm | kernel ms warm | warm torch / kernel "
-          "| torch ms cold | kernel ms cold | cold torch / kernel |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    sides = ("F.linear", "kernel", "oneDNN") if kernel else ("F.linear", "oneDNN")
+    base = "kernel" if kernel else "oneDNN"
+    ratios = [s for s in sides if s != base]
+    head = [f"{s} ms {c}" for c in ("warm", "cold") for s in sides]
+    head += [f"{c} {s} / {base}" for c in ("warm", "cold") for s in ratios]
+    print("| in -> out | rows | " + " | ".join(head) + " |")
+    print("|---|---:|" + "---:|" * len(head))
     g = torch.Generator().manual_seed(0)
     for k, n in SHAPES:
-        w = torch.randn(n, k, generator=g)
-        layer = PackedLinear(w, None, kernel, calibrate=False)
-        fns = (layer.forward_torch, layer.kernel_forward)
+        w = torch.randn(n, k, generator=g).to(dt)
+        packed = onednn_pack(w)
+        fns = [lambda x, w=w: torch.nn.functional.linear(x, w)]
+        if kernel is not None:
+            fns.append(PackedLinear(w, None, kernel, calibrate=False).kernel_forward)
+        fns.append(lambda x, p=packed, n=n: onednn_linear(x, p, None, n))
         for m in map(int, rows.split(",")):
-            x = torch.randn(m, k, generator=g)
-            tw, kw = paired(fns, x, repeats, None)
-            tc, kc = paired(fns, x, repeats, flush)
-            print(f"| {k} -> {n} | {m} | {tw:.3f} | {kw:.3f} | {tw / kw:.2f}x | {tc:.3f} "
-                  f"| {kc:.3f} | {tc / kc:.2f}x |", flush=True)  # fmt: skip
+            x = torch.randn(m, k, generator=g).to(dt)
+            ms = paired(fns, x, repeats, None) + paired(fns, x, repeats, flush)
+            warm, cold = ms[: len(sides)], ms[len(sides) :]
+            b = sides.index(base)
+            cells = [f"{t:.3f}" for t in ms]
+            cells += [f"{t[sides.index(s)] / t[b]:.2f}x" for t in (warm, cold) for s in ratios]
+            print(f"| {k} -> {n} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,21 +9,27 @@ where MKL's large sgemm reached ~160 GFLOP/s of ~220), so the buckets run up to 
 chunk size and the calibration decides each.
 
 ``use_cpu_linear(model)`` swaps each float32 ``nn.Linear`` of a CPU model (and the logits
-projection) for a ``PackedLinear``: the weight packed into the kernel's panels beside the
-original, which torch keeps for the batches the kernel does not take. Per layer shape and
-row bucket (``BUCKETS``; above the last, always torch) a calibration times both
-(``measure``: alternated calls, median of paired ratios, cached with attention's in the kernel
-library's calibration file) and the kernel takes the bucket only if it is faster, so a layer
-never runs slower than torch's own. It runs at load (``calibrate_at_load``), never inside the
-engine loop: cached classes are read, new ones measured smallest bucket first within
-``CALIB_BUDGET_S``; what the budget leaves unmeasured takes the kernel up to ``RULE_ROWS``
-rows (where it beat torch's sgemm on the CPUs in docs/kernels.md) and is measured by a later
-load. Wide layers are calibrated on their first ``CALIB_COLS`` output columns (the kernel's
-work is per column panel; the logits projection of a 150k vocabulary would otherwise take
-seconds a call).
+projection) for a ``PackedLinear``: the weight packed into the kernel's panels and, where this
+torch build has oneDNN, into oneDNN's blocked layout too (``onednn_ops``: what vLLM's
+``onednn_mm`` does), beside the original. The "torch side" of a layer is oneDNN's product on
+its packed copy (``F.linear`` without one): it beats ``F.linear`` at every row count and the
+kernel from a few hundred rows up (an AVX-512 EPYC, float32: 1.1-1.8x over the kernel at
+256-2,048 rows, 2x over ``F.linear``; bench_cpu_linear.py). Per layer shape and row bucket
+(``BUCKETS``; above the last, always the torch side) a calibration times the kernel against
+the torch side (``measure``: alternated calls, median of paired ratios, cached with
+attention's in the kernel library's calibration file) and the kernel takes the bucket only if
+it is faster, so a layer never runs slower than torch's own. A layer whose buckets all go to
+the torch side frees its kernel copy after calibration. Calibration runs at load
+(``calibrate_at_load``), never inside the engine loop: cached classes are read, new ones
+measured smallest bucket first within ``CALIB_BUDGET_S``; what the budget leaves unmeasured
+takes the kernel up to ``RULE_ROWS`` rows (where it beat torch's sgemm on the CPUs in
+docs/kernels.md) and is measured by a later load. Wide layers are calibrated on their first
+``CALIB_COLS`` output columns (the kernel's work is per column panel; the logits projection
+of a 150k vocabulary would otherwise take seconds a call).
 
-Memory: the packed copies double the linear weights, so packing is skipped (torch for all)
-when they would take more than ``MAX_MEMORY_SHARE`` of the memory available at load.
+Memory: the two packed copies triple the linear weights; where they would take more than
+``MAX_MEMORY_SHARE`` of the memory available at load, one copy is made (oneDNN's, else the
+kernel's), and none (``F.linear``) where even that would not fit.
 ``engine.linear = "torch"`` turns it off; ``$BATCHJOB_CPU_CALIBRATE`` applies as for attention.
 """
 
@@ -40,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchjob.backends.native.attention import calibrate as calib
+from batchjob.backends.native.models.onednn_ops import onednn_available, onednn_linear, onednn_pack
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
 log = logging.getLogger(__name__)
@@ -64,12 +71,13 @@ class LinearClass:
     in_features: int
     out_features: int
     rows: int
+    torch_side: str = "onednn"  # what the kernel is measured against: "onednn" or "torch"
 
     @property
     def key(self) -> str:
         cap = torch.backends.cpu.get_cpu_capability()
         shape = f"k{self.in_features}/n{self.out_features}/m{self.rows}"
-        return f"linear/{self.isa}/torch-{cap}/t{self.threads}/{shape}"
+        return f"linear/{self.isa}/{self.torch_side}-{cap}/t{self.threads}/{shape}"
 
 
 def _bucket(rows: int) -> int | None:
@@ -79,17 +87,23 @@ def _bucket(rows: int) -> int | None:
 class PackedLinear(nn.Module):
     """``F.linear(x, weight, bias)``; float32 2-D inputs of up to ``BUCKETS[-1]`` rows (inner
     stride 1, any row stride) go to the C kernel where the calibration picked it for their
-    bucket."""
+    bucket, the rest to the torch side (oneDNN on its packed copy when ``onednn``)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: CpuKernel, calibrate: bool
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel: CpuKernel,
+        calibrate: bool,
+        onednn: bool = False,
     ) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias  # shared with the module this replaces
         self.kernel, self.calibrate = kernel, calibrate
         n, k = weight.shape
         self.out_features, self.in_features = n, k
-        self.packed = pack(weight, kernel)
+        self.packed: torch.Tensor | None = pack(weight, kernel)
+        self.onednn = onednn_pack(weight) if onednn else None
         self._picks: dict[int, bool] = {}  # bucket -> the kernel takes it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,10 +114,23 @@ class PackedLinear(nn.Module):
         return self.forward_torch(x)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn is not None and x.dim() >= 2 and x.dtype == torch.float32 and x.numel():
+            return onednn_linear(x, self.onednn, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
+
+    def drop_unused_kernel_copy(self) -> bool:
+        """Free the kernel's packed copy when no bucket picks the kernel (after calibration,
+        with a torch side that runs every batch as fast): returns whether it did."""
+        if self.onednn is None or self.packed is None:
+            return False
+        if len(self._picks) < len(BUCKETS) or any(self._picks.values()):
+            return False
+        self.packed = None
+        return True
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         m, n, k = x.shape[0], self.out_features, self.in_features
+        assert self.packed is not None, "the kernel's copy was dropped: no bucket picks it"
         y = torch.empty(m, n, dtype=torch.float32)
         bias = self.bias.data_ptr() if self.bias is not None else None
         self.kernel.linear(x.data_ptr(), x.stride(0), self.packed.data_ptr(), bias,
@@ -112,12 +139,16 @@ class PackedLinear(nn.Module):
 
     def _pick(self, bucket: int) -> bool:
         if bucket not in self._picks:
-            self._picks[bucket] = not self.calibrate or self._calibrated(bucket)
+            self._picks[bucket] = self.packed is not None and (
+                not self.calibrate or self._calibrated(bucket)
+            )
         return self._picks[bucket]
 
     def linear_class(self, bucket: int) -> LinearClass:
         cols = min(self.out_features, CALIB_COLS)
-        return LinearClass(self.kernel.isa, torch.get_num_threads(), self.in_features, cols, bucket)
+        side = "onednn" if self.onednn is not None else "torch"
+        threads = torch.get_num_threads()
+        return LinearClass(self.kernel.isa, threads, self.in_features, cols, bucket, side)
 
     def _calibrated(self, bucket: int) -> bool:
         cal = calib.calibration_for(self.kernel.path)
@@ -174,7 +205,7 @@ def measure(cls: LinearClass, layer: PackedLinear, kernel: CpuKernel) -> calib.D
     the kernel gains."""
     w = layer.weight.detach()[: cls.out_features].contiguous()
     b = layer.bias.detach()[: cls.out_features].contiguous() if layer.bias is not None else None
-    part = PackedLinear(w, b, kernel, calibrate=False)
+    part = PackedLinear(w, b, kernel, calibrate=False, onednn=layer.onednn is not None)
     x = torch.randn(cls.rows, cls.in_features, generator=torch.Generator().manual_seed(0))
     fns = (part.kernel_forward, part.forward_torch)
     flush = torch.ones(flush_bytes() // 4)
@@ -217,9 +248,9 @@ class LinearTargets:
     head: torch.Tensor | None
 
 
-def linear_targets(model: nn.Module, dtype: torch.dtype) -> LinearTargets | None:
-    """``model``'s ``dtype`` CPU linear layers, or None (logged) where packed copies of them
-    would exceed ``MAX_MEMORY_SHARE`` of the memory available now."""
+def linear_targets(model: nn.Module, dtype: torch.dtype, copies: int = 1) -> LinearTargets | None:
+    """``model``'s ``dtype`` CPU linear layers, or None (logged) where ``copies`` packed
+    copies of them would exceed ``MAX_MEMORY_SHARE`` of the memory available now."""
     head = getattr(model, "logits_weight", None)
     head_w = head() if callable(head) else None
     if head_w is not None and (head_w.dtype != dtype or head_w.device.type != "cpu"):
@@ -236,10 +267,12 @@ def linear_targets(model: nn.Module, dtype: torch.dtype) -> LinearTargets | None
     elem = torch.finfo(dtype).bits // 8
     need = sum(c.weight.numel() * elem for _, _, c in layers)
     need += head_w.numel() * elem if head_w is not None else 0
+    need *= copies
     avail = mem_available()
     if avail is not None and need > MAX_MEMORY_SHARE * avail:
-        log.info("linear layers: packed %s weights (%.1f GB) would exceed %.0f%% of available "
-                 "memory; torch runs them", dtype, need / 1e9, MAX_MEMORY_SHARE * 100)  # fmt: skip
+        log.info("linear layers: %d packed copies of the %s weights (%.1f GB) would exceed "
+                 "%.0f%% of available memory", copies, dtype, need / 1e9,
+                 MAX_MEMORY_SHARE * 100)  # fmt: skip
         return None
     return LinearTargets(layers, head_w)
 
@@ -249,18 +282,34 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
     ``model.logits_linear``) for ``PackedLinear``; returns how many (0 when the kernel did not
     build, or the packed copies would not fit ``MAX_MEMORY_SHARE``)."""
     kernel = load_kernel(isa)
-    if kernel is None:
+    onednn = onednn_available(torch.float32)
+    copies = int(kernel is not None) + int(onednn)
+    if copies == 0:
         return 0
-    found = linear_targets(model, torch.float32)
+    found = linear_targets(model, torch.float32, copies)
+    if found is None and copies == 2:  # room for one copy at most: oneDNN's (see above)
+        kernel, found = None, linear_targets(model, torch.float32)
     if found is None:
         return 0
+    if kernel is None:
+        from batchjob.backends.native.models.onednn_linear import use_onednn_linear
+
+        return use_onednn_linear(model, torch.float32)
     targets, head_w = found.layers, found.head
     on = calib.mode() != "0"
-    packed = [PackedLinear(child.weight, child.bias, kernel, on) for _, _, child in targets]
+
+    def packed_of(w: torch.Tensor, b: torch.Tensor | None) -> PackedLinear:
+        assert kernel is not None
+        return PackedLinear(w, b, kernel, on, onednn=onednn)
+
+    packed = [packed_of(child.weight, child.bias) for _, _, child in targets]
     for (parent, name, _), layer in zip(targets, packed, strict=True):
         setattr(parent, name, layer)
     if head_w is not None:
-        model.logits_linear = PackedLinear(head_w, None, kernel, on)
+        model.logits_linear = packed_of(head_w, None)
         packed.append(model.logits_linear)
     calibrate_at_load(packed)
+    dropped = sum(layer.drop_unused_kernel_copy() for layer in packed)
+    if dropped:
+        log.info("linear layers: %d of %d run oneDNN at every row count", dropped, len(packed))
     return len(packed)
