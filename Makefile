@@ -42,8 +42,8 @@ typecheck: $(STAMP)
 # `make test-integration`: the tests against real external systems (the vLLM engine, a local
 # Ray cluster, an S3 server, Airflow) and the harnesses that start them (the vLLM peer
 # benchmark, README's quick start with its vLLM line). CI runs both.
-INTEGRATION := tests/backends tests/cluster tests/io/test_s3.py tests/bench/test_bench_peers_smoke.py \
-	tests/bench/test_peer_harness.py tests/readme
+INTEGRATION := tests/backends/vllm tests/runner/cluster tests/storage/test_s3.py \
+	tests/bench/test_bench_peers_smoke.py tests/bench/test_peer_harness.py tests/readme
 
 test: $(STAMP) lint typecheck
 	$(VENV)/bin/pytest -n 2 -q --durations=12 --ignore=tests/integration $(addprefix --ignore=,$(INTEGRATION))

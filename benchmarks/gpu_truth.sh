@@ -70,14 +70,14 @@ if [ "$MODE" = check ]; then
     export BATCHJOB_TRITON_AUTOTUNE=0
     # the CUDA-graph forward first: its tests, then graphs against eager on SMOKE_LAYERS layers
     TAIL=25 stage graph_tests "${GRAPH_TESTS_LIMIT:-90}" python3 -m pytest -v -p no:cacheprovider \
-        -n 4 -m cuda tests/engine/test_cuda_graphs.py
+        -n 4 -m cuda tests/backends/native/test_cuda_graphs.py
     TAIL=16 stage engine_smoke "${SMOKE_LIMIT:-90}" python3 benchmarks/bench_gpu_engine.py \
         --model-dir "/tmp/l3-${SMOKE_LAYERS:-2}" --layers "${SMOKE_LAYERS:-2}" \
         --workloads micro-2000-200-s16 --scale "${SMOKE_SCALE:-0.05}" --max-tokens "${SMOKE_TOKENS:-16}" \
         --profile-iters 10 --cuda-graphs 512,0 --policies "${SMOKE_POLICIES:-batchllm,baseline}" \
         --op-table "${OP_TABLE:-0}"
     TAIL=25 stage tests "${TESTS_LIMIT:-140}" python3 -m pytest -v -p no:cacheprovider -n 8 \
-        tests/kernels/test_kernels.py tests/engine/test_engine_hf_parity.py \
+        tests/kernels/test_kernels.py tests/backends/native/test_engine_hf_parity.py \
         -k "not test_greedy_matches_hf and not test_same_seed"
     if [ "${AUTOTUNE_TEST_LIMIT:-90}" != 0 ]; then
         BATCHJOB_TRITON_AUTOTUNE=1 stage tests "${AUTOTUNE_TEST_LIMIT:-90}" python3 -m pytest \

@@ -21,7 +21,7 @@ Each fork changes D's reuse by exactly gain - penalty while c keeps >= 1 prompt,
 test. A group's prefix is the accumulated token count of its node.
 
 That greedy is *not* optimal: each fork is judged alone, with c's sub-structure frozen by
-the level below. Smallest counterexample (4 prompts, 12 tokens; tests/test_reuse.py):
+the level below. Smallest counterexample (4 prompts, 12 tokens; tests/plan/test_reuse.py):
 [1,2,5], [1,2,6], [1,3,5], [1,3,6]. Algorithm 1 keeps one group of 4 sharing [1] (reuse 3:
 each fork gains 1, not > penalty 1); the optimum is two pairs sharing [1,2] and [1,3] (reuse
 4): the two forks pay off together, because the last one empties c and so pays no penalty.

@@ -1,7 +1,7 @@
 """LoRA adapters in the job (model.adapters, model.adapter, input.adapter_column): the
 checks, each row's adapter read and a bad name rejecting only its row, the plan keyed by
 adapter, the native engine's outputs against merged-weights models (vLLM's:
-tests/backends/test_vllm_adapters.py)."""
+tests/backends/vllm/test_vllm_adapters.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 validates (``jsonschema``) against its own row's schema, a null takes
 ``sampling.json_schema`` (unset: free text), and a bad schema rejects its row with status
 ``invalid_json_schema`` naming the row and column, never the job. The same data on the vLLM
-backend: tests/backends/test_vllm_json_schema.py."""
+backend: tests/backends/vllm/test_vllm_json_schema.py."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_vllm_refusals_are_checked_per_row():
 def test_a_schema_whose_compile_runs_away_rejects_only_its_row(setup, tmp_path):
     """A schema xgrammar would build for minutes (about 28 s here; 2,000 levels: no end)
     rejects its row once the per-row limit passes (batchjob.guard); the job goes on."""
-    from tests.io.test_guard import nested_schema
+    from tests.test_guard import nested_schema
 
     _, model, _ = setup
     data = tmp_path / "slow-rows.parquet"

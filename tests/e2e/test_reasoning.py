@@ -2,7 +2,7 @@
 grammar of a constrained row after the reasoning, on a forced-token model (its greedy output
 is known: batchjob.testing.chain_model) run by the native engine.
 
-The split's cases are vLLM 0.32's parsers' answers (tests/backends/test_vllm_reasoning.py
+The split's cases are vLLM 0.32's parsers' answers (tests/backends/vllm/test_vllm_reasoning.py
 asks vLLM's parsers the same cases and compares)."""
 
 from __future__ import annotations

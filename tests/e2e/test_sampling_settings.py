@@ -2,8 +2,8 @@
 bias, allowed token ids, min_tokens and min_p job-wide and per row (a bad per-row value
 rejects its row with its documented status), token ids outside the vocabulary (exit 3), and
 guided ``choice`` / ``regex`` (every ok row matches; a bad regex is exit 3 job-wide and
-``invalid_regex`` per row). Equality with vLLM: tests/backends/test_vllm_sampling_settings.py
-and tests/engine/test_sampling_processors.py."""
+``invalid_regex`` per row). Equality with vLLM: tests/backends/vllm/test_vllm_sampling_settings.py
+and tests/backends/native/test_sampling_processors.py."""
 
 from __future__ import annotations
 

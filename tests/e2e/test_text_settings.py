@@ -1,7 +1,7 @@
 """vLLM's output-text settings on the native engine (the vLLM backend's test:
-tests/backends/test_vllm_text_settings.py): ``skip_special_tokens``,
+tests/backends/vllm/test_vllm_text_settings.py): ``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``include_stop_str_in_output``, ``bad_words``.
-(``scheduler.max_num_seqs`` under batchllm: tests/engine/test_scheduler_properties.py.)"""
+(``scheduler.max_num_seqs`` under batchllm: tests/backends/native/test_scheduler_properties.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The cluster on the vLLM backend (CPU build): 2 Ray workers, each an in-process vLLM engine,
 give the native single-process results row for row. About a minute (two vLLM start-ups), so
-it runs with ``make test-integration`` rather than ``make test`` (tests/cluster covers the
+it runs with ``make test-integration`` rather than ``make test`` (tests/runner/cluster covers the
 cluster itself on the native backend there)."""
 
 from __future__ import annotations
@@ -12,7 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.runner.pipeline import run
-from tests.backends.vllm_kit import RESULT_COLUMNS, build_dataset, build_model, job_for, needs_vllm
+from tests.backends.vllm.vllm_kit import (
+    RESULT_COLUMNS,
+    build_dataset,
+    build_model,
+    job_for,
+    needs_vllm,
+)
 
 ray = pytest.importorskip("ray")
 

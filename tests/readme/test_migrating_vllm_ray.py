@@ -32,7 +32,7 @@ def _script(folder: Path, code: str, tail: str = "") -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def run_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.backends.vllm_kit import build_model  # head_dim 32: vLLM's CPU kernels
+    from tests.backends.vllm.vllm_kit import build_model  # head_dim 32: vLLM's CPU kernels
 
     return build_model(tmp_path_factory.mktemp("migrating-model") / "tiny")
 

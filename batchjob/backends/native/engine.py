@@ -82,7 +82,7 @@ def graphed_forward(
     forward whose non-attention work replays CUDA graphs for batches up to that many tokens
     (``models.cuda_graphs``). The graphs are the model's: engines on one model share them
     (kept on the model). Unset: eager; the graphs stay opt-in until the CUDA cases of
-    tests/engine/test_cuda_graphs.py have passed on a GPU."""
+    tests/backends/native/test_cuda_graphs.py have passed on a GPU."""
     limit = cfg.cuda_graph_max_tokens or 0
     if info.torch_device.type != "cuda" or limit == 0 or not isinstance(model, LlamaForCausalLM):
         return model

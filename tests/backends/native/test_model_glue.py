@@ -1,0 +1,109 @@
+"""The in-place glue of the native Llama forward equals HF's formulas bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchjob.backends.native.models import rope as rope_module
+from batchjob.backends.native.models.llama import rms_norm, silu_mul_
+from batchjob.backends.native.models.rope import (
+    RopeTable,
+    apply_rope,
+    apply_rope_,
+    inv_frequencies,
+    rope_cos_sin,
+)
+from batchjob.model.hf_config import RopeConfig
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_rope_in_place_on_fused_qkv_view_equals_hf(
+    dtype: torch.dtype, head_dim: int, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both the C pass (kernels/cpu/rope.c) and the torch ops rotate bit-equal to HF."""
+    if path == "torch":
+        monkeypatch.setattr(rope_module, "c_library", lambda: None)
+    elif rope_module.c_library() is None:
+        pytest.skip("no C compiler: the torch ops run")
+    g = torch.Generator().manual_seed(head_dim)
+    t, h, hkv = 37, 4, 2
+    rope = RopeConfig(theta=10000.0, rope_type="default")
+    inv = inv_frequencies(rope, head_dim)
+    positions = torch.randint(0, 3000, (t,), generator=g)
+    qkv = torch.randn(t, (h + 2 * hkv) * head_dim, generator=g).to(dtype)
+    want_cos, want_sin = rope_cos_sin(positions, inv, dtype)  # [T, 1, D]
+    q = qkv[:, : h * head_dim].view(t, h, head_dim)
+    k = qkv[:, h * head_dim : (h + hkv) * head_dim].view(t, hkv, head_dim)
+    want_q, want_k = apply_rope(q, want_cos, want_sin), apply_rope(k, want_cos, want_sin)
+    v_before = qkv[:, (h + hkv) * head_dim :].clone()
+
+    table = RopeTable(dtype)
+    empty, _ = table.lookup(positions[:0], inv)  # an empty batch: an empty [0, 1, D/2]
+    assert empty.shape == (0, 1, head_dim // 2)
+    cos, sin = table.lookup(positions[:5], inv)  # a small table first: it must grow
+    if path == "c":  # the engine's call: a host bound instead of reading the positions
+        cos, sin = table.lookup(positions, inv, int(positions.max()) + 1)
+    else:
+        cos, sin = table.lookup(positions, inv)
+    assert torch.equal(cos, want_cos[..., : head_dim // 2])
+    assert torch.equal(sin, want_sin[..., : head_dim // 2])
+    apply_rope_(qkv[:, : (h + hkv) * head_dim].view(t, h + hkv, head_dim), cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (h + hkv) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_equals_hf(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(50, 256, generator=g) * 3).to(dtype)
+    w = torch.randn(256, generator=g).to(dtype)
+    assert torch.equal(rms_norm(x, w, 1e-6), hf_rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_in_place_equals_out_of_place(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(20, 2 * 48, generator=g).to(dtype)
+    view = gate_up.clone()
+    want = F.silu(view[:, :48]) * view[:, 48:]  # the split-view formula it replaces
+    out = silu_mul_(gate_up, 48)
+    assert out.data_ptr() == gate_up.data_ptr()  # written into the gate half
+    assert torch.equal(out, want)
+    # HF runs silu on a contiguous gate: torch's strided and contiguous loops may differ
+    # in the last bit, no more
+    hf = F.silu(view[:, :48].contiguous()) * view[:, 48:]
+    torch.testing.assert_close(out, hf, rtol=2e-7 if dtype == torch.float32 else 8e-3, atol=0)
+
+
+def test_bf16_forward_is_as_close_to_hf_as_hf_bf16_is_to_float32(tmp_path) -> None:
+    """dtype auto may pick bf16: our bf16 forward errs from HF's bf16 no more than bf16 does."""
+    transformers = pytest.importorskip("transformers")
+    from batchjob.backends.native.models import load_model
+    from batchjob.testing.tiny_model import make_tiny_model
+    from tests.backends.native.test_models_hf_parity import CORPUS, MiniEngine, Seq
+
+    folder = make_tiny_model(tmp_path / "m", vocab_size=300, layers=2, corpus=CORPUS)
+    model, info = load_model(folder, dtype="bfloat16", device="cpu", attention="auto")
+    engine = MiniEngine(model, info, block_size=16)
+    engine.cache = engine.cache.to(torch.bfloat16)
+    ids = list(range(3, 60))
+    ours = engine.step([(Seq(ids), len(ids))])[0]  # [T, V] float32 logits
+    hf = transformers.AutoModelForCausalLM.from_pretrained
+    with torch.no_grad():
+        ref16 = hf(folder, dtype=torch.bfloat16).eval()(torch.tensor([ids])).logits[0].float()
+        ref32 = hf(folder, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    bf16_noise = (ref16 - ref32).abs().max()
+    assert bf16_noise > 0
+    assert (ours - ref16).abs().max() <= 2 * bf16_noise
+    assert (ours - ref32).abs().max() <= 2 * bf16_noise

@@ -1,0 +1,181 @@
+"""batchjob.model.info: the one reader of a model folder (no torch, no weights loaded)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from batchjob.errors import EXIT_MODEL, ModelError
+from batchjob.model.info import (
+    DTYPE_BYTES,
+    auto_cpu_dtype,
+    read_model_info,
+    resolve_dtype,
+    safetensors_tensor_names,
+)
+from tests.conftest import TINY_MAX_LEN, TINY_VOCAB, write_model_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+KV_ELEMS = 2 * 2 * 2 * 16  # K+V, 2 layers, 2 kv heads, head_dim 16
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture
+def folder(tmp_path: Path, tiny_tokenizer: Tokenizer) -> Path:
+    return write_model_folder(tmp_path / "m", tiny_tokenizer)
+
+
+def test_reads_config_generation_config_and_weights(folder: Path) -> None:
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    info = read_model_info(folder, device="cpu")
+    assert (info.architecture, info.vocab_size, info.num_layers) == ("LlamaForCausalLM", 3000, 2)
+    assert (info.num_heads, info.num_kv_heads, info.head_dim) == (4, 2, 16)
+    assert info.eos_token_ids == (2, 7) and info.bos_token_id == 1
+    assert info.max_position == info.max_seq_len == info.max_model_len == TINY_MAX_LEN
+    assert info.weight_files == (folder / "model.safetensors",)
+    assert info.tensor_files["model.embed_tokens.weight"] == folder / "model.safetensors"
+    assert info.kv_cache_shape(5, 16) == (2, 2, 5, 16, 2, 16)
+
+
+@pytest.mark.parametrize(
+    "checkpoint,asked,device,want",
+    [
+        ("bfloat16", "auto", "cpu", auto_cpu_dtype("bfloat16")),  # host CPU: test_cpu_info
+        ("bfloat16", "auto", "cuda", "bfloat16"),
+        (None, "auto", "cuda:1", "float32"),
+        ("bfloat16", "float16", "cpu", "float16"),
+        ("float32", "bf16", "cuda", "bfloat16"),
+    ],
+)
+def test_dtype_resolution(checkpoint, asked, device, want) -> None:
+    assert resolve_dtype(asked, checkpoint, device) == want
+
+
+def test_kv_bytes_follow_the_resolved_dtype(folder: Path) -> None:
+    _edit_config(folder, torch_dtype="bfloat16")
+    auto = DTYPE_BYTES[auto_cpu_dtype("bfloat16")]  # bf16 on a CPU with bf16 hardware
+    assert read_model_info(folder, device="cpu").kv_bytes_per_token == KV_ELEMS * auto
+    assert read_model_info(folder, "bfloat16", "cpu").kv_bytes_per_token == KV_ELEMS * 2
+    assert read_model_info(folder, "float16", "cpu").dtype == "float16"
+    with pytest.raises(ModelError, match="unknown dtype 'int8'"):
+        read_model_info(folder, "int8", "cpu")
+
+
+def test_context_length(folder: Path) -> None:
+    assert read_model_info(folder, max_model_len=100).max_model_len == 100  # the job's wins
+    _edit_config(folder, architectures=["MistralForCausalLM"], sliding_window=64)
+    info = read_model_info(folder)
+    assert info.sliding_window == 64 and info.max_seq_len == info.max_model_len == 64
+
+
+def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
+    a = read_model_info(write_model_folder(tmp_path / "a", tiny_tokenizer), device="cpu")
+    b = read_model_info(write_model_folder(tmp_path / "b", tiny_tokenizer), device="cpu")
+    assert a == b and a.path != b.path
+    assert a != read_model_info(tmp_path / "a", "bfloat16", "cpu")
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+        ({"architectures": None, "model_type": "bert"}, "unsupported architecture 'bert'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling type 'yarn'"),
+        ({"num_key_value_heads": 3}, "not a multiple of kv heads 3"),
+        ({"vocab_size": None}, "a size is not an integer"),
+        # issue 49: exit 3 blaming engine.kv_cache_bytes, exit 6 blaming the data, a run
+        ({"num_hidden_layers": -1}, "num_hidden_layers is -1"),
+        ({"vocab_size": 100}, "vocab_size 100 is smaller than the"),
+        ({"torch_dtype": "float33"}, "'float33' is not a dtype"),
+        ({"torch_dtype": None, "dtype": "float33"}, "'float33' is not a dtype"),
+        # a ZeroDivisionError traceback, or a run on a size that cannot be
+        ({"num_attention_heads": 0}, "num_attention_heads is 0; it must be a positive"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers is 0; it must be a positive"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads is 0; it must be a positive"),
+        ({"head_dim": -16}, "head_dim is -16; it must be a positive"),
+        ({"hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads 4"),
+        ({"head_dim": "wide"}, "a size is not an integer"),
+    ],
+)
+def test_config_the_engine_cannot_run(folder: Path, edit: dict, needle: str) -> None:
+    _edit_config(folder, **edit)
+    with pytest.raises(ModelError, match=r"config\.json") as e:
+        read_model_info(folder)
+    assert needle in str(e.value) and e.value.exit_code == EXIT_MODEL
+
+
+def test_weights_headers(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    names = safetensors_tensor_names(weights)
+    assert "lm_head.weight" in names and len(names) == 3 + 9 * 2
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1])
+    with pytest.raises(ModelError, match="truncated: tensors need"):
+        read_model_info(folder)
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(ModelError, match="header does not parse"):
+        read_model_info(folder)
+    weights.write_bytes(b"\xff" * 20)
+    with pytest.raises(ModelError, match="not a safetensors file"):
+        read_model_info(folder)
+
+
+def test_index_naming_a_tensor_its_shard_lacks(folder: Path) -> None:
+    index = {
+        "weight_map": {"model.embed_tokens.weight": "model.safetensors", "x.w": "model.safetensors"}
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelError, match=r"puts 'x\.w' in model\.safetensors, which lacks it"):
+        read_model_info(folder)
+
+
+def test_missing_folder_and_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="not a directory"):
+        read_model_info(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match=r"config\.json: missing"):
+        read_model_info(tmp_path / "empty")
+
+
+def test_reading_imports_no_torch(folder: Path) -> None:
+    """Plan-side modules and reading a folder on a GPU-less machine never import torch."""
+    code = (
+        "import sys\n"
+        "import batchjob.model.info, batchjob.tokenize.batched\n"
+        "import batchjob.outputs.plan_summary, batchjob.cli\n"
+        "from batchjob.model.info import read_model_info\n"
+        f"info = read_model_info({str(folder)!r})\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "print(info.device, info.dtype, info.vocab_size)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    if not any(Path(d).exists() for d in ("/proc/driver/nvidia", "/dev/kfd")):
+        assert p.stdout.split() == ["cpu", "float32", str(TINY_VOCAB)]
+
+
+def test_vllm_backend_reads_architectures_the_native_engine_refuses(folder: Path) -> None:
+    """A Gemma/MoE folder is refused for the native engine (exit 5) but read for its sizes
+    when the vLLM backend runs it (vLLM checks its own models)."""
+    _edit_config(
+        folder,
+        architectures=["GemmaForCausalLM"],
+        hidden_act="gelu_pytorch_tanh",
+        rope_scaling={"rope_type": "yarn", "factor": 4.0},
+    )
+    with pytest.raises(ModelError, match=r"engine\.backend = 'vllm' runs the others"):
+        read_model_info(folder, device="cpu")
+    info = read_model_info(folder, device="cpu", native=False)
+    assert info.architecture == "GemmaForCausalLM"
+    assert info.kv_bytes_per_token == 2 * info.num_layers * info.num_kv_heads * info.head_dim * 4
