@@ -16,6 +16,8 @@ resident set from /proc/<pid>/status every 50 ms:
     .venv/bin/python benchmarks/bench_scale.py plan --rows 10000000 --plan-memory 1GiB  # partitions
     .venv/bin/python benchmarks/bench_scale.py run --rows 500000,1000000
     .venv/bin/python benchmarks/bench_scale.py run --rows 1000000 --plan-memory 128MiB  # partitions
+    .venv/bin/python benchmarks/bench_scale.py run --rows 10000000 --plan-memory 16MiB \
+        --kill-at 0.3,0.7   # SIGKILLed at 30% and 70% of the rows, resumed, checked exactly once
     .venv/bin/python benchmarks/bench_scale.py all   # both (what `make bench-scale` runs)
 
 Data, models and outputs go under data/scale/ and out/scale/ (both gitignored); datasets
@@ -30,14 +32,17 @@ import datetime
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,21 +124,33 @@ def _status_kb(pid: int) -> dict[str, int]:
 _LOG = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) batchjob\S*: stage (\w+) done")
 
 
-def measure(cmd: list[str], env: dict[str, str], log: Path) -> dict:
+def measure(
+    cmd: list[str], env: dict[str, str], log: Path, kill_when: Callable[[], bool] | None = None
+) -> dict:
     """Run ``cmd``; sample its RSS every 50 ms; split samples at the stage log lines.
-    The command's stderr is copied to ``log`` as it comes (heartbeat lines: progress)."""
+    The command's stderr is copied to ``log`` as it comes (heartbeat lines: progress).
+    ``kill_when``: checked every 2 s; once true the command is SIGKILLed (``killed`` in the
+    result, no ``json``)."""
     t_start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     samples: list[tuple[float, int]] = []
     hwm = [0]
     err_lines: list[str] = []
+    killed = [False]
 
     def sample() -> None:
+        next_check = time.time() + 2.0
         while proc.poll() is None:
             s = _status_kb(proc.pid)
             if s:
                 samples.append((time.time(), s.get("VmRSS", 0)))
                 hwm[0] = max(hwm[0], s.get("VmHWM", 0))
+            if kill_when is not None and time.time() >= next_check:
+                next_check = time.time() + 2.0
+                if kill_when():
+                    proc.send_signal(signal.SIGKILL)
+                    killed[0] = True
+                    return
             time.sleep(0.05)
 
     def read_err() -> None:
@@ -152,6 +169,9 @@ def measure(cmd: list[str], env: dict[str, str], log: Path) -> dict:
     for t in threads:
         t.join()
     wall = time.time() - t_start
+    if killed[0]:
+        peak = max((kb for _, kb in samples), default=0)
+        return {"wall_s": wall, "peak_rss_kb": max(hwm[0], peak), "killed": True, "rc": rc}
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {rc}:\n{''.join(err_lines[-20:])}")
     ends: list[tuple[str, float]] = []
@@ -215,10 +235,7 @@ def bench_plan(rows: int, plan_memory: str | None = None) -> dict:
     }
 
 
-def bench_run(rows: int, max_tokens: int, plan_memory: str | None = None) -> dict:
-    model, vocab = tiny_model()
-    data = write_dataset(DATA / f"run-{rows}-v{vocab}.parquet", rows, vocab)
-    out = OUT / f"run-{rows}"
+def _run_cmd(data: Path, out: Path, model: Path, max_tokens: int, plan_memory: str | None):
     cmd = [*_cli(), "-v", "run", "--input", str(data)]
     cmd += ["--output", str(out), "--model", str(model), "--no-progress", "--json"]
     cmd += ["--set", f"sampling.max_tokens={max_tokens}", "--set", "sampling.ignore_eos=true"]
@@ -229,10 +246,113 @@ def bench_run(rows: int, max_tokens: int, plan_memory: str | None = None) -> dic
     cmd += ["--set", "engine.threads=1", "--set", f"engine.kv_cache_bytes={256 << 20}"]
     if plan_memory:  # a budget below the dataset's planning runs it partition by partition
         cmd += ["--set", f"scheduler.plan_memory={plan_memory}"]
+    return cmd
+
+
+def bench_run(rows: int, max_tokens: int, plan_memory: str | None = None) -> dict:
+    model, vocab = tiny_model()
+    data = write_dataset(DATA / f"run-{rows}-v{vocab}.parquet", rows, vocab)
+    out = OUT / f"run-{rows}"
+    cmd = _run_cmd(data, out, model, max_tokens, plan_memory)
     r = measure(cmd, _env(), OUT / f"run-{rows}.log")
     what = f"run (plan_memory {plan_memory})" if plan_memory else "run"
     stages = r["json"].get("stage_s", {})
     return {"command": what, "rows": rows, **r, "stage_s": stages, "plan_memory": plan_memory}
+
+
+def _rows_written(parts: Path, seen: dict[str, int]) -> int:
+    """Rows in the run's published part files (each read once: parts are immutable)."""
+    for f in parts.glob("part-*.parquet"):
+        if f.name not in seen:
+            try:
+                seen[f.name] = pq.read_metadata(f).num_rows
+            except (OSError, pa.ArrowException):
+                continue
+    return sum(seen.values())
+
+
+def _results(out: Path, columns: list[str]) -> pa.Table:
+    files = sorted(out.glob("results-*.parquet")) if out.is_dir() else [out]
+    return pa.concat_tables(pq.read_table(f, columns=columns) for f in files)
+
+
+def _sample_check(data: Path, out: Path, model: Path, max_tokens: int, first: int) -> dict:
+    """The rows whose prompt starts with one of the ``first`` most common first tokens (whole
+    prefix groups: a group's rows share their first token), rerun uninterrupted in memory;
+    their output tokens against the killed-and-resumed run's (matched by the input's id)."""
+    f = pq.ParquetFile(data)
+    lead = np.concatenate(
+        [
+            pc.list_element(f.read_row_group(g, columns=["prompt"])["prompt"], 0).to_numpy()
+            for g in range(f.num_row_groups)
+        ]
+    )
+    keep = np.isin(lead, np.argsort(-np.bincount(lead))[:first])
+    ids = np.flatnonzero(keep)  # the input's id is its row's position
+    sample = pq.read_table(data, filters=pc.field("id").isin(ids))
+    path = DATA / f"sample-{sample.num_rows}.parquet"
+    pq.write_table(sample, path)
+    ref_out = OUT / f"sample-{sample.num_rows}"
+    cmd = _run_cmd(path, ref_out, model, max_tokens, None)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-3000:])
+    cols = ["id", "output_token_ids", "status"]
+    ref = _results(ref_out, cols).sort_by("id")
+    got = _results(out, cols)
+    got = got.take(pa.array(np.searchsorted(got["id"].to_numpy(), ids)))
+    assert np.array_equal(got["id"].to_numpy(), ref["id"].to_numpy())
+    a, b = ref["output_token_ids"].to_pylist(), got["output_token_ids"].to_pylist()
+    return {"sample_rows": len(a), "sample_equal": sum(x == y for x, y in zip(a, b, strict=True))}
+
+
+def bench_run_killed(
+    rows: int, max_tokens: int, plan_memory: str | None, kill_at: list[float], sample_first: int
+) -> dict:
+    """``batchjob run`` SIGKILLed once its parts hold each fraction ``kill_at`` of the rows,
+    rerun with the same command each time (it resumes), then checked: every row id once,
+    every status ok, and the outputs of a sample equal to an uninterrupted in-memory run."""
+    model, vocab = tiny_model()
+    data = write_dataset(DATA / f"run-{rows}-v{vocab}.parquet", rows, vocab)
+    out = OUT / f"run-{rows}-killed"
+    meta = out.with_name(out.name + ".meta")
+    cmd = _run_cmd(data, out, model, max_tokens, plan_memory)
+    attempts = []
+    for k, frac in enumerate([*kill_at, None]):
+        seen: dict[str, int] = {}
+
+        def due(frac: float | None = frac, seen: dict[str, int] = seen) -> bool:
+            return frac is not None and _rows_written(meta / "parts", seen) >= frac * rows
+
+        r = measure(cmd, _env(), OUT / f"run-{rows}-killed-{k}.log", kill_when=due)
+        if r.get("killed"):
+            r["rows_written_at_kill"] = _rows_written(meta / "parts", {})
+        attempts.append({k: v for k, v in r.items() if k != "json"})
+        print(f"attempt {k}: {attempts[-1]}", file=sys.stderr, flush=True)
+        if not r.get("killed"):
+            break  # done (a kill point past the end: the run finished first)
+    final = r["json"]
+    ids = _results(out, ["row_id"])["row_id"].to_numpy()
+    status = _results(out, ["status"])["status"]
+    once = bool(len(ids) == rows and np.array_equal(np.sort(ids), np.arange(rows)))
+    ok = int(pc.sum(pc.equal(status, "ok")).as_py() or 0)
+    check = _sample_check(data, out, model, max_tokens, sample_first)
+    last = attempts[-1]
+    return {
+        "command": f"run killed at {','.join(map(str, kill_at))} (plan_memory {plan_memory})",
+        "rows": rows,
+        "wall_s": sum(a["wall_s"] for a in attempts),
+        "peak_rss_kb": max(a["peak_rss_kb"] for a in attempts),
+        "stage_peak_kb": last["stage_peak_kb"],
+        "stage_s": last["stage_s"],
+        "json": final,
+        "attempts": attempts,
+        "rows_skipped_done": final.get("rows_skipped_done"),
+        "exactly_once": once,
+        "rows_ok": ok,
+        **check,
+        "plan_memory": plan_memory,
+    }
 
 
 # stage names in the JSON -> the stage whose log line ends it (read and tokenize interleave)
@@ -264,6 +384,16 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for these runs in results.jsonl")
     ap.add_argument("--src", help="import batchjob from this folder (another checkout)")
     ap.add_argument("--plan-memory", help="scheduler.plan_memory, e.g. 1GiB")
+    ap.add_argument(
+        "--kill-at",
+        help="run: SIGKILL once this fraction of the rows is written, rerun (comma-separated)",
+    )
+    ap.add_argument(
+        "--sample-first",
+        type=int,
+        default=2,
+        help="--kill-at: rerun the rows of this many first tokens uninterrupted to compare",
+    )
     args = ap.parse_args()
     global SRC
     SRC = args.src
@@ -291,6 +421,9 @@ def main() -> None:
     for what, n in jobs:
         if what == "plan":
             r = bench_plan(n, args.plan_memory)
+        elif args.kill_at:
+            fracs = [float(f) for f in args.kill_at.split(",")]
+            r = bench_run_killed(n, args.max_tokens, args.plan_memory, fracs, args.sample_first)
         else:
             r = bench_run(n, args.max_tokens, args.plan_memory)
         r["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
