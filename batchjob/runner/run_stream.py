@@ -235,8 +235,8 @@ def _run_partitioned(
                 )
                 iterations.add(ex.run.iterations)  # to a file: not held per partition
                 ex = dataclasses.replace(ex, run=dataclasses.replace(ex.run, iterations=[]))
-                runs.append(ex)
                 pieces.add(ex.plan, rows)
+                runs.append(dataclasses.replace(ex, plan=_stats_plan(ex.plan.stats)))  # no rows
         finally:
             if backend is not None:
                 backend.close()
