@@ -108,8 +108,9 @@ def _line(
             "logprobs": _logprobs(x, chat, decode),
             "finish_reason": x["finish_reason"],
         }
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+        if chat:  # content null where the reasoning parser found no answer, as vLLM's server
+            content = x["output_text"] if "reasoning_text" in x else text
+            choice["message"] = {"role": "assistant", "content": content}
         else:
             choice["text"] = text
         if "reasoning_text" in x:  # output.reasoning_parser: vLLM's field for the <think> part
