@@ -12,15 +12,14 @@ instruction followed by one query, so the plan computes the instruction once per
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from batchjob.storage.atomic import write_parquet_atomic
 from batchjob.testing.embedding_model import make_tiny_embedding_model
+from batchjob.testing.example_jobs import write_and_run
 from batchjob.testing.workloads import WORDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,16 +45,7 @@ def main() -> int:
         corpus = [" ".join(WORDS[i : i + 16]) for i in range(0, len(WORDS), 16)]
         make_tiny_embedding_model(MODEL, family="qwen3", pooling="last", vocab_size=2500,
                                   corpus=corpus)  # fmt: skip
-    write_parquet_atomic(queries(args.rows), DATA)
-    print(f"wrote {args.rows} queries to {DATA.relative_to(ROOT)}")
-    if args.no_run:
-        return 0
-    for cmd in ("plan", "run"):
-        print(f"$ batchjob {cmd} jobs/embed_queries.toml")
-        rc = subprocess.call([sys.executable, "-m", "batchjob.cli", cmd, str(JOB)], cwd=ROOT)
-        if rc:
-            return rc
-    return 0
+    return write_and_run(queries(args.rows), DATA, JOB, ROOT, args.no_run)
 
 
 if __name__ == "__main__":

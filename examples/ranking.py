@@ -14,11 +14,10 @@ prefill and the plan shares the instruction + query among a query's documents. T
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
-from batchjob.storage.atomic import write_parquet_atomic
+from batchjob.testing.example_jobs import write_and_run
 from batchjob.testing.workloads import ranking_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,16 +34,7 @@ def main() -> int:
     if not (ROOT / "models" / "tiny-llama" / "config.json").exists():
         print("build the tiny model first: make demo", file=sys.stderr)
         return 2
-    write_parquet_atomic(ranking_table(args.rows), DATA)
-    print(f"wrote {args.rows} rows to {DATA.relative_to(ROOT)}")
-    if args.no_run:
-        return 0
-    for cmd in ("plan", "run"):
-        print(f"$ batchjob {cmd} jobs/ranking_labels.toml")
-        rc = subprocess.call([sys.executable, "-m", "batchjob.cli", cmd, str(JOB)], cwd=ROOT)
-        if rc:
-            return rc
-    return 0
+    return write_and_run(ranking_table(args.rows), DATA, JOB, ROOT, args.no_run)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,21 @@ successor). Needs ``transformers`` (a dev dependency), imported lazily.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from batchjob.testing.tiny_model import BOS, EOS, PAD, _config, default_corpus, train_tokenizer
+from batchjob.testing.tiny_model import (
+    BOS,
+    EOS,
+    PAD,
+    _config,
+    default_corpus,
+    save_model_folder,
+    train_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -98,16 +105,5 @@ def make_chain_model(
         head.zero_()
         for a, b in successor.items():  # logit of b after a: sqrt(hidden); others near 0
             head[b] += emb[a] / emb[a].norm()
-    model.save_pretrained(out, safe_serialization=True)
-    transformers.GenerationConfig(
-        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id
-    ).save_pretrained(out)
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "model_max_length": 4096,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    save_model_folder(out, model, (bos_id, eos_id, pad_id), max_position=4096)
     return ChainModel(out, tuple(outputs), eos_id)

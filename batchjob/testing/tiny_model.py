@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -164,6 +165,23 @@ def make_tiny_model(
             elif name.endswith(".bias"):
                 p.normal_(0.0, init_std)
     model = model.to(getattr(torch, dtype))
+    save_model_folder(out, model, (bos_id, eos_id, pad_id), max_position, max_shard_size)
+    return out
+
+
+def save_model_folder(
+    out: Path,
+    model: Any,
+    special_ids: tuple[int, int, int],
+    max_position: int,
+    max_shard_size: str | None = None,
+) -> None:
+    """A transformers ``model``'s weights and config, its generation config, and the
+    tokenizer config of ``train_tokenizer``'s special tokens (``special_ids``: BOS, EOS, PAD
+    ids) into ``out``, whose tokenizer.json is written already."""
+    import transformers
+
+    bos_id, eos_id, pad_id = special_ids
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
     transformers.GenerationConfig(
@@ -177,4 +195,3 @@ def make_tiny_model(
         "model_max_length": max_position,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    return out
