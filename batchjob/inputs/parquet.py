@@ -17,9 +17,11 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -409,6 +411,22 @@ class InputDataset:
 
 
 _DEFAULT_MAX_TOKENS_COLUMN = InputConfig.__dataclass_fields__["max_tokens_column"].default
+
+
+class HasBatches(Protocol):
+    def batches(self) -> Iterator[PromptBatch]: ...
+
+
+def timed_batches(dataset: HasBatches) -> Iterator[tuple[PromptBatch, float]]:
+    """``dataset.batches()``, each batch with the seconds reading it took (the read stage's
+    time: what the caller does with a batch is not counted)."""
+    batches = dataset.batches()
+    while True:
+        t0 = time.perf_counter()
+        batch = next(batches, None)
+        if batch is None:
+            return
+        yield batch, time.perf_counter() - t0
 
 
 def _unify(acc: pa.Schema | None, schema: pa.Schema, f: str, first: str) -> pa.Schema:

@@ -21,7 +21,13 @@ import pyarrow.parquet as pq
 
 from batchjob.config import InputConfig, ModelConfig, SamplingConfig
 from batchjob.errors import ModelError
-from batchjob.inputs.parquet import InputDataset, PassthroughCollector, PromptBatch, RejectedRows
+from batchjob.inputs.parquet import (
+    InputDataset,
+    PassthroughCollector,
+    PromptBatch,
+    RejectedRows,
+    timed_batches,
+)
 from batchjob.inputs.row_settings import with_row_settings
 from batchjob.inputs.source import open_input
 from batchjob.model.info import ModelInfo, model_info_for
@@ -211,14 +217,9 @@ def tokenize_dataset(
     rejected: list[RejectedRows] = []
     passthrough = PassthroughCollector()
     t_read = t_tok = 0.0
-    batches = dataset.batches()
-    while True:
-        t0 = time.perf_counter()
-        batch = next(batches, None)
+    for batch, read_s in timed_batches(dataset):
+        t_read += read_s
         t1 = time.perf_counter()
-        t_read += t1 - t0
-        if batch is None:
-            break
         part, rej = tokenize_batch(
             batch,
             tokenizer,
