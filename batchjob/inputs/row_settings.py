@@ -318,6 +318,44 @@ def _select(s: RowSettings, keep: np.ndarray) -> RowSettings:
     )
 
 
+def take_settings(s: RowSettings, which: np.ndarray) -> RowSettings:
+    """The settings of rows ``which`` (int positions into ``s.row_ids``, in that order)."""
+    which = np.asarray(which, dtype=np.int64)
+
+    def pick(v):
+        if v is None:
+            return None
+        if isinstance(v, np.ndarray):
+            return v[which]
+        return tuple(v[i] for i in which.tolist())
+
+    return RowSettings(
+        **{f.name: pick(getattr(s, f.name)) for f in dataclasses.fields(RowSettings)}
+    )
+
+
+def settings_of_rows(s: RowSettings, row_ids: np.ndarray) -> RowSettings:
+    """The settings of ``row_ids`` (sorted, each in ``s``)."""
+    return take_settings(s, np.searchsorted(s.row_ids, row_ids))
+
+
+def concat_settings(parts: list[RowSettings]) -> RowSettings:
+    """Settings of disjoint row sets one after another (row ids ascending across them), as
+    one: every part of one job has the same fields set."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def join(name: str):
+        vals = [getattr(p, name) for p in parts]
+        if vals[0] is None:
+            return None
+        if isinstance(vals[0], np.ndarray):
+            return np.concatenate(vals)
+        return tuple(x for v in vals for x in v)
+
+    return RowSettings(**{f.name: join(f.name) for f in dataclasses.fields(RowSettings)})
+
+
 def with_row_settings(
     inp: InputConfig,
     sampling: SamplingConfig,

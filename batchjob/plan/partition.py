@@ -10,23 +10,37 @@ random 64-bit weight per position, summed with one cumulative sum over the token
 depth at once, O(tokens)), then mixed (splitmix64) and taken modulo the partition count.
 Rows of equal keys always land together; a collision only plans two keys together.
 
+Rows of a LoRA adapter (``Rows.adapter``) are keyed by (adapter, leading tokens): rows of
+two adapters share nothing in the plan (``plan.build`` plans each adapter apart), so they
+never need the same partition.
+
 ``PartitionSpill`` appends rows batch by batch to two raw files per partition under a
 folder: ``pNNNNN.rows`` (a record per row: position, row_id, length, max_tokens) and
-``pNNNNN.tok`` (int32 tokens, row after row). ``position`` is the row's index among the
-dataset's valid rows in input order: the prompt position the in-memory planner would give it.
+``pNNNNN.tok`` (int32 tokens, row after row); rows that carry per-row settings or an adapter
+(``Rows.settings``, ``Rows.adapter``) add ``pNNNNN.set``, the chunk's settings and adapter
+indices pickled, one length-prefixed record per chunk appended. ``position`` is the
+request position the in-memory planner gives the row's first request: its index among the
+dataset's valid rows in input order, or with samples (``sampling.n``) the samples of the
+valid rows before it; sample ``k`` of the row is at ``position + k``.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from batchjob.tokenize.prompts import TokenizedPrompts
+from batchjob.tokenize.samples import expand_samples, sample_counts
+
+if TYPE_CHECKING:
+    from batchjob.inputs.row_settings import RowSettings
 
 FIRST_DEPTH = 4  # tokens in the key of the first split
 DEPTHS = (8, 16, 32, 64, 128, 256, 512)  # deeper keys tried for a partition over its budget
@@ -74,6 +88,17 @@ def prefix_keys(tokens: np.ndarray, offsets: np.ndarray, depths: tuple[int, ...]
     return out
 
 
+def with_adapter(keys: np.ndarray, adapter: np.ndarray | None) -> np.ndarray:
+    """Keys (uint64 [..., N]) of rows of a LoRA adapter each (int [N]; None: all the base
+    model's): (adapter, tokens) keys, unchanged for the base model (-1)."""
+    if adapter is None:
+        return keys
+    a = np.asarray(adapter).astype(np.int64)
+    with np.errstate(over="ignore"):
+        salt = (a + 1).astype(np.uint64) * np.uint64(0xD6E8FEB86659FD93)
+        return np.where(a < 0, keys, _mix(keys ^ salt))
+
+
 def partition_of(keys: np.ndarray, num_parts: int) -> np.ndarray:
     """int64: the partition of each key."""
     return (keys % np.uint64(num_parts)).astype(np.int64)
@@ -81,16 +106,29 @@ def partition_of(keys: np.ndarray, num_parts: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Rows:
-    """Rows of one partition (or a chunk of one): a record per row and their tokens."""
+    """Rows of one partition (or a chunk of one): a record per row and their tokens, and
+    the rows' per-row settings and LoRA adapters where the job has them."""
 
     rows: np.ndarray  # ROW [n]
     tokens: np.ndarray  # int32 [sum of lengths]
+    settings: RowSettings | None = None  # keyed by row_id: exactly these rows'
+    adapter: np.ndarray | None = None  # int32 [n]: index in model.adapters, -1: base model
 
     @property
     def offsets(self) -> np.ndarray:
         off = np.zeros(len(self.rows) + 1, dtype=np.int64)
         np.cumsum(self.rows["length"], out=off[1:])
         return off
+
+    @property
+    def has_extras(self) -> bool:
+        return self.settings is not None or self.adapter is not None
+
+    def keys(self, depths: tuple[int, ...], offsets: np.ndarray | None = None) -> np.ndarray:
+        """uint64 [len(depths), n]: each row's partition key at each depth (``prefix_keys``,
+        by adapter too)."""
+        off = self.offsets if offsets is None else offsets
+        return with_adapter(prefix_keys(self.tokens, off, depths), self.adapter)
 
     def prompts(self) -> TokenizedPrompts:
         """The rows as prompts (positions in the partition; ``rows["position"]`` maps back)."""
@@ -99,7 +137,67 @@ class Rows:
             tokens=self.tokens,
             offsets=self.offsets,
             max_tokens=self.rows["max_tokens"].copy(),
+            settings=self.settings,
+            adapter=None if self.adapter is None else self.adapter.copy(),
         )
+
+    def requests(
+        self, samples: tuple[int, bool] = (1, False)
+    ) -> tuple[TokenizedPrompts, np.ndarray]:
+        """The rows' requests, every row's samples (``samples``: ``sampling.n``, whether rows
+        set their own; ``expand_samples``), and each request's position in the dataset's
+        request order (int64)."""
+        prompts = self.prompts()
+        if samples == (1, False):
+            return prompts, self.rows["position"].copy()
+        counts = sample_counts(prompts, samples[0])
+        out = expand_samples(prompts, *samples)
+        return out, np.repeat(self.rows["position"], counts) + out.samples
+
+    def take(self, which: np.ndarray) -> Rows:
+        """Rows ``which`` (int positions, ascending)."""
+        from batchjob.inputs.row_settings import settings_of_rows
+
+        rows = self.rows[which]
+        tok = self.tokens[_ranges(self.offsets[:-1][which], self.rows["length"][which])]
+        settings = (
+            None if self.settings is None else settings_of_rows(self.settings, rows["row_id"])
+        )
+        adapter = None if self.adapter is None else self.adapter[which]
+        return Rows(rows, tok.astype(np.int32, copy=False), settings, adapter)
+
+
+def _concat_rows(chunks: list[Rows]) -> Rows:
+    from batchjob.inputs.row_settings import concat_settings
+
+    if len(chunks) == 1:
+        return chunks[0]
+    first = chunks[0]
+    settings = (
+        None
+        if first.settings is None
+        else concat_settings([c.settings for c in chunks if c.settings is not None])
+    )
+    adapter = (
+        None
+        if first.adapter is None
+        else np.concatenate([c.adapter for c in chunks if c.adapter is not None])
+    )
+    return Rows(
+        np.concatenate([c.rows for c in chunks]),
+        np.concatenate([c.tokens for c in chunks]),
+        settings,
+        adapter,
+    )
+
+
+def _extras_records(path: Path) -> Iterator[tuple[RowSettings | None, np.ndarray | None]]:
+    """The (settings, adapter) records of a ``.set`` file, in order."""
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        while head := f.read(8):
+            yield pickle.loads(f.read(int.from_bytes(head, "little")))
 
 
 class PartitionSpill:
@@ -122,14 +220,18 @@ class PartitionSpill:
         if not len(chunk.rows):
             return
         offsets = chunk.offsets
-        key = prefix_keys(chunk.tokens, offsets, (self.depth,))[0]
+        key = chunk.keys((self.depth,), offsets)[0]
         self.add_to(chunk, offsets, partition_of(key, self.num_parts))
 
     def add_to(self, chunk: Rows, offsets: np.ndarray, part: np.ndarray) -> None:
         """Append ``chunk``'s rows to the partitions ``part`` (int64 [n]) names."""
+        from batchjob.inputs.row_settings import take_settings
+
         order = np.argsort(part, kind="stable")  # input order kept within a partition
         bounds = np.searchsorted(part[order], np.arange(self.num_parts + 1))
         lengths = chunk.rows["length"]
+        if chunk.settings is not None:  # the settings' index of each row
+            at = np.searchsorted(chunk.settings.row_ids, chunk.rows["row_id"])
         for p in np.flatnonzero(np.diff(bounds)):
             idx = order[bounds[p] : bounds[p + 1]]
             tok = chunk.tokens[_ranges(offsets[:-1][idx], lengths[idx])]
@@ -137,6 +239,15 @@ class PartitionSpill:
                 chunk.rows[idx].tofile(f)
             with open(self.path(int(p), "tok"), "ab") as f:
                 tok.astype(np.int32, copy=False).tofile(f)
+            if chunk.has_extras:
+                settings = (
+                    None if chunk.settings is None else take_settings(chunk.settings, at[idx])
+                )
+                adapter = None if chunk.adapter is None else chunk.adapter[idx]
+                blob = pickle.dumps((settings, adapter), protocol=pickle.HIGHEST_PROTOCOL)
+                with open(self.path(int(p), "set"), "ab") as f:
+                    f.write(len(blob).to_bytes(8, "little"))
+                    f.write(blob)
             self.num_rows[p] += len(idx)
             self.num_tokens[p] += len(tok)
 
@@ -145,11 +256,30 @@ class PartitionSpill:
         if not self.num_rows[part]:
             return Rows(np.zeros(0, dtype=ROW), np.zeros(0, dtype=np.int32))
         rows = np.fromfile(self.path(part, "rows"), dtype=ROW)
-        return Rows(rows, np.fromfile(self.path(part, "tok"), dtype=np.int32))
+        out = Rows(rows, np.fromfile(self.path(part, "tok"), dtype=np.int32))
+        return self._with_extras(out, list(_extras_records(self.path(part, "set"))))
+
+    @staticmethod
+    def _with_extras(rows: Rows, records: list) -> Rows:
+        """``rows`` with the settings and adapters of ``records`` (exactly its rows)."""
+        from batchjob.inputs.row_settings import concat_settings
+
+        if not records:
+            return rows
+        settings = [s for s, _ in records if s is not None]
+        adapters = [a for _, a in records if a is not None]
+        return Rows(
+            rows.rows,
+            rows.tokens,
+            concat_settings(settings) if settings else None,
+            np.concatenate(adapters) if adapters else None,
+        )
 
     def chunks(self, part: int, rows_per_chunk: int) -> Iterator[Rows]:
         """The partition in chunks of ``rows_per_chunk`` rows, in order."""
         tok_at = 0
+        extras = _extras_records(self.path(part, "set"))
+        carry: Rows | None = None  # the extras read past the last chunk's rows
         for start in range(0, int(self.num_rows[part]), rows_per_chunk):
             n = min(rows_per_chunk, int(self.num_rows[part]) - start)
             rows = np.fromfile(
@@ -160,10 +290,42 @@ class PartitionSpill:
                 self.path(part, "tok"), dtype=np.int32, count=count, offset=tok_at * 4
             )
             tok_at += count
-            yield Rows(rows, tok)
+            chunk = Rows(rows, tok)
+            if self.path(part, "set").exists():
+                chunk, carry = self._extras_for(chunk, extras, carry)
+            yield chunk
+
+    def _extras_for(
+        self, chunk: Rows, extras: Iterator, carry: Rows | None
+    ) -> tuple[Rows, Rows | None]:
+        """``chunk`` with its extras, read on from ``extras`` (records) past ``carry``."""
+        n = len(chunk.rows)
+        got = [] if carry is None else [carry]
+        have = 0 if carry is None else len(carry.rows)
+        while have < n:
+            settings, adapter = next(extras)
+            m = len(settings.row_ids) if settings is not None else len(adapter)
+            got.append(Rows(np.zeros(m, dtype=ROW), np.zeros(0, np.int32), settings, adapter))
+            have += m
+        joined = _concat_rows(got)
+        head = PartitionSpill._slice_extras(joined, 0, n)
+        rest = PartitionSpill._slice_extras(joined, n, have) if have > n else None
+        return Rows(chunk.rows, chunk.tokens, head.settings, head.adapter), rest
+
+    @staticmethod
+    def _slice_extras(r: Rows, lo: int, hi: int) -> Rows:
+        from batchjob.inputs.row_settings import take_settings
+
+        which = np.arange(lo, hi, dtype=np.int64)
+        return Rows(
+            r.rows[lo:hi],
+            r.tokens[:0],
+            None if r.settings is None else take_settings(r.settings, which),
+            None if r.adapter is None else r.adapter[lo:hi],
+        )
 
     def remove(self, part: int) -> None:
-        for kind in ("rows", "tok"):
+        for kind in ("rows", "tok", "set"):
             with suppress(FileNotFoundError):
                 os.remove(self.path(part, kind))
 

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from batchjob.config import SchedulerConfig
 from batchjob.plan.budget import BYTES_PER_ROW, BYTES_PER_TOKEN, FILL, plan_bytes
 from batchjob.plan.build import plan_job
-from batchjob.plan.partition import DEPTHS, PartitionSpill, Rows, partition_of, prefix_keys
+from batchjob.plan.partition import DEPTHS, PartitionSpill, Rows, partition_of
 from batchjob.plan.plan import PlanStats
 from batchjob.plan.plan_io import plan_schema
 from batchjob.plan.stats import PlanSummary
@@ -209,7 +209,7 @@ def resplit(spill: PartitionSpill, part: int, budget: int, folder: Path) -> Part
         return None
     load = np.zeros((len(depths), n_sub))
     for chunk in spill.chunks(part, CHUNK_ROWS):
-        keys = prefix_keys(chunk.tokens, chunk.offsets, depths)
+        keys = chunk.keys(depths)
         weight = _row_bytes(chunk)
         for i in range(len(depths)):
             load[i] += np.bincount(partition_of(keys[i], n_sub), weights=weight, minlength=n_sub)
@@ -220,7 +220,7 @@ def resplit(spill: PartitionSpill, part: int, budget: int, folder: Path) -> Part
         return None
     sub = PartitionSpill(folder, n_sub, depth=depths[pick], name=f"{spill.name}{part:05d}r")
     for chunk in spill.chunks(part, CHUNK_ROWS):
-        key = prefix_keys(chunk.tokens, chunk.offsets, (sub.depth,))[0]
+        key = chunk.keys((sub.depth,))[0]
         sub.add_to(chunk, chunk.offsets, partition_of(key, n_sub))
     spill.remove(part)
     return sub
@@ -250,23 +250,36 @@ def fit_partitions(spill: PartitionSpill, budget: int, folder: Path) -> tuple[li
     return todo, depths, over
 
 
-def _plan_part(rows: Rows, scheduler: SchedulerConfig, prefix: Path, totals: _Totals) -> PartPlan:
-    """Plan one partition; its groups (Eq. 4 order) and members spilled at ``prefix``."""
-    prompts = rows.prompts()
+def _plan_part(
+    rows: Rows,
+    scheduler: SchedulerConfig,
+    prefix: Path,
+    totals: _Totals,
+    samples: tuple[int, bool] = (1, False),
+    by_rows: bool = False,
+) -> PartPlan:
+    """Plan one partition's requests (every row's ``samples``); its groups (Eq. 4 order)
+    and members spilled at ``prefix``. ``by_rows``: a group's ratio counts each row once,
+    not each sample, as ``plan.build`` orders the groups of rows of one adapter."""
+    prompts, pos = rows.requests(samples)
     plan = plan_job(prompts, scheduler)
-    pos = rows.rows["position"]
     sizes = np.diff(plan.group_offsets)
     g = plan.num_groups
     lengths = prompts.lengths[plan.members]
     decode = plan.decode_estimate.astype(np.int64)
     seg = np.repeat(np.arange(g), sizes)
     groups = np.zeros(g, dtype=GROUP)
-    if (
-        scheduler.reorder
-    ):  # R_group as ``group_order`` computes it (the same sums in the same order)
-        prompt_tokens = np.bincount(seg, weights=lengths, minlength=g)
-        decode_sum = np.bincount(seg, weights=decode, minlength=g)
-        prefill = prompt_tokens - (sizes - 1) * plan.group_prefix_len
+    if scheduler.reorder:  # R_group as ``group_order`` computes it (the same sums, order)
+        # samples of a row: ordered as their row (``plan.build``), its first sample alone
+        w = np.ones(len(plan.members), dtype=np.float64)
+        if by_rows and len(w):
+            rid = plan.row_ids
+            w[1:] = rid[1:] != rid[:-1]
+            w[plan.group_offsets[:-1][sizes > 0]] = 1.0
+        row_sizes = np.bincount(seg, weights=w, minlength=g)
+        prompt_tokens = np.bincount(seg, weights=lengths * w, minlength=g)
+        decode_sum = np.bincount(seg, weights=decode * w, minlength=g)
+        prefill = prompt_tokens - (row_sizes - 1) * plan.group_prefix_len
         groups["neg_ratio"] = -(decode_sum / np.maximum(prefill, 1))
     groups["first"] = pos[plan.members[plan.group_offsets[:-1]]] if g else 0
     groups["prefix_len"] = plan.group_prefix_len
@@ -392,9 +405,14 @@ def plan_spilled(
     scheduler: SchedulerConfig | None = None,
     *,
     on_partition: Callable[[int, int], None] | None = None,
+    samples: tuple[int, bool] = (1, False),
+    adapters: bool = False,
 ) -> StreamedPlan:
     """Plan the spilled dataset within ``budget`` bytes; write the plan to ``path``.
-    ``scheduler``: the job's section (``plan_job``; None: the defaults).
+    ``scheduler``: the job's section (``plan_job``; None: the defaults); ``samples``:
+    ``sampling.n`` and whether rows set their own (``Rows.requests``); ``adapters``: the
+    rows run with several LoRA adapters (their groups ordered by their samples' sums, as
+    ``plan.build`` orders them).
 
     ``on_partition(rows, tokens)``: called before each partition is planned (logging). The
     spill's folder holds the work files and is removed at the end, whatever happens."""
@@ -419,7 +437,10 @@ def plan_spilled(
             largest = max(largest, size, key=lambda x: plan_bytes(*x))
             if on_partition:
                 on_partition(*size)
-            parts.append(_plan_part(s.read(p), scheduler, work / f"plan{n:05d}", totals))
+            by_rows = samples != (1, False) and not adapters
+            parts.append(
+                _plan_part(s.read(p), scheduler, work / f"plan{n:05d}", totals, samples, by_rows)
+            )
             s.remove(p)
         stats = totals.stats()
         best = _write(parts, stats, path)

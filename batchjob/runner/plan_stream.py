@@ -2,15 +2,17 @@
 
 ``partitioned_reason(job, dataset)`` says whether a job plans in partitions: its estimated
 in-memory planning peak (``batchjob.plan.budget.plan_bytes`` of its rows and tokens, from
-the input's metadata) exceeds ``scheduler.plan_memory``, and nothing in it needs the whole
-dataset at once (per-row setting columns, ``sampling.n`` above 1 and scoring labels plan
-in memory, as before, and so do per-row adapters). A job within its budget plans in
+the input's metadata) exceeds ``scheduler.plan_memory``. A job within its budget plans in
 memory exactly as it always has.
 
-``spill_input`` reads and tokenizes the input batch by batch (the same checks as
-``batchjob.tokenize.batched``: each bad row rejected with its status) and spills each valid
-row's token ids to a partition by its first tokens under the metadata folder
-(``spill_folder``); ``plan_partitioned`` then plans the partitions into the plan file
+``spill_input`` reads and tokenizes the input batch by batch with ``prepare``'s per-row work
+(``batch_rows``: the same checks, each bad row rejected with its status; the per-row
+settings, scoring labels and LoRA adapters read and checked) and spills each valid row's
+token ids, with its settings and adapter, to a partition by its (adapter, first tokens)
+under the metadata folder (``spill_folder``); a job of samples (``sampling.n``,
+``input.n_column``) also writes each row's first result index there (``ResultStarts``), and
+each partition's rows are expanded into their samples when it is planned.
+``plan_partitioned`` then plans the partitions into the plan file
 (``batchjob.plan.streamed``), ``batchjob.runner.run_stream`` runs them one by one. Either
 holds one batch and then one partition at a time (the rejected rows go to the spill folder
 in batches as they come): not the dataset.
@@ -25,25 +27,24 @@ from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchjob.config import JobConfig
-from batchjob.config.per_row import ROW_SETTING_COLUMNS
 from batchjob.errors import ModelError
-from batchjob.inputs.parquet import ROW_ID, InputDataset
+from batchjob.inputs.parquet import ROW_ID, InputDataset, timed_batches
 from batchjob.inputs.row_token_ids import check_token_ids
 from batchjob.inputs.source import open_input
 from batchjob.model.info import ModelInfo, model_info_for
 from batchjob.outputs.spilled_records import RejectedSpill
+from batchjob.outputs.streamed_commit import ResultIndex, ResultStarts
 from batchjob.plan.budget import budget_of, num_partitions, plan_bytes
-from batchjob.plan.partition import ROW, PartitionSpill, Rows
+from batchjob.plan.partition import PartitionSpill
 from batchjob.plan.streamed import StreamedPlan, plan_spilled
+from batchjob.runner.batch_rows import BatchRows, passthrough_schema
 from batchjob.storage.atomic import Target
 from batchjob.storage.workdir import owned_workdir
 from batchjob.timing import StageTiming
-from batchjob.tokenize.batched import tokenize_batch
 from batchjob.tokenize.tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -95,22 +96,6 @@ def partitioned_reason(job: JobConfig, dataset: InputDataset) -> str | None:
     budget = budget_of(job.scheduler.plan_memory)
     if need <= budget:
         return None
-    # input.adapter_column: groups keyed by (adapter, tokens), which the partitions ignore
-    columns = (*ROW_SETTING_COLUMNS, "adapter_column")
-    whole = [f"input.{c}" for c in columns if getattr(job.input, c, None)]
-    if job.sampling.n > 1:
-        whole.append("sampling.n")
-    if job.sampling.labels:
-        whole.append("sampling.labels")
-    if whole:
-        log.warning(
-            "planning in memory (~%d MiB, over scheduler.plan_memory = %d MiB): %s need "
-            "the whole dataset at once",
-            need >> 20,
-            budget >> 20,
-            ", ".join(whole),
-        )
-        return None
     return (
         f"planning in partitions: ~{need >> 20} MiB in memory exceeds "
         f"scheduler.plan_memory = {budget >> 20} MiB"
@@ -143,6 +128,12 @@ class SpilledInput:
     model: ModelInfo | None
     budget: int  # scheduler.plan_memory, resolved
     passthrough: pa.Schema  # the pass-through columns, unified over the batches
+    index: ResultIndex | None = None  # where each (row, sample) result lands
+    samples: tuple[int, bool] = (1, False)  # sampling.n, whether rows set their own
+
+    @property
+    def num_results(self) -> int:
+        return self.num_rows if self.index is None else self.index.num_results
 
 
 def spill_input(
@@ -171,50 +162,30 @@ def spill_input(
         num_parts = num_partitions(dataset.num_rows, estimated_tokens(dataset), budget)
     spill = PartitionSpill(folder, num_parts)
     rejected = RejectedSpill(folder)
+    rows_of = BatchRows(job, tokenizer, max_len, vocab, dataset.prompt_column)
+    starts = None if rows_of.samples == (1, False) else ResultStarts(folder / "results.starts")
     schema: pa.Schema | None = None
     t_read = t_tok = 0.0
-    position = 0
+    valid = 0
     total_tokens = 0
-    batches = dataset.batches()
-    while True:
-        t0 = time.perf_counter()
-        batch = next(batches, None)
+    for batch, read_s in timed_batches(dataset):
+        t_read += read_s
         t1 = time.perf_counter()
-        t_read += t1 - t0
-        if batch is None:
-            break
-        pt = batch.passthrough.schema
-        schema = (
-            pt if schema is None else pa.unify_schemas([schema, pt], promote_options="permissive")
-        )
-        part, rej = tokenize_batch(
-            batch,
-            tokenizer,
-            default_max_tokens=job.sampling.max_tokens,
-            max_model_len=max_len,
-            vocab_size=vocab,
-            prompt_column=dataset.prompt_column,
-        )
-        rows = np.zeros(len(part.row_ids), dtype=ROW)
-        rows["position"] = np.arange(position, position + len(rows))
-        rows["row_id"] = part.row_ids
-        rows["length"] = part.lengths
-        mt = part.max_tokens.astype(np.int64)
-        if job.model.task == "embed":  # as prepare has it: KV for the prompt alone
-            mt = np.ones_like(mt)
-        if max_len is not None:  # as Prepared.requests caps them (cap_to_context)
-            mt = np.minimum(mt, np.maximum(max_len - part.lengths, 1))
-        rows["max_tokens"] = mt
-        spill.add(Rows(rows, part.tokens))
-        position += len(rows)
-        total_tokens += len(part.tokens)
-        rejected.add(rej)
+        schema = passthrough_schema(schema, batch)
+        got = rows_of(batch)
+        spill.add(got.rows)
+        if starts is not None:
+            starts.add(got.results)
+        valid += len(got.rows.rows)
+        total_tokens += len(got.rows.tokens)
+        rejected.add(got.rejected)
         t_tok += time.perf_counter() - t1
     pa.default_memory_pool().release_unused()
-    num_rows = position + len(rejected)
+    num_rows = valid + len(rejected)
     log.info("stage tokenize done: %d rows, %d tokens", num_rows, total_tokens)
     if schema is None:
         schema = pa.schema([(ROW_ID, pa.int64())])
+    index = ResultIndex(num_rows) if starts is None else starts.index()
     return SpilledInput(
         spill,
         rejected,
@@ -225,6 +196,8 @@ def spill_input(
         info,
         budget,
         schema,
+        index=index,
+        samples=rows_of.samples,
     )
 
 
@@ -249,6 +222,8 @@ def plan_partitioned(
             plan_path,
             job.scheduler,
             on_partition=lambda n, t: log.debug("planning a partition of %d rows, %d tokens", n, t),
+            samples=s.samples,
+            adapters=bool(job.model.adapters),
         )
         plan_s = time.perf_counter() - t0
     valid = s.num_rows - len(s.rejected)

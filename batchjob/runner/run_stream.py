@@ -2,20 +2,22 @@
 
 The job's input is read, tokenized and spilled to partitions by its rows' first tokens in one
 pass (``plan_stream.spill_input``, as ``batchjob plan`` does); partitions over the budget are
-split again (``streamed.fit_partitions``). Then, largest first, each partition is read back,
-less the rows an earlier run wrote (a bitmap of row ids, ``streamed_commit.done_rows``),
-planned alone (``plan_job``: Eq. 4 order within it) and run through ``execute`` on one
+split again (``streamed.fit_partitions``). Then, largest first, each partition is read back
+with its rows' settings and adapters, expanded into its requests (every row's samples),
+less the results an earlier run wrote (a bitmap of result indices,
+``streamed_commit.done_rows``), planned alone (``plan_job``: Eq. 4 order within it) and run
+through ``execute`` on one
 backend opened once, its results streaming to the job's ``ResultSink`` part files: a kill
 anywhere loses nothing, and the rerun skips every row written. The plan file lists the groups
 in the order they ran, partition after partition, written once the run is done. The commit
 streams one results file at a time (``streamed_commit``).
 
 In memory at once: one partition's rows, tokens and plan, and the backend's state for them;
-the done bitmap (a bit per input row); a results file while committing. Not the dataset's
+the done bitmap (a bit per result); a results file while committing. Not the dataset's
 rows, plan, pass-through columns or results; the rejected rows and the engine's iteration
-records go to files in batches as they come (``batchjob.outputs.spilled_records``). Jobs
-that need every row at once (``plan_stream.partitioned_reason``) and cluster runs run in
-memory.
+records go to files in batches as they come (``batchjob.outputs.spilled_records``); a job of
+samples maps each row's first result index from a file (``ResultStarts``). Cluster runs run
+in memory.
 """
 
 from __future__ import annotations
@@ -38,9 +40,8 @@ from batchjob.inputs.source import open_input
 from batchjob.outputs.naming import OutputLayout
 from batchjob.outputs.results import ResultRow, ResultSink
 from batchjob.outputs.spilled_records import IterationLog, RejectedSpill
-from batchjob.outputs.streamed_commit import RowBits, bucket_parts, done_rows
+from batchjob.outputs.streamed_commit import ResultIndex, RowBits, bucket_parts, done_rows
 from batchjob.plan.build import plan_job
-from batchjob.plan.partition import Rows
 from batchjob.plan.plan import Plan, PlanStats
 from batchjob.plan.plan_io import plan_schema, plan_to_table
 from batchjob.plan.streamed import fit_partitions
@@ -56,6 +57,7 @@ from batchjob.runner.plan_stream import spill_folder, spill_input
 from batchjob.runner.progress import results_phrase
 from batchjob.storage.atomic import Target, atomic_open
 from batchjob.storage.workdir import owned_workdir
+from batchjob.tokenize.prompts import TokenizedPrompts
 from batchjob.tokenize.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -73,11 +75,14 @@ class StreamedRun:
     iterations: IterationLog  # the engine's records; the caller closes it after the report
 
 
-def _report_rejected(rejected: RejectedSpill, sink: ResultSink, done: RowBits) -> int:
+def _report_rejected(
+    rejected: RejectedSpill, sink: ResultSink, done: RowBits, index: ResultIndex | None = None
+) -> int:
     """The rejected rows not written earlier to ``sink``; returns how many."""
     n = 0
     for chunk in rejected.chunks():
-        todo = np.flatnonzero(~done.has(chunk.row_ids))
+        at = chunk.row_ids if index is None else index.of(chunk.row_ids)
+        todo = np.flatnonzero(~done.has(at))
         for i in todo:
             rid = int(chunk.row_ids[i])
             sink.add(ResultRow(rid, None, None, 0, 0, None, chunk.status[i], chunk.message[i]))
@@ -125,12 +130,12 @@ class _PlanPieces:
         self.stats: list[PlanStats] = []
         self.groups = 0
 
-    def add(self, plan: Plan, rows: Rows) -> None:
+    def add(self, plan: Plan, prompts: TokenizedPrompts, positions: np.ndarray) -> None:
+        """``plan`` as it ran over ``prompts`` (or those of them not over the KV budget:
+        whole rows dropped), ``positions`` the prompts' request positions."""
         t = plan_to_table(plan)
-        ids, pos = rows.rows["row_id"], rows.rows["position"]  # row ids ascending
-        at = np.searchsorted(ids, plan.row_ids)
         t = t.set_column(0, "group", pa.array(t["group"].to_numpy() + self.groups))
-        t = t.set_column(2, "position", pa.array(pos[at].astype(np.int64)))
+        t = t.set_column(2, "position", pa.array(_positions(plan, prompts, positions)))
         path = self.folder / f"ran{len(self.files):05d}.parquet"
         pq.write_table(t, path)
         self.files.append(path)
@@ -144,6 +149,19 @@ class _PlanPieces:
                 w.write_table(pq.read_table(piece).cast(schema))
             if not self.files:
                 w.write_table(schema.empty_table())
+
+
+def _positions(plan: Plan, prompts: TokenizedPrompts, positions: np.ndarray) -> np.ndarray:
+    """int64: the request position of each plan member. ``prompts``' row ids ascend, a row's
+    samples side by side; the plan lists a row's requests side by side in the same order
+    (``plan.build``), so the k-th member of a run of one row id is that row's k-th request."""
+    rid = plan.row_ids
+    if not len(rid):
+        return np.zeros(0, dtype=np.int64)
+    first = np.searchsorted(prompts.row_ids, rid)
+    run = np.flatnonzero(np.r_[True, rid[1:] != rid[:-1]])
+    rank = np.arange(len(rid)) - np.repeat(run, np.diff(np.r_[run, len(rid)]))
+    return np.asarray(positions[first + rank], dtype=np.int64)
 
 
 def _work_parent(layout: OutputLayout) -> Path:
@@ -179,8 +197,6 @@ def _run_partitioned(
 ) -> StreamedRun:
     stage: dict[str, float] = {"plan_s": 0.0, "load_s": 0.0}
     dataset = open_input(job.input, job.model, job.sampling)
-    done = done_rows(layout, dataset.num_rows)
-    skipped = done.count()
     cfg = backend_config(job)
     runs: list[Execution] = []
     backend = None
@@ -189,7 +205,10 @@ def _run_partitioned(
         stage["read_s"], stage["tokenize_s"] = s.read_s, s.tokenize_s
         if len(s.rejected) == s.num_rows:
             raise AllRowsRejectedError(_all_rejected(s.rejected, s.num_rows))
-        rejected_now = _report_rejected(s.rejected, sink, done)
+        index = s.index or ResultIndex(s.num_rows)
+        done = done_rows(layout, s.num_rows, index)  # results an earlier run wrote
+        skipped = done.count()
+        rejected_now = _report_rejected(s.rejected, sink, done, index)
         todo, depths, over = fit_partitions(s.spill, s.budget, work)
         todo.sort(key=lambda sp: -int(sp[0].num_tokens[sp[1]]))  # largest first
         log.info(
@@ -198,9 +217,10 @@ def _run_partitioned(
             ",".join(map(str, sorted(depths))),
             over,
         )
-        to_run = s.num_rows - skipped - rejected_now
+        total = s.num_results
+        to_run = total - skipped - rejected_now
         if progress or heartbeat_s:
-            counted = results_phrase(s.num_rows, s.num_rows)
+            counted = results_phrase(total, s.num_rows)
             print(
                 f"batchjob: {counted}: {to_run} to run in {len(todo)} partitions, {skipped} "
                 f"done earlier, {len(s.rejected)} rejected -> {layout.output}",
@@ -212,7 +232,9 @@ def _run_partitioned(
             for spill, p in todo:
                 rows = spill.read(p)
                 spill.remove(p)
-                prompts = select_rows(rows.prompts(), ~done.has(rows.rows["row_id"]))
+                prompts, positions = rows.requests(s.samples)
+                keep = ~done.has(index.of(prompts.row_ids, prompts.sample_index))
+                prompts, positions = select_rows(prompts, keep), positions[keep]
                 if not len(prompts):
                     continue
                 t0 = time.perf_counter()
@@ -235,7 +257,7 @@ def _run_partitioned(
                 )
                 iterations.add(ex.run.iterations)  # to a file: not held per partition
                 ex = dataclasses.replace(ex, run=dataclasses.replace(ex.run, iterations=[]))
-                pieces.add(ex.plan, rows)
+                pieces.add(ex.plan, prompts, positions)
                 runs.append(dataclasses.replace(ex, plan=_stats_plan(ex.plan.stats)))  # no rows
         finally:
             if backend is not None:
@@ -252,15 +274,15 @@ def _run_partitioned(
     n_over = merged.over_budget
     t0 = time.perf_counter()
     with owned_workdir(_work_parent(layout), ".commit-buckets-") as buckets:
-        streamed = bucket_parts(layout, sink.schema, buckets, s.num_rows, sink.rows_per_file)
+        streamed = bucket_parts(layout, sink.schema, buckets, s.num_rows, sink.rows_per_file, index)
         again = open_input(job.input, job.model, job.sampling)  # pass-through columns
         passthrough = (b.passthrough for b in again.batches())
         chunks = streamed.chunks(passthrough, s.passthrough)
-        results = sink.commit_chunks(chunks, s.num_rows)
+        results = sink.commit_chunks(chunks, total)
     stage["write_s"] = time.perf_counter() - t0
     rows = {
-        "total": s.num_rows,
-        "ok": s.num_rows - len(s.rejected) - n_over,
+        "total": total,
+        "ok": total - len(s.rejected) - n_over,
         "rejected": len(s.rejected) + n_over,
         "skipped": skipped,
         "input": s.num_rows,

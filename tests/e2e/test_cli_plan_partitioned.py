@@ -59,12 +59,27 @@ def test_plan_in_partitions_writes_the_in_memory_plan(
 
 
 @pytest.mark.parametrize(
-    ("setting", "samples"), [("sampling.n=2", 2), ("input.seed_column=request_id", 1)]
+    ("setting", "samples"),
+    [
+        ("sampling.n=2", 2),
+        ("input.seed_column=request_id", 1),
+        ("input.n_column=doc_id", None),
+        ('sampling.labels=[" yes", " no"]', 1),
+    ],
 )
-def test_a_job_that_needs_every_row_at_once_plans_in_memory(
-    tmp_path: Path, text_data: Path, tiny_model_dir: Path, setting: str, samples: int
+def test_jobs_of_samples_settings_and_labels_plan_in_partitions(
+    tmp_path: Path, text_data: Path, tiny_model_dir: Path, setting: str, samples: int | None
 ) -> None:
-    """Samples of a row and per-row settings are planned by ``Prepared``, in memory."""
-    s = plan(tmp_path, text_data, tiny_model_dir, "whole", "scheduler.plan_memory=64KiB", setting)
-    assert "partitions" not in s
-    assert s["ok"] == samples * (pq.read_metadata(text_data).num_rows - 1)
+    """Samples of a row, per-row settings and labels: spilled with the rows, each partition's
+    rows expanded into their requests; the plan file is the in-memory plan's."""
+    mem = plan(tmp_path, text_data, tiny_model_dir, "mem", setting)
+    part = plan(tmp_path, text_data, tiny_model_dir, "part", "scheduler.plan_memory=64KiB", setting)
+    assert "partitions" not in mem and part["partitions"]["count"] > 1
+    if samples is not None:
+        assert part["ok"] == samples * (pq.read_metadata(text_data).num_rows - 1)
+    assert {k: v for k, v in part.items() if k not in DIFFERS} == {
+        k: v for k, v in mem.items() if k not in DIFFERS
+    }
+    a, b = read_plan(tmp_path / "mem" / "p.parquet"), read_plan(tmp_path / "part" / "p.parquet")
+    for f in ("group_prefix_len", "group_offsets", "members", "row_ids", "decode_estimate"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
