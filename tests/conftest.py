@@ -16,8 +16,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from batchjob.config import load_job
 from batchjob.testing.tiny_model import write_random_weights
 from batchjob.testing.workloads import WORDS
+from batchjob.tokenize.batched import TokenizedInput, load_prompts
 
 # Two xdist workers on two cores: one torch thread each, or tiny matmuls oversubscribe.
 torch.set_num_threads(1)
@@ -102,6 +104,14 @@ def write_parquet(table: pa.Table, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
     return path
+
+
+def load_rows(tmp: Path, data: Path, model: Path, **sets: str) -> TokenizedInput:
+    """What ``load_prompts`` (native backend) reads from ``data`` for ``model``: a job with
+    its output under ``tmp`` and ``sets`` (job keys) on top."""
+    over = {"input.path": str(data), "model.path": str(model), "output.path": str(tmp / "o")}
+    job = load_job(None, {**over, **sets})
+    return load_prompts(job.input, job.model, job.sampling, "native")[0]
 
 
 @pytest.fixture

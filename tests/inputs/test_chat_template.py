@@ -11,11 +11,9 @@ import pyarrow as pa
 import pytest
 import transformers
 
-from batchjob.config import load_job
 from batchjob.errors import EXIT_CONFIG, EXIT_MODEL, ConfigError, ModelError
 from batchjob.status import STATUS_CHAT_TEMPLATE, STATUS_NULL_FIELD
-from batchjob.tokenize.batched import load_prompts
-from tests.conftest import train_tiny_tokenizer, write_model_folder, write_parquet
+from tests.conftest import load_rows, train_tiny_tokenizer, write_model_folder, write_parquet
 
 LLAMA3 = (
     "{{- bos_token }}"
@@ -90,15 +88,23 @@ def _hf_ids(folder: Path, messages: list[dict]) -> list[int]:
 
 
 def _load(tmp: Path, table: pa.Table, folder: Path, **sets: str):
-    data = write_parquet(table, tmp / "in.parquet")
-    over = {
-        "input.path": str(data),
-        "model.path": str(folder),
-        "output.path": str(tmp / "out.parquet"),
-        **sets,
-    }
-    job = load_job(None, over)
-    return load_prompts(job.input, job.model, job.sampling, "native")[0]
+    return load_rows(tmp, write_parquet(table, tmp / "in.parquet"), folder, **sets)
+
+
+def _boom_row(tmp: Path, folder: Path, body: str):
+    """Two rows under a template that runs ``body`` on row 1 only (its content ``boom``): row 0
+    tokenizes, row 1 is rejected with ``chat_template_error``."""
+    template = tmp / "boom.jinja"
+    template.write_text(
+        "{% if messages[0]['content'] == 'boom' %}" + body + "{% endif %}"
+        "{{ messages[0]['content'] }}"
+    )
+    table = pa.table({"messages": [CONVERSATIONS[0][1:], [{"role": "user", "content": "boom"}]]})
+    sets = {"input.messages_column": "messages", "model.chat_template": str(template)}
+    loaded = _load(tmp, table, folder, **sets)
+    assert loaded.prompts.row_ids.tolist() == [0]
+    assert loaded.rejected.status == (STATUS_CHAT_TEMPLATE,)
+    return loaded
 
 
 def _rows(loaded) -> list[list[int]]:
@@ -221,16 +227,7 @@ def test_a_template_that_fails_in_python_is_a_row_error(
 ) -> None:
     """Any error the template raises while rendering a row is that row's
     ``chat_template_error`` (it was a traceback, exit 1), the other rows run."""
-    template = tmp_path / "loop.jinja"
-    template.write_text(
-        "{% if messages[0]['content'] == 'boom' %}" + body + "{% endif %}"
-        "{{ messages[0]['content'] }}"
-    )
-    table = pa.table({"messages": [CONVERSATIONS[0][1:], [{"role": "user", "content": "boom"}]]})
-    sets = {"input.messages_column": "messages", "model.chat_template": str(template)}
-    loaded = _load(tmp_path, table, llama3_dir, **sets)
-    assert loaded.prompts.row_ids.tolist() == [0]
-    assert loaded.rejected.status == (STATUS_CHAT_TEMPLATE,)
+    loaded = _boom_row(tmp_path, llama3_dir, body)
     assert loaded.rejected.message[0].startswith("row 1 ") and "Error" in loaded.rejected.message[0]
 
 
@@ -266,15 +263,6 @@ def test_a_template_past_the_render_limits_is_a_row_error(
     from batchjob.inputs import chat_template
 
     monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.2)
-    template = tmp_path / "heavy.jinja"
-    template.write_text(
-        "{% if messages[0]['content'] == 'boom' %}" + body + "{% endif %}"
-        "{{ messages[0]['content'] }}"
-    )
-    table = pa.table({"messages": [CONVERSATIONS[0][1:], [{"role": "user", "content": "boom"}]]})
-    sets = {"input.messages_column": "messages", "model.chat_template": str(template)}
-    loaded = _load(tmp_path, table, llama3_dir, **sets)
-    assert loaded.prompts.row_ids.tolist() == [0]
-    assert loaded.rejected.status == (STATUS_CHAT_TEMPLATE,)
+    loaded = _boom_row(tmp_path, llama3_dir, body)
     message = loaded.rejected.message[0]
     assert message.startswith("row 1 ") and "the limit per row" in message, message

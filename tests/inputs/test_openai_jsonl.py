@@ -10,12 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchjob.config import load_job
 from batchjob.errors import EXIT_INPUT, EXIT_MODEL, InputDataError, ModelError
 from batchjob.inputs.openai_batch import read_requests
 from batchjob.status import STATUS_INVALID_REQUEST
-from batchjob.tokenize.batched import load_prompts
 from batchjob.tokenize.tokenizer import load_tokenizer
+from tests.conftest import load_rows
 
 CHAT = "/v1/chat/completions"
 
@@ -81,21 +80,10 @@ def test_file_level_errors_are_exit_4(tmp_path: Path, lines: list[str], match: s
     assert e.value.exit_code == EXIT_INPUT
 
 
-def _load(tmp: Path, path: Path, model: Path, **sets: str):
-    over = {
-        "input.path": str(path),
-        "model.path": str(model),
-        "output.path": str(tmp / "o.parquet"),
-        **sets,
-    }
-    job = load_job(None, over)
-    return load_prompts(job.input, job.model, job.sampling, "native")[0]
-
-
 def test_completions_rows_tokenize_as_plain_text(tmp_path: Path, tiny_model_dir: Path) -> None:
     url = "/v1/completions"
     path = _write(tmp_path, [_req(0, url, max_tokens=3), _req(1, url), "[1, 2]"])
-    loaded = _load(tmp_path, path, tiny_model_dir)
+    loaded = load_rows(tmp_path, path, tiny_model_dir)
     tok = load_tokenizer(tiny_model_dir)
     want, _ = tok.encode(["alpha river 0"])  # BOS added: /v1/completions takes the text as is
     p = loaded.prompts
@@ -110,11 +98,11 @@ def test_completions_rows_tokenize_as_plain_text(tmp_path: Path, tiny_model_dir:
 def test_chat_rows_need_a_template(tmp_path: Path, tiny_model_dir: Path) -> None:
     path = _write(tmp_path, [_req(0)])
     with pytest.raises(ModelError, match=r"model\.chat_template") as e:
-        _load(tmp_path, path, tiny_model_dir)
+        load_rows(tmp_path, path, tiny_model_dir)
     assert e.value.exit_code == EXIT_MODEL
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}>")
-    loaded = _load(tmp_path, path, tiny_model_dir, **{"model.chat_template": str(template)})
+    loaded = load_rows(tmp_path, path, tiny_model_dir, **{"model.chat_template": str(template)})
     tok = load_tokenizer(tiny_model_dir)
     want, _ = tok.encode(["[user] alpha river 0\n>"], add_special_tokens=False)
     p = loaded.prompts
