@@ -125,8 +125,21 @@ def run(job: JobConfig, progress: bool = True, heartbeat_s: float | None = None)
             started,
             dataset.prompt_is_text,
             run_token=token,
-            streamed=job.cluster.address == "none" and _over_plan_memory(job, dataset),
+            streamed=_over_plan_memory(job, dataset) and _partitions_here(job, layout),
         )
+
+
+def _partitions_here(job: JobConfig, layout: OutputLayout) -> bool:
+    """A job over its planning budget runs in partitions: in this process, or on a cluster
+    whose workers plan them (``cluster.partitioned``) unless the job cannot."""
+    if job.cluster.address == "none":
+        return True
+    from batchjob.runner.cluster.partitioned import cannot_partition
+
+    if (why := cannot_partition(job, layout)) is not None:
+        log.warning("%s: the driver plans it in memory", why)
+        return False
+    return True
 
 
 def _over_plan_memory(job: JobConfig, dataset) -> bool:
@@ -171,7 +184,16 @@ def _run_locked(
     # is read once, for the later stages
     if streamed:
         return _run_streamed(
-            job, layout, this, progress, t_job, heartbeat_s, started, run_token, tokenizer
+            job,
+            layout,
+            this,
+            progress,
+            t_job,
+            heartbeat_s,
+            started,
+            run_token,
+            tokenizer,
+            text_prompts,
         )
     prep = prepare(job, tokenizer, on_cluster=job.cluster.address != "none")
     loaded, model = prep.loaded, prep.model
@@ -256,13 +278,33 @@ def _run_streamed(
     started: str,
     run_token: str,
     tokenizer: PromptTokenizer | None,
+    text_prompts: bool = True,
 ) -> JobResult:
     """A job over ``scheduler.plan_memory``: read, planned and run partition by partition,
-    committed a results file at a time (``run_stream``)."""
-    from batchjob.runner.run_stream import run_partitioned
+    committed a results file at a time (``run_stream``; on a cluster,
+    ``cluster.partitioned``)."""
+    from batchjob.runner.run_stream import StreamedRun, run_partitioned
 
     sink = _job_sink(job, layout, this, run_token)
-    done = run_partitioned(job, layout, sink, tokenizer, progress=progress, heartbeat_s=heartbeat_s)
+    done: StreamedRun
+    if job.cluster.address == "none":
+        done = run_partitioned(
+            job, layout, sink, tokenizer, progress=progress, heartbeat_s=heartbeat_s
+        )
+    else:  # each worker plans and runs its partitions (Ray imported only here)
+        from batchjob.runner.cluster.partitioned import run_partitioned_on_cluster
+
+        done = run_partitioned_on_cluster(
+            job,
+            layout,
+            this,
+            sink,
+            tokenizer,
+            text_prompts,
+            run_token=run_token,
+            progress=progress,
+            heartbeat_s=heartbeat_s,
+        )
     log.info("stage write done in %.2f s", done.stage_s["write_s"])
     try:
         return _report(
