@@ -205,8 +205,16 @@ def _plan_partitioned(job: JobConfig, dataset, plan_out: Path | None, as_json: b
     layout = OutputLayout.of(job.output)
     target = plan_out or layout.plan_file
     path = target.expanduser().resolve() if isinstance(target, Path) else target  # or a URI
+    planner = plan_partitioned
+    if job.cluster.address != "none":  # the workers spill and plan (Ray imported only here)
+        from batchjob.runner.cluster.partitioned import cannot_partition, plan_on_cluster
+
+        if (why := cannot_partition(job, layout)) is None:
+            planner = plan_on_cluster
+        else:
+            log.info("%s: planned in this process", why)
     try:
-        done = plan_partitioned(job, path, layout.meta, dataset=dataset)
+        done = planner(job, path, layout.meta, dataset=dataset)
     except OSError as e:
         key = "--plan-out" if plan_out else "output.path"
         raise ConfigError(f"{key}: cannot write the plan to {path}: {e.strerror or e}") from None
