@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,7 +22,7 @@ from batchjob.plan import plan_job
 from batchjob.runner.pipeline import run as run_job
 from batchjob.runner.prepare import prepare
 from batchjob.testing.lora_adapter import make_lora_adapter, merge_lora
-from tests.e2e.jobkit import ROOT, cli
+from tests.e2e.jobkit import ROOT, cli, killed_run, write_job
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,44 @@ def test_native_adapters_equal_merged_weights(tmp_path, run_model, run_data, ada
     # the adapters change the outputs: rows 0, 1, 2 share a prompt pattern across a, b, none
     assert sum(got[i] != got[i + 2] for i in range(0, 12, 3)) >= 2
     assert sum(got[i] != got[i + 1] for i in range(0, 12, 3)) >= 2
+
+
+@pytest.mark.slow
+def test_native_adapters_killed_and_resumed(tmp_path, run_model, run_data, adapters) -> None:
+    """A native job mixing adapters a, b and none, SIGKILLed after its second part file and
+    rerun: every row exactly once, each equal to the uninterrupted run's (the rows kept from
+    before the kill and the ones computed after, of every adapter)."""
+    names = [("a", "b", None)[i % 3] for i in range(18)]
+    data = _data(tmp_path, run_data, names)
+    table = "{" + ", ".join(f'{k} = "{v}"' for k, v in adapters.items()) + "}"
+    sets = [f"model.adapters={table}", "input.adapter_column=adapter"]
+    sets += ["sampling.temperature=0", "scheduler.chunk_size=16"]  # parts land one by one
+    args = [a for s in sets for a in ("--set", s)]
+    cols = ["row_id", "adapter", "output_token_ids", "finish_reason", "status"]
+    ref = write_job(tmp_path, run_model, data, tmp_path / "ref.parquet")
+    r = cli("run", ref, *args)
+    assert r.exit_code == 0, r.output
+    want = pq.read_table(tmp_path / "ref.parquet").sort_by("row_id").select(cols)
+    assert set(want["status"].to_pylist()) == {"ok"}
+
+    out = tmp_path / "out.parquet"
+    job = write_job(tmp_path, run_model, data, out, flush_rows="2")
+    assert killed_run(job, *args, spec="part:5").returncode == -signal.SIGKILL
+    assert not out.exists()  # nothing committed: the rows done so far are in parts
+    parts = sorted((tmp_path / "out.parquet.meta" / "parts").glob("part-*.parquet"))
+    kept = sorted(r for f in parts for r in pq.read_table(f)["row_id"].to_pylist())
+    rest = sorted(set(range(len(names))) - set(kept))
+    # both sides of the kill hold rows of several adapters (their groups interleave)
+    assert len({names[k] for k in kept}) >= 2 and len({names[k] for k in rest}) >= 2, kept
+    r = cli("run", job, *args)
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "out.parquet.meta" / "report.json").read_text())
+    assert report["rows_skipped_done"] == len(kept) >= 8  # four parts of two rows or more
+    got = pq.read_table(out).sort_by("row_id").select(cols)
+    assert got["row_id"].to_pylist() == list(range(len(names)))  # exactly once
+    assert got.equals(want)
+    again = cli("run", job, *args)
+    assert again.exit_code == 0 and "already complete" in again.output
 
 
 def test_adapters_example_job_plans(tmp_path, run_model, run_data, adapters) -> None:
