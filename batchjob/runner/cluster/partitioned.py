@@ -508,7 +508,7 @@ class _PartitionDriver(_Driver):
                 every = self.heartbeat.every_s if self.heartbeat else None
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=every)
                 if not ready:
-                    self._say(len(items), results, running)
+                    self._say(len(queue), results, running)
                     continue
                 [ref] = ready
                 slot, item = running.pop(ref)
@@ -569,12 +569,12 @@ class _PartitionDriver(_Driver):
             slot.restarts += 1
             self._start(slot)
 
-    def _say(self, total: int, results: list[PartitionDone], running: dict) -> None:
+    def _say(self, queued: int, results: list[PartitionDone], running: dict) -> None:
         if self.heartbeat:
             lost = sum(s.restarts + (s.actor is None) for s in self.slots)
             self.heartbeat.say(
-                f"cluster: {len(results)} of {total} partitions done, {len(running)} workers "
-                f"busy, {lost} workers lost so far"
+                f"cluster: {len(results)} partitions done, {queued} queued, {len(running)} "
+                f"workers busy, {lost} workers lost so far"
             )
 
 
