@@ -13,7 +13,8 @@ sample. Results file ``i`` of the commit holds exactly results ``[i * R, (i + 1)
    file per bucket); each result is checked in a bitmap as it goes, so a result missing,
    out of range or written twice stops the commit before anything is written (parts kept).
 2. ``StreamedResults.chunks``: bucket by bucket, its rows sorted by (row_id, sample) and
-   joined with the same rows' pass-through columns, read again from the input in order.
+   joined with the same rows' pass-through columns, read back in order from the copy the
+   spill pass wrote (``PassthroughSpill``), or from the input again.
 
 Peak memory: a bucket, its pass-through rows and a read of parts, not the dataset.
 ``RowBits`` (one bit per result) is also the done set of a resumed run (``done_rows``).
@@ -164,6 +165,38 @@ def _read(path: Path) -> list[pa.Table]:
             blob = f.read(int.from_bytes(head, "little"))
             out.append(pa.ipc.open_stream(pa.py_buffer(blob)).read_all())
     return out
+
+
+class PassthroughSpill:
+    """The input's pass-through columns, batch by batch as read, appended to ``path`` (Arrow
+    IPC blobs, zstd; each keeps its batch's schema), read back in the same order by
+    ``tables``: the commit joins them without reading the input again."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.path.write_bytes(b"")
+        self._options = pa.ipc.IpcWriteOptions(compression="zstd")
+
+    def add(self, table: pa.Table) -> None:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema, options=self._options) as w:
+            w.write_table(table)
+        blob = sink.getvalue()
+        with open(self.path, "ab") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+
+    def tables(self) -> Iterator[pa.Table]:
+        """The tables in order; the file is opened here, so they read on after its folder
+        is removed (as ``ResultStarts``' map does)."""
+        return _blobs(open(self.path, "rb"))  # closed by _blobs
+
+
+def _blobs(f) -> Iterator[pa.Table]:
+    with f:
+        while head := f.read(8):
+            blob = f.read(int.from_bytes(head, "little"))
+            yield pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
 
 
 def _parts_in_reads(layout: OutputLayout, schema: pa.Schema) -> Iterator[pa.Table]:

@@ -37,7 +37,7 @@ from batchjob.inputs.row_token_ids import check_token_ids
 from batchjob.inputs.source import open_input
 from batchjob.model.info import ModelInfo, model_info_for
 from batchjob.outputs.spilled_records import RejectedSpill
-from batchjob.outputs.streamed_commit import ResultIndex, ResultStarts
+from batchjob.outputs.streamed_commit import PassthroughSpill, ResultIndex, ResultStarts
 from batchjob.plan.budget import budget_of, num_partitions, plan_bytes
 from batchjob.plan.partition import PartitionSpill
 from batchjob.plan.streamed import StreamedPlan, plan_spilled
@@ -49,6 +49,7 @@ from batchjob.tokenize.tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 TEXT_BYTES_PER_TOKEN = 4  # text prompts: the token estimate before tokenizing
+CHAT_BYTES_PER_ROW = 64  # a chat template's markup (role tags, turn ends) per conversation
 SPILL_PREFIX = ".plan-spill-"  # <meta>/.plan-spill-*: partitions being planned or run
 
 
@@ -63,9 +64,47 @@ class PartitionedPlan:
     budget: int
 
 
+def _prompt_sources(dataset: InputDataset) -> tuple[tuple[str, ...], int]:
+    """(the input columns a row's prompt is built from, the bytes every row's prompt adds):
+    the prompt column; a template's columns and its literal text; chat messages, or a
+    prompt as a chat's user turn, with the system prompt and ``CHAT_BYTES_PER_ROW`` of
+    markup (role tags)."""
+    b = dataset.builder
+    if b is None:
+        return (dataset.prompt_column,), 0
+    if b.template is not None:
+        literal = sum(len(text.encode()) for text, _ in b.template.parts)
+        return b.template.columns, literal
+    fixed = len(b.system_text.encode()) if b.system_text else 0
+    if b.messages_col is not None or b.wrap_prompts:
+        fixed += CHAT_BYTES_PER_ROW
+    return (b.messages_col or b.prompt_column,), fixed
+
+
+def _text_bytes(col) -> int:
+    """A text column chunk's bytes: its uncompressed size, or where a dictionary holds
+    repeated values (one document asked many questions) its values times the mean length
+    of their min and max, the larger."""
+    size = int(col.total_uncompressed_size)
+    stats = col.statistics if col.is_stats_set else None
+    if col.has_dictionary_page and stats is not None and stats.has_min_max:
+        lo, hi = stats.min, stats.max
+        if isinstance(lo, str | bytes) and isinstance(hi, str | bytes):
+            mean = (
+                len(lo.encode() if isinstance(lo, str) else lo)
+                + len(hi.encode() if isinstance(hi, str) else hi)
+            ) / 2
+            size = max(size, int(col.num_values * mean))
+    return size
+
+
 def estimated_tokens(dataset: InputDataset) -> int:
-    """The input's prompt tokens, from its Parquet metadata: a token-id column's values, a
-    text column's uncompressed bytes / 4; a file's size / 4 where there is no metadata."""
+    """The input's prompt tokens, from its Parquet metadata: a token-id column's values, the
+    uncompressed bytes / 4 of the text a prompt is built from (``_prompt_sources``: a
+    text prompt column, a template's columns, chat messages, plus each row's fixed text); a
+    file's size / 4 where there is no metadata."""
+    sources, fixed = _prompt_sources(dataset)
+    text = dataset.prompt_is_text or dataset.builder is not None
     total = 0
     for path in dataset.files:
         try:
@@ -77,14 +116,15 @@ def estimated_tokens(dataset: InputDataset) -> int:
         cols = [
             i
             for i in range(meta.num_columns)
-            if meta.schema.column(i).path.split(".")[0] == dataset.prompt_column
+            if meta.schema.column(i).path.split(".")[0] in sources
         ]
+        total += meta.num_rows * fixed // TEXT_BYTES_PER_TOKEN
         for rg in range(meta.num_row_groups):
             group = meta.row_group(rg)
             for i in cols:
                 col = group.column(i)
-                if dataset.prompt_is_text:
-                    total += col.total_uncompressed_size // TEXT_BYTES_PER_TOKEN
+                if text:
+                    total += _text_bytes(col) // TEXT_BYTES_PER_TOKEN
                 else:
                     total += col.num_values
     return total
@@ -130,6 +170,7 @@ class SpilledInput:
     passthrough: pa.Schema  # the pass-through columns, unified over the batches
     index: ResultIndex | None = None  # where each (row, sample) result lands
     samples: tuple[int, bool] = (1, False)  # sampling.n, whether rows set their own
+    passthrough_spill: PassthroughSpill | None = None  # the batches' pass-through columns
 
     @property
     def num_results(self) -> int:
@@ -142,11 +183,14 @@ def spill_input(
     folder: Path,
     tokenizer: PromptTokenizer | None = None,
     num_parts: int | None = None,
+    keep_passthrough: bool = False,
 ) -> SpilledInput:
     """Read and tokenize ``job``'s input batch by batch, each valid row's token ids spilled
     under ``folder`` to a partition by its first tokens; it holds one batch and the rejected
     rows, not the dataset. ``num_parts``: the partition count (default: from the input's size
-    and the budget; a slice of the input spilled apart gives the whole input's)."""
+    and the budget; a slice of the input spilled apart gives the whole input's);
+    ``keep_passthrough``: the batches' pass-through columns also copied under ``folder``
+    (``PassthroughSpill``), for the commit."""
     info = model_info_for(job.model, job.engine.backend)
     if dataset.prompt_is_text and tokenizer is None:
         if job.model.path is None:
@@ -163,6 +207,7 @@ def spill_input(
     spill = PartitionSpill(folder, num_parts)
     rejected = RejectedSpill(folder)
     rows_of = BatchRows(job, tokenizer, max_len, vocab, dataset.prompt_column)
+    kept = PassthroughSpill(folder / "passthrough.arrows") if keep_passthrough else None
     starts = None if rows_of.samples == (1, False) else ResultStarts(folder / "results.starts")
     schema: pa.Schema | None = None
     t_read = t_tok = 0.0
@@ -172,6 +217,8 @@ def spill_input(
         t_read += read_s
         t1 = time.perf_counter()
         schema = passthrough_schema(schema, batch)
+        if kept is not None:
+            kept.add(batch.passthrough)
         got = rows_of(batch)
         spill.add(got.rows)
         if starts is not None:
@@ -198,6 +245,7 @@ def spill_input(
         schema,
         index=index,
         samples=rows_of.samples,
+        passthrough_spill=kept,
     )
 
 

@@ -10,7 +10,8 @@ through ``execute`` on one
 backend opened once, its results streaming to the job's ``ResultSink`` part files: a kill
 anywhere loses nothing, and the rerun skips every row written. The plan file lists the groups
 in the order they ran, partition after partition, written once the run is done. The commit
-streams one results file at a time (``streamed_commit``).
+streams one results file at a time (``streamed_commit``), its pass-through columns from the
+copy the spill pass wrote (``PassthroughSpill``): the input is read once.
 
 In memory at once: one partition's rows, tokens and plan, and the backend's state for them;
 the done bitmap (a bit per result); a results file while committing. Not the dataset's
@@ -201,7 +202,7 @@ def _run_partitioned(
     runs: list[Execution] = []
     backend = None
     with spill_folder(layout.meta) as work:
-        s = spill_input(job, dataset, work, tokenizer)
+        s = spill_input(job, dataset, work, tokenizer, keep_passthrough=True)
         stage["read_s"], stage["tokenize_s"] = s.read_s, s.tokenize_s
         if len(s.rejected) == s.num_rows:
             raise AllRowsRejectedError(_all_rejected(s.rejected, s.num_rows))
@@ -265,6 +266,8 @@ def _run_partitioned(
             sink.flush()
         stats = _sum_stats(pieces.stats)
         pieces.write(layout.plan_file, stats)
+        assert s.passthrough_spill is not None
+        passthrough = s.passthrough_spill.tables()  # for the commit: not the input again
     wall = sum(e.run.wall_s for e in runs)
     device = runs[0].device if runs else "none"
     merged = merge(runs, _stats_plan(stats), device, wall)
@@ -275,8 +278,6 @@ def _run_partitioned(
     t0 = time.perf_counter()
     with owned_workdir(_work_parent(layout), ".commit-buckets-") as buckets:
         streamed = bucket_parts(layout, sink.schema, buckets, s.num_rows, sink.rows_per_file, index)
-        again = open_input(job.input, job.model, job.sampling)  # pass-through columns
-        passthrough = (b.passthrough for b in again.batches())
         chunks = streamed.chunks(passthrough, s.passthrough)
         results = sink.commit_chunks(chunks, total)
     stage["write_s"] = time.perf_counter() - t0
