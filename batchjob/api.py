@@ -24,7 +24,10 @@ dataclasses as a job file's: a bad one raises the same ``ConfigError``.
 ``Generator(model=..., **sections)`` loads the model once: each ``.generate(data)`` reuses the
 loaded backend. ``generate_batches(data, ...)`` takes an iterable of tables (or one table,
 read ``input.batch_rows`` rows at a time) and yields one result table per input table, each
-planned and run on its own, so memory stays flat however long the stream.
+planned and run on its own, so memory stays flat however long the stream: a window is what
+is planned at once, an input table, or a slice of one whose in-memory planning
+(``plan.budget.plan_bytes``, its tokens estimated from the prompt column) would exceed
+``scheduler.plan_memory``. Rows share prefixes within a window, not across windows.
 """
 
 from __future__ import annotations
@@ -216,6 +219,42 @@ def _chunks(data: Any, rows: int, prompt_column: str) -> Iterator[pa.Table]:
         yield table.slice(start, rows)
 
 
+def _estimated_tokens(table: pa.Table, column: str) -> int:
+    """A table's prompt tokens before tokenizing: a token-id column's values, a text
+    column's bytes / 4; without the column (a template, chat messages) every text column's."""
+    import pyarrow.compute as pc
+
+    def text_bytes(col) -> int:
+        return int(pc.sum(pc.binary_length(col)).as_py() or 0)
+
+    if column in table.column_names:
+        col = table[column]
+        if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            return int(pc.sum(pc.list_value_length(col)).as_py() or 0)
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            return text_bytes(col) // 4
+    texts = [
+        c for c in table.columns if pa.types.is_string(c.type) or pa.types.is_large_string(c.type)
+    ]
+    return sum(text_bytes(c) for c in texts) // 4
+
+
+def window_rows(table: pa.Table, job: JobConfig) -> int:
+    """Rows of ``table`` planned at once by ``generate_batches``: all of them, or as many as
+    keep the window's estimated planning memory within ``FILL`` of ``scheduler.plan_memory``
+    (as a partition of ``batchjob plan``), at least one."""
+    from batchjob.plan.budget import FILL, budget_of, plan_bytes
+
+    n = table.num_rows
+    if not n:
+        return 1
+    need = plan_bytes(n, _estimated_tokens(table, job.input.prompt_column))
+    budget = budget_of(job.scheduler.plan_memory)
+    if need <= budget:
+        return n
+    return max(1, int(n * budget * FILL // need))
+
+
 # ---------------------------------------------------------------------------------------
 # running
 
@@ -260,8 +299,20 @@ class Generator:
                     return
                 table = table.slice(0, left)
                 left -= table.num_rows
-            yield self._run(table, row_base=base)
+            yield self._run_windows(table, row_base=base)
             base += table.num_rows
+
+    def _run_windows(self, table: pa.Table, row_base: int) -> pa.Table:
+        """``_run`` of ``table`` in windows within ``scheduler.plan_memory`` (the module
+        doc); one window when it fits."""
+        rows = window_rows(table, self.job)
+        if rows >= table.num_rows:
+            return self._run(table, row_base=row_base)
+        outs = [
+            self._run(table.slice(start, rows), row_base=row_base + start)
+            for start in range(0, table.num_rows, rows)
+        ]
+        return pa.concat_tables(outs, promote_options="permissive")
 
     def _run(self, table: pa.Table, row_base: int) -> pa.Table:
         from batchjob.inputs.table import open_table
