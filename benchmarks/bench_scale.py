@@ -344,7 +344,7 @@ def bench_run_killed(
         "wall_s": sum(a["wall_s"] for a in attempts),
         "peak_rss_kb": max(a["peak_rss_kb"] for a in attempts),
         "stage_peak_kb": last["stage_peak_kb"],
-        "stage_s": last["stage_s"],
+        "stage_s": final.get("stage_s", {}),
         "json": final,
         "attempts": attempts,
         "rows_skipped_done": final.get("rows_skipped_done"),
