@@ -202,8 +202,9 @@ def spill_input(
     vocab = info.vocab_size if info else None
     check_token_ids(job.sampling, vocab)
     budget = budget_of(job.scheduler.plan_memory)
-    if num_parts is None:
-        num_parts = num_partitions(dataset.num_rows, estimated_tokens(dataset), budget)
+    if num_parts is None:  # a partition's rows are expanded into their samples when planned
+        n = max(job.sampling.n, 1)
+        num_parts = num_partitions(dataset.num_rows * n, estimated_tokens(dataset) * n, budget)
     spill = PartitionSpill(folder, num_parts)
     rejected = RejectedSpill(folder)
     rows_of = BatchRows(job, tokenizer, max_len, vocab, dataset.prompt_column)
