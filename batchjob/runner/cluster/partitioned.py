@@ -871,12 +871,17 @@ def cannot_partition(job: JobConfig, layout: OutputLayout) -> str | None:
     (None: it can)."""
     if not isinstance(layout.meta, Path):
         return "the output is on an object store (the workers' spill needs a shared folder)"
-    columns = ("adapter_column", *ROW_SETTING_COLUMNS)
+    # rows that carry more than their tokens (settings, samples, labels, an adapter)
+    columns = ("adapter_column", "n_column", *ROW_SETTING_COLUMNS)
     whole = [f"input.{c}" for c in columns if getattr(job.input, c, None)]
     if job.sampling.n > 1:
         whole.append("sampling.n")
     if job.sampling.labels:
         whole.append("sampling.labels")
+    if job.model.adapter:
+        whole.append("model.adapter")
+    if job.input.path.endswith(".jsonl"):
+        whole.append("an OpenAI Batch input")
     if whole:
         return f"{', '.join(whole)} on a cluster"
     return None
