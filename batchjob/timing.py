@@ -17,3 +17,16 @@ class StageTiming:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+_calibration_s = [0.0]  # seconds this process spent measuring kernels against their fallbacks
+
+
+def add_calibration(seconds: float) -> None:
+    """Count ``seconds`` of kernel calibration (a first-use or at-load measurement)."""
+    _calibration_s[0] += seconds
+
+
+def calibration_s() -> float:
+    """Seconds of kernel calibration this process has spent so far (load and first use)."""
+    return _calibration_s[0]

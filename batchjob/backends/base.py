@@ -107,7 +107,8 @@ class BackendRun:
     preemptions: int
     peak_kv_bytes: int
     kv_budget_bytes: int
-    wall_s: float
+    wall_s: float  # the run's wall time, first-use kernel calibrations excluded
+    calibration_s: float = 0.0  # those calibrations (native: attention classes met in the run)
 
 
 OnFinish = Callable[[FinishedRequest], None]

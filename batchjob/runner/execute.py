@@ -32,6 +32,7 @@ from batchjob.runner.heartbeat import Heartbeat
 from batchjob.runner.progress import progress_bar
 from batchjob.status import STATUS_KV_BUDGET, STATUS_OK
 from batchjob.storage.atomic import Target
+from batchjob.timing import calibration_s
 from batchjob.tokenize.batched import TokenizedInput
 from batchjob.tokenize.prompts import TokenizedPrompts
 from batchjob.tokenize.samples import sample_counts
@@ -52,6 +53,7 @@ class Execution:
     over_budget: int  # rows reported as kv_budget_exceeded instead of run
     device: str
     load_s: float  # opening the backend and checking the plan
+    calibration_s: float = 0.0  # kernel calibration in load and run (excluded from run.wall_s)
 
 
 def job_tokenizer(
@@ -199,7 +201,7 @@ def execute(
     plan (``batchjob.Generator``); None: opened here and closed when the plan is done.
     ``plan_file``: where the plan that runs is written (None: not written); ``headline(to_run,
     over_budget)``: the run's start line on stderr, under a progress bar or heartbeat."""
-    t0 = time.perf_counter()
+    t0, calibrated0 = time.perf_counter(), calibration_s()
     check_reasoning(cfg.reasoning_parser, tokenizer)
     owned = backend is None
     if backend is None:
@@ -289,6 +291,7 @@ def execute(
         over_budget=n_over,
         device=backend.device,
         load_s=load_s,
+        calibration_s=calibration_s() - calibrated0,
     )
 
 
@@ -304,6 +307,7 @@ def merge(runs: list[Execution], plan: Plan, device: str, wall_s: float) -> Exec
         peak_kv_bytes=max((e.run.peak_kv_bytes for e in runs), default=0),
         kv_budget_bytes=max((e.run.kv_budget_bytes for e in runs), default=0),
         wall_s=wall_s,
+        calibration_s=max((e.run.calibration_s for e in runs), default=0.0),
     )
     return Execution(
         run=run,
@@ -314,4 +318,5 @@ def merge(runs: list[Execution], plan: Plan, device: str, wall_s: float) -> Exec
         over_budget=sum(e.over_budget for e in runs),
         device=device,
         load_s=max((e.load_s for e in runs), default=0.0),
+        calibration_s=max((e.calibration_s for e in runs), default=0.0),
     )

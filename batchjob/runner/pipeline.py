@@ -239,6 +239,7 @@ def _run_locked(
     n_over = ex.over_budget
     stage["load_s"] = ex.load_s
     stage["run_s"] = ex.run.wall_s
+    stage["calibration_s"] = ex.calibration_s  # of load_s, and of the run excluded from run_s
     log.info("stage run done in %.2f s", stage["run_s"])
 
     t0 = time.perf_counter()

@@ -188,6 +188,7 @@ class NativeBackend(Backend):
             peak_kv_bytes=r.scheduler.peak_blocks * per_block,
             kv_budget_bytes=r.num_blocks * per_block,
             wall_s=r.wall_s,
+            calibration_s=r.calibration_s,
         )
 
     def close(self) -> None:

@@ -41,6 +41,7 @@ from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.kernels import reference as ref
 from batchjob.kernels.cpu.build import cache_dir, cpu_model
 from batchjob.storage.atomic import write_json_atomic
+from batchjob.timing import add_calibration
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,9 @@ class Calibration:
             self._decisions = {} if fresh else self._read()
         if cls.key in self._decisions:
             return self._decisions[cls.key]
+        t0 = time.perf_counter()
         d = run(cls)
+        add_calibration(time.perf_counter() - t0)
         log.info("calibration %s: kernel %.2f ms, torch %.2f ms", cls.key,
                  d.kernel_ms, d.torch_ms)  # fmt: skip
         self._decisions[cls.key] = d

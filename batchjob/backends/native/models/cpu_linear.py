@@ -27,9 +27,11 @@ docs/kernels.md) and is measured by a later load. Wide layers are calibrated on 
 ``CALIB_COLS`` output columns (the kernel's work is per column panel; the logits projection
 of a 150k vocabulary would otherwise take seconds a call).
 
-Memory: the two packed copies triple the linear weights; where they would take more than
-``MAX_MEMORY_SHARE`` of the memory available at load, one copy is made (oneDNN's, else the
-kernel's), and none (``F.linear``) where even that would not fit.
+Memory: the two packed copies triple the linear weights while the model loads (the
+calibration reads the plain weights, which are released after it: the layers keep oneDNN's
+copy and the kernel's where a bucket picks it); where they would take more than
+``packed_weights.MAX_MEMORY_SHARE`` of the memory available at load, one copy is made
+(oneDNN's, else the kernel's), and none (``F.linear``) where even that would not fit.
 ``engine.linear = "torch"`` turns it off; ``$BATCHJOB_CPU_CALIBRATE`` applies as for attention.
 """
 
@@ -46,7 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchjob.backends.native.attention import calibrate as calib
+from batchjob.backends.native.models.onednn_linear import use_onednn_linear
 from batchjob.backends.native.models.onednn_ops import onednn_available, onednn_linear, onednn_pack
+from batchjob.backends.native.models.packed_weights import linear_targets
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
 log = logging.getLogger(__name__)
@@ -56,7 +60,6 @@ BUCKETS = (16, 64, 128, 256, 512, 1024, 2048)  # batch rows: a batch takes the d
 CALIB_COLS = 2048  # output columns a calibration measures at most
 REPS, REPS_LARGE = 7, 3  # timed calls per side; LARGE above 256 rows (tens of ms each)
 FLUSH_MIN, FLUSH_MAX = 32 << 20, 512 << 20  # bytes read before each timed call (flush_bytes)
-MAX_MEMORY_SHARE = 0.25  # of MemAvailable, for all packed copies together
 CALIB_BUDGET_S = 8.0  # seconds of linear calibration at a model's load; the rest by RULE_ROWS
 RULE_ROWS = 128  # a bucket left unmeasured: the kernel up to this many rows, torch above
 
@@ -98,7 +101,8 @@ class PackedLinear(nn.Module):
         onednn: bool = False,
     ) -> None:
         super().__init__()
-        self.weight, self.bias = weight, bias  # shared with the module this replaces
+        self.weight: torch.Tensor | None = weight  # shared with the module this replaces
+        self.bias = bias
         self.kernel, self.calibrate = kernel, calibrate
         n, k = weight.shape
         self.out_features, self.in_features = n, k
@@ -114,9 +118,21 @@ class PackedLinear(nn.Module):
         return self.forward_torch(x)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn is not None and x.dim() >= 2 and x.dtype == torch.float32 and x.numel():
+        if self.onednn is not None and x.dim() >= 2 and x.dtype == torch.float32:
+            if not x.numel():
+                return x.new_empty(*x.shape[:-1], self.out_features)
             return onednn_linear(x, self.onednn, self.bias, self.out_features)
+        assert self.weight is not None, "float32 inputs only: the plain weight was released"
         return F.linear(x, self.weight, self.bias)
+
+    def release_plain_weight(self) -> bool:
+        """Drop this module's reference to the plain weight once oneDNN's copy serves every
+        float32 batch the kernel does not (after calibration, which reads it; a weight shared
+        with the embedding stays alive there): returns whether it did."""
+        if self.onednn is None or self.weight is None:
+            return False
+        self.weight = None
+        return True
 
     def drop_unused_kernel_copy(self) -> bool:
         """Free the kernel's packed copy when no bucket picks the kernel (after calibration,
@@ -203,6 +219,7 @@ def measure(cls: LinearClass, layer: PackedLinear, kernel: CpuKernel) -> calib.D
     last-level cache is read before each). Unlike attention's one-thread CPU-time
     calibration: how torch's sgemm splits a few-row product over threads is much of what
     the kernel gains."""
+    assert layer.weight is not None, "calibrated before the plain weight is released"
     w = layer.weight.detach()[: cls.out_features].contiguous()
     b = layer.bias.detach()[: cls.out_features].contiguous() if layer.bias is not None else None
     part = PackedLinear(w, b, kernel, calibrate=False, onednn=layer.onednn is not None)
@@ -228,55 +245,6 @@ def flush_bytes() -> int:
     return min(max(2 * size, FLUSH_MIN), FLUSH_MAX)
 
 
-def mem_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None elsewhere)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-@dataclass(frozen=True)
-class LinearTargets:
-    """A model's CPU ``nn.Linear`` modules of one dtype, and its logits weight where it is
-    not one of them (tied to the embedding): what a packed-weight path swaps."""
-
-    layers: list[tuple[nn.Module, str, nn.Linear]]
-    head: torch.Tensor | None
-
-
-def linear_targets(model: nn.Module, dtype: torch.dtype, copies: int = 1) -> LinearTargets | None:
-    """``model``'s ``dtype`` CPU linear layers, or None (logged) where ``copies`` packed
-    copies of them would exceed ``MAX_MEMORY_SHARE`` of the memory available now."""
-    head = getattr(model, "logits_weight", None)
-    head_w = head() if callable(head) else None
-    if head_w is not None and (head_w.dtype != dtype or head_w.device.type != "cpu"):
-        head_w = None  # kept on torch, as the layers below
-    layers = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-        and child.weight is not head_w  # packed once, as model.logits_linear
-        and child.weight.dtype == dtype
-        and child.weight.device.type == "cpu"
-    ]
-    elem = torch.finfo(dtype).bits // 8
-    need = sum(c.weight.numel() * elem for _, _, c in layers)
-    need += head_w.numel() * elem if head_w is not None else 0
-    need *= copies
-    avail = mem_available()
-    if avail is not None and need > MAX_MEMORY_SHARE * avail:
-        log.info("linear layers: %d packed copies of the %s weights (%.1f GB) would exceed "
-                 "%.0f%% of available memory", copies, dtype, need / 1e9,
-                 MAX_MEMORY_SHARE * 100)  # fmt: skip
-        return None
-    return LinearTargets(layers, head_w)
-
-
 def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
     """Swap ``model``'s float32 CPU ``nn.Linear`` modules (and its logits projection, through
     ``model.logits_linear``) for ``PackedLinear``; returns how many (0 when the kernel did not
@@ -292,8 +260,6 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
     if found is None:
         return 0
     if kernel is None:
-        from batchjob.backends.native.models.onednn_linear import use_onednn_linear
-
         return use_onednn_linear(model, torch.float32)
     targets, head_w = found.layers, found.head
     on = calib.mode() != "0"
@@ -312,4 +278,6 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
     dropped = sum(layer.drop_unused_kernel_copy() for layer in packed)
     if dropped:
         log.info("linear layers: %d of %d run oneDNN at every row count", dropped, len(packed))
+    for layer in packed[: len(targets)]:  # not the logits projection's (the embedding's)
+        layer.release_plain_weight()
     return len(packed)

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchjob.backends.native.models.cpu_linear import linear_targets
 from batchjob.backends.native.models.llama import MLP
 from batchjob.backends.native.models.onednn_ops import (
     PACK_ROWS_HINT,
@@ -33,6 +32,7 @@ from batchjob.backends.native.models.onednn_ops import (
     onednn_linear,
     onednn_pack,
 )
+from batchjob.backends.native.models.packed_weights import linear_targets
 
 log = logging.getLogger(__name__)
 __all__ = [
