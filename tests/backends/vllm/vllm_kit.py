@@ -11,7 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchjob.config import JobConfig, load_job
+from batchjob.backends.base import BackendConfig
+from batchjob.config import (
+    EngineConfig,
+    JobConfig,
+    ModelConfig,
+    SamplingConfig,
+    SchedulerConfig,
+    load_job,
+)
 from batchjob.runner.pipeline import run as run_job
 from batchjob.testing.tiny_model import make_tiny_model
 from batchjob.testing.workloads import WORDS, make_workload
@@ -64,5 +72,33 @@ def job_for(model: Path, data: Path, out: Path, backend: str, **overrides: str) 
 
 def native_results(model: Path, data: Path, out: Path, **overrides: str) -> list[dict]:
     """The native engine's results of the same job (the reference), in row order."""
-    res = run_job(job_for(model, data, out, "native", **overrides), progress=False)
+    return backend_results(model, data, out, "native", **overrides)
+
+
+def backend_results(model: Path, data: Path, out: Path, backend: str, **overrides: str):
+    """``job_for``'s job run on ``backend`` -> its results (``RESULT_COLUMNS``), in row order."""
+    res = run_job(job_for(model, data, out, backend, **overrides), progress=False)
     return pq.read_table(res.results_path).select(RESULT_COLUMNS).to_pylist()
+
+
+def both_results(model: Path, data: Path, tmp: Path, name: str = "", **overrides: str):
+    """The same job on each backend (results ``tmp/{name}{backend}.parquet``) -> their
+    results by backend name, native first."""
+    return {
+        b: backend_results(model, data, tmp / f"{name}{b}.parquet", b, **overrides)
+        for b in ("native", "vllm")
+    }
+
+
+def backend_config(model: ModelConfig, engine: EngineConfig | None = None) -> BackendConfig:
+    """The vLLM backend's settings for ``model`` with the other sections at their defaults."""
+    return BackendConfig(
+        model=model,
+        sampling=SamplingConfig(),
+        scheduler=SchedulerConfig(),
+        engine=engine or EngineConfig(backend="vllm"),
+        labels_column=None,
+        json_schema_column=None,
+        regex_column=None,
+        choice_column=None,
+    )
