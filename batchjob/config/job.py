@@ -66,10 +66,13 @@ class JobConfig:
             _fail("input.adapter_column", "needs model.adapters (name = adapter folder)", column)
         if (adapters or column) and (self.sampling.labels or self.input.labels_column):
             key = "input.adapter_column" if column else "model.adapters"
-            _fail(key, "cannot be combined with scoring (labels) yet", column or list(adapters))
+            labels = "input.labels_column" if self.input.labels_column else "sampling.labels"
+            why = f"cannot be combined with {labels} (scoring runs the base model only)"
+            _fail(key, why, column or list(adapters))
         if (adapters or column) and self.model.task != "generate":
             key = "input.adapter_column" if column else "model.adapters"
-            _fail(key, 'is for model.task = "generate" (embeddings run the base model)', key)
+            why = 'is for model.task = "generate" (model.task = "embed" runs the base model only)'
+            _fail(key, why, column or list(adapters))
         parser = self.output.reasoning_parser
         if parser and (self.sampling.labels or self.input.labels_column):
             _fail("output.reasoning_parser", "cannot be combined with scoring (labels)", parser)

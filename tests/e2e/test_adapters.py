@@ -85,6 +85,15 @@ def test_bad_adapter_settings_name_the_key(tmp_path, run_model, run_data, adapte
         _job(run_model, data, tmp_path, {}, **{"input.adapter_column": "adapter"})
     with pytest.raises(ConfigError, match=r"model\.adapters: is for model\.task = \"generate\""):
         _job(run_model, data, tmp_path, adapters, **{"model.task": "embed"})
+    # scoring and embeddings run the base model: refused at load, naming both keys
+    labels = {"sampling.labels": '[" yes", " no"]'}
+    with pytest.raises(
+        ConfigError, match=r"model\.adapters: cannot be combined with sampling\.labels"
+    ):
+        _job(run_model, data, tmp_path, adapters, **labels)
+    column = {"input.adapter_column": "adapter", "input.labels_column": "labels"}
+    with pytest.raises(ConfigError, match=r"input\.adapter_column: .* input\.labels_column"):
+        _job(run_model, data, tmp_path, adapters, **column)
 
 
 def _tokens(results: Path) -> list[list[int]]:
