@@ -56,6 +56,7 @@ SHAPES: dict[str, ModelShape] = {
         ModelShape("smollm2-135m", "llama", 30, 576, 9, 3, 64, 1536, 49152, True),
         ModelShape("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 64, 4864, 151936, True),
         ModelShape("llama-3.2-1b", "llama", 16, 2048, 32, 8, 64, 8192, 128256, True),
+        ModelShape("qwen3-embedding-0.6b", "qwen3", 28, 1024, 16, 8, 128, 3072, 151669, True),
     )
 }
 
