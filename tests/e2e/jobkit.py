@@ -5,7 +5,9 @@ Everything is built locally (random weights, a tokenizer trained on the workload
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +65,41 @@ def cli_subprocess(*args: str | Path, env: dict[str, str] | None = None, timeout
     return subprocess.run(
         cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def killed_run(
+    *args: str | Path,
+    spec: str,
+    env: dict[str, str] | None = None,
+    group: bool = False,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``batchjob run ARGS`` in a fresh process, SIGKILLed at ``spec``: a named point of
+    ``storage.faults`` (``part:2``: the second time the run passes it) or ``timed:SECONDS``
+    -> the finished process (returncode -9 killed, 0 done first; anything else fails).
+    ``group``: its own process group, killed whole after (a Ray driver's workers)."""
+    name, _, at = spec.partition(":")
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    if name != "timed":
+        full_env["BATCHJOB_FAULT_POINT"] = spec
+    cmd = [sys.executable, "-m", "batchjob.cli", "run", "--no-progress", *map(str, args)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, text=True, start_new_session=group
+    )
+    try:
+        try:
+            _, err = proc.communicate(timeout=float(at) if name == "timed" else timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            if name != "timed":
+                raise  # the point was never reached
+            _, err = proc.communicate(timeout=timeout)
+    finally:
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode in (0, -signal.SIGKILL), err
+    return subprocess.CompletedProcess(cmd, proc.returncode, stderr=err)
 
 
 def read_results(path: Path) -> pa.Table:

@@ -18,18 +18,15 @@ the rerun commits B.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.e2e.jobkit import ROOT, build_dataset, cli, write_job
+from tests.e2e.jobkit import build_dataset, cli, killed_run, write_job
 
 SEED = 20261123
 COLS = ["row_id", "output_token_ids", "num_output_tokens", "finish_reason", "status", "request_id"]
@@ -64,25 +61,11 @@ def setup(tmp_path_factory, run_model):
 
 
 def _killed_run(job: Path, spec: str, *sets: str) -> int:
-    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
-    cmd += ["--set", "scheduler.chunk_size=16"]  # many iterations: parts land one by one
-    cmd += [a for s in sets for a in ("--set", s)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     spec, _, option = spec.partition("+")
-    if option == "noexchange":
-        env["BATCHJOB_RENAME_EXCHANGE"] = "0"
-    name, _, arg = spec.partition(":")
-    if name != "timed":
-        env["BATCHJOB_FAULT_POINT"] = spec
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    if name == "timed":
-        try:
-            proc.wait(timeout=float(arg))
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode in (0, -signal.SIGKILL), err
-    return proc.returncode
+    env = {"BATCHJOB_RENAME_EXCHANGE": "0"} if option == "noexchange" else None
+    args = ["--set", "scheduler.chunk_size=16"]  # many iterations: parts land one by one
+    args += [a for s in sets for a in ("--set", s)]
+    return killed_run(job, *args, spec=spec, env=env).returncode
 
 
 @pytest.mark.parametrize("label,specs", KILLS, ids=[k[0] for k in KILLS])

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from examples.input_jobs import make_articles, make_requests
-from tests.e2e.jobkit import ROOT, cli, cli_subprocess, read_results, write_job
+from tests.e2e.jobkit import ROOT, cli, cli_subprocess, killed_run, read_results, write_job
 
 SNIPPETS = ROOT / "jobs" / "snippets_template.toml"
 OPENAI = ROOT / "jobs" / "openai_migration.toml"
@@ -58,7 +58,7 @@ def test_openai_migration_job(tmp_path: Path, run_model: Path) -> None:
     out = tmp_path / "out" / "results.parquet"
     args = _args(OPENAI, requests, run_model, out)
     # killed after the results are committed, before the output lines: the rerun writes them
-    killed = cli_subprocess("run", *args, "--no-progress", env={"BATCHJOB_FAULT_POINT": "report:1"})
+    killed = killed_run(*args, spec="report:1")
     assert killed.returncode == -9 and not (tmp_path / "out" / "results.jsonl").exists()
     r = cli_subprocess("run", *args, "--no-progress")
     assert r.returncode == 0, r.stderr

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from tests.e2e.jobkit import ROOT, build_dataset, cli, write_job
+from tests.e2e.jobkit import build_dataset, cli, killed_run, write_job
 
 RUNS = int(os.environ.get("BATCHJOB_READER_RUNS", "3"))
 KILL_POINTS = [
@@ -74,12 +74,8 @@ def _run(job: Path, sets: tuple[str, ...], fault: str | None = None) -> int:
         assert res.exit_code == 0, res.output
         return 0
     point, _, option = fault.partition("+")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), BATCHJOB_FAULT_POINT=point)
-    if option == "noexchange":
-        env["BATCHJOB_RENAME_EXCHANGE"] = "0"
-    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return p.returncode
+    env = {"BATCHJOB_RENAME_EXCHANGE": "0"} if option == "noexchange" else None
+    return killed_run(job, *args, spec=point, env=env).returncode
 
 
 def test_readers_never_see_a_mix_of_two_jobs(tmp_path, run_model):

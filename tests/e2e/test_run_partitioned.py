@@ -5,9 +5,6 @@ mid-way resumes with every row written exactly once."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.testing.workloads import make_workload
-from tests.e2e.jobkit import ROOT, cli, write_job
+from tests.e2e.jobkit import cli, killed_run, write_job
 
 BUDGET = "scheduler.plan_memory=64KiB"  # ~2,000 short rows: dozens of partitions
 pytestmark = pytest.mark.slow
@@ -44,10 +41,7 @@ def test_partitioned_run_killed_and_resumed_equals_the_in_memory_run(setup) -> N
     d, model, data = setup
     out = d / "part"
     job = write_job(d, model, data, out, rows_per_file="400", flush_rows="100")
-    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
-    cmd += ["--set", BUDGET]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), BATCHJOB_FAULT_POINT="part:6")
-    killed = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    killed = killed_run(job, "--set", BUDGET, spec="part:6", timeout=600)
     assert killed.returncode == -9, killed.stderr[-2000:]
     meta = d / "part.meta"
     parts = sorted((meta / "parts").glob("part-*.parquet"))

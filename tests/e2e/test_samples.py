@@ -5,10 +5,7 @@ across runs and across a kill -9 + rerun, per-row ``n`` with bad values as row s
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,7 @@ from batchjob.plan.build import build_plan
 from batchjob.runner.execute import job_samples
 from batchjob.tokenize.batched import load_prompts
 from batchjob.tokenize.samples import expand_samples
-from tests.e2e.jobkit import ROOT, cli, write_job
+from tests.e2e.jobkit import cli, killed_run, write_job
 
 COLS = ["row_id", "sample_index", "output_token_ids", "finish_reason", "status"]
 
@@ -84,11 +81,7 @@ def test_distinct_prompts_are_computed_once_for_all_samples(tmp_path, run_model)
 
 
 def _killed(job: Path, point: str, *sets: str) -> int:
-    cmd = [sys.executable, "-m", "batchjob.cli", "run", str(job), "--no-progress"]
-    cmd += [a for s in sets for a in ("--set", s)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), BATCHJOB_FAULT_POINT=point)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return proc.returncode
+    return killed_run(job, *[a for s in sets for a in ("--set", s)], spec=point).returncode
 
 
 def test_seeded_samples_reproduce_across_runs_and_a_kill(tmp_path, run_model, run_data):

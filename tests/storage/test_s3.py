@@ -22,7 +22,13 @@ import pytest
 
 from batchjob.errors import EXIT_CONFIG, EXIT_LOCKED
 from batchjob.storage.stores import ObjectPath, ObjectStore, list_files
-from tests.e2e.jobkit import build_dataset, build_model, cli, cli_subprocess, read_results
+from tests.e2e.jobkit import (
+    build_dataset,
+    build_model,
+    cli,
+    killed_run,
+    read_results,
+)
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (dev extra) not installed")
 boto3 = pytest.importorskip("boto3")
@@ -129,24 +135,21 @@ def test_kill_mid_run_and_mid_commit_then_resume_exactly_once(s3, model, data, l
     out = f"s3://{BUCKET}/out/killed"
     args = _job(model, data[1], out, "scheduler.chunk_size=8", "output.flush_rows=1")
     args += ["--set", "output.rows_per_file=10"]
-    killed = cli_subprocess("run", "--no-progress", *args, env={"BATCHJOB_FAULT_POINT": "part:4"})
+    killed = killed_run(*args, spec="part:4")
     assert killed.returncode == -9, killed.stderr
     keys = _keys(s3, "out/killed.meta")
     assert len([k for k in keys if k.startswith("parts/part-")]) == 3 and "lock" in keys, keys
     assert _keys(s3, "out/killed") == []  # nothing committed
 
     # the rerun takes over the dead run's lock, resumes, and is killed after the first file
-    fault = {"BATCHJOB_FAULT_POINT": "commit_file:1"}
-    killed = cli_subprocess("run", "--no-progress", *args, env=fault)
+    killed = killed_run(*args, spec="commit_file:1")
     assert killed.returncode == -9, killed.stderr
     partial = _keys(s3, "out/killed")
     assert _results(partial) == 1 and "_SUCCESS" not in partial  # readers: incomplete
     assert "commit.json" in _keys(s3, "out/killed.meta")  # what the commit writes, replaces
 
     # the next rerun commits, then is killed after deleting its first part
-    killed = cli_subprocess(
-        "run", "--no-progress", *args, env={"BATCHJOB_FAULT_POINT": "cleanup:1"}
-    )
+    killed = killed_run(*args, spec="cleanup:1")
     assert killed.returncode == -9, killed.stderr
     assert "_SUCCESS" in _keys(s3, "out/killed")
     assert "parts/_CLEANUP" in _keys(s3, "out/killed.meta")
@@ -190,32 +193,14 @@ def test_killed_at_each_point_on_s3_reruns_exactly_once(
     """SIGKILLed at the point (each spec one killed run), then rerun: exactly one result row
     per input row, equal to the uninterrupted run, and nothing left in the meta folder but
     the manifest, plan and report."""
-    import signal
-    import subprocess
-    import sys
-
-    from tests.e2e.jobkit import ROOT
-
     name = f"soak-{kind}-{'-'.join(specs).replace(':', '')}"
     out = f"s3://{BUCKET}/out/{name}" + (".parquet" if kind == "object" else "")
     prefix = out.removeprefix(f"s3://{BUCKET}/")
     args = _job(model, data[1], out, "scheduler.chunk_size=8", "output.flush_rows=2")
     args += ["--set", "output.rows_per_file=10"]
     for spec in specs:
-        fault, _, at = spec.partition(":")
-        cmd = [sys.executable, "-m", "batchjob.cli", "run", "--no-progress", *args]
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        if fault != "timed":
-            env["BATCHJOB_FAULT_POINT"] = spec
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-        if fault == "timed":
-            try:
-                proc.wait(timeout=float(at))
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == (-9 if fault != "timed" else proc.returncode), err
-        assert proc.returncode in (0, -9), err
+        killed = killed_run(*args, spec=spec)
+        assert killed.returncode == -9 or spec.startswith("timed"), killed.stderr
     res = cli("run", "--no-progress", *args)
     assert res.exit_code == 0, res.output
     got = _read(s3, out)
@@ -391,9 +376,7 @@ def test_overwrite_killed_mid_commit_keeps_every_old_object(s3, model, data, loc
     assert cli("run", "--no-progress", *args).exit_code == 0
     old = json.loads(s3.open_input_stream(f"{BUCKET}/out/over/_SUCCESS").read())["files"]
     args2 = [*args, "--set", "sampling.temperature=1.0", "--set", "output.overwrite=true"]
-    killed = cli_subprocess(
-        "run", "--no-progress", *args2, env={"BATCHJOB_FAULT_POINT": "commit_file:2"}
-    )
+    killed = killed_run(*args2, spec="commit_file:2")
     assert killed.returncode == -9, killed.stderr
     keys = _keys(s3, "out/over")
     assert "_SUCCESS" not in keys and set(old) <= set(keys) and _results(keys) == len(old) + 2

@@ -29,14 +29,19 @@ def cluster_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("cluster-model") / "tiny")
 
 
-@pytest.fixture(scope="session")
-def cluster_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """case1 as text: 150 rows in ~22 groups sharing long prefixes; 4-40 output tokens per
-    row, so rows finish (and parts are written) over many iterations, not all at once."""
-    table = make_workload("case1", scale=0.05, len_scale=0.05, seed=5, form="text")
-    rng = np.random.default_rng(5)
-    mt = pa.array(rng.integers(4, 41, len(table)).astype(np.int32))
+def write_cluster_data(path: Path, scale: float, seed: int, max_tokens: tuple[int, int]) -> Path:
+    """case1 as text at ``scale``, each row's ``max_tokens`` drawn from the range (both ends
+    in), so rows finish (and parts are written) over many iterations, not all at once."""
+    table = make_workload("case1", scale=scale, len_scale=0.05, seed=seed, form="text")
+    rng = np.random.default_rng(seed)
+    mt = pa.array(rng.integers(max_tokens[0], max_tokens[1] + 1, len(table)).astype(np.int32))
     table = table.set_column(table.schema.get_field_index("max_tokens"), "max_tokens", mt)
-    path = tmp_path_factory.mktemp("cluster-data") / "prompts.parquet"
     pq.write_table(table, path)
     return path
+
+
+@pytest.fixture(scope="session")
+def cluster_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """150 rows in ~22 groups sharing long prefixes; 4-40 output tokens per row."""
+    path = tmp_path_factory.mktemp("cluster-data") / "prompts.parquet"
+    return write_cluster_data(path, scale=0.05, seed=5, max_tokens=(4, 40))
