@@ -142,8 +142,9 @@ class VllmBackend(Backend):
             raise ConfigError(f"{_key_for(msg)}: vLLM refused the settings: {msg}{hint}") from None
         sc = config.scheduler_config
         policy = self.cfg.scheduler.policy
-        if self.pooling is None:  # pooling requests run on vLLM's own scheduler
-            sc.scheduler_cls = scheduler_class_path(policy, bool(sc.async_scheduling))
+        if self.pooling is not None:  # pooling requests: vLLM's own policy, recorded
+            policy = "baseline"
+        sc.scheduler_cls = scheduler_class_path(policy, bool(sc.async_scheduling))
         try:
             with main_module_hidden():  # a script without a __main__ guard: not run again
                 self.engine = LLMEngine(
@@ -274,8 +275,8 @@ class VllmBackend(Backend):
             if not self.engine.reset_prefix_cache():
                 raise VllmError("vLLM could not reset its prefix cache (requests still running)")
             return run_embeddings(
-                self.engine, prompts, plan, self.pooling, sink.on_finish, self.window,
-                f"r{self._runs}",
+                self.engine, prompts, plan, self.pooling, sink, self.window, f"r{self._runs}",
+                self.scheduler.bj, self.block_bytes, self.num_blocks,
             )  # fmt: skip
         if prompts.settings is not None and prompts.settings.labels is not None:
             return self._score(prompts, plan, sink)

