@@ -132,11 +132,13 @@ def read_fragments(
     frags: tuple[Fragment, ...],
     max_model_len: int | None,
     vocab_size: int | None,
+    builds_prompts: bool = False,
 ) -> tuple[int, TokenizedInput]:
     """One Ray task: read, build prompts, tokenize and validate ``frags`` (in a worker
-    process) -> (its pid, the rows as ``tokenize_dataset`` gives them)."""
+    process) -> (its pid, the rows as ``tokenize_dataset`` gives them). ``builds_prompts``:
+    the driver's dataset had a prompt builder (a template or chat input), rebuilt here."""
     configure_storage(job.storage)
-    builder = make_builder(job.input, job.model) if dataset.builder is not None else None
+    builder = make_builder(job.input, job.model) if builds_prompts else None
     part = FragmentDataset(**{**_fields(dataset), "builder": builder, "fragments": frags})
     tokenizer = job_tokenizer(job.model, job.sampling, True) if dataset.prompt_is_text else None
     loaded = tokenize_dataset(
@@ -206,7 +208,8 @@ def load_prompts_on_cluster(
         task = ray.remote(read_fragments).options(**runtime_options())
         meta = _fields(dataset) | {"builder": None}  # each task rebuilds its prompt builder
         bare = InputDataset(**meta)
-        refs = [task.remote(job, bare, frags, max_len, vocab) for frags in tasks]
+        builds = dataset.builder is not None
+        refs = [task.remote(job, bare, frags, max_len, vocab, builds) for frags in tasks]
         try:
             done = ray.get(refs)
         except ray.exceptions.RayTaskError as e:

@@ -119,3 +119,21 @@ def test_cluster_job_on_split_input_equals_single_process(
         "ok",
         "prompt_too_long",
     ]
+
+
+def test_tasks_build_prompts_from_a_template_as_one_process_does(
+    tmp_path: Path, cluster_model: Path, split_data: Path
+) -> None:
+    """A template input: each Ray task rebuilds the prompt builder, so the tokens are the
+    templated prompts one process reads (not the raw column)."""
+    tpl = {"input.template": '"Question: {prompt}\\nAnswer:"'}
+    single_job = load_job(write_job(tmp_path, cluster_model, split_data, "t1"), tpl)
+    single, _ = load_prompts(single_job.input, single_job.model, single_job.sampling, "native")
+    plain_job = load_job(write_job(tmp_path, cluster_model, split_data, "t0"))
+    plain, _ = load_prompts(plain_job.input, plain_job.model, plain_job.sampling, "native")
+    cluster = {"cluster.address": "local", "cluster.workers": "2"}
+    job = load_job(write_job(tmp_path, cluster_model, split_data, "t2"), tpl | cluster)
+    tasks, _ = load_prompts_on_cluster(job)
+    assert len(single.prompts.tokens) > len(plain.prompts.tokens)  # the template applied
+    for f in ("row_ids", "tokens", "offsets"):
+        assert np.array_equal(getattr(single.prompts, f), getattr(tasks.prompts, f)), f
