@@ -203,10 +203,15 @@ SRC: str | None = None  # --src: another checkout's batchjob (e.g. before a fix)
 def _cli() -> list[str]:
     if SRC is None:
         return [sys.executable, "-m", "batchjob.cli"]
-    # the editable install's import hook would win over sys.path: drop it in the child
+    # the editable install's import hook would win over sys.path: drop it in the child; the
+    # checkout's top-level kernels/ is the package batchjob.kernels (pyproject's package-dir)
     code = (
-        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)];"
-        f" sys.path.insert(0, {SRC!r}); from batchjob.cli import main; main()"
+        "import sys, importlib.util as u; sys.meta_path[:] = [f for f in sys.meta_path"
+        f" if 'editable' not in repr(f)]; sys.path.insert(0, {SRC!r}); k = {SRC!r} + '/kernels';"
+        " s = u.spec_from_file_location('batchjob.kernels', k + '/__init__.py',"
+        " submodule_search_locations=[k]); m = u.module_from_spec(s);"
+        " sys.modules['batchjob.kernels'] = m; s.loader.exec_module(m);"
+        " from batchjob.cli import main; main()"
     )
     return [sys.executable, "-c", code]
 
@@ -382,7 +387,7 @@ def main() -> None:
     ap.add_argument("--rows", help="comma-separated row counts")
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--label", default="", help="a name for these runs in results.jsonl")
-    ap.add_argument("--src", help="import batchjob from this folder (another checkout)")
+    ap.add_argument("--src", help="import batchjob from this checkout (its batchjob/ and kernels/)")
     ap.add_argument("--plan-memory", help="scheduler.plan_memory, e.g. 1GiB")
     ap.add_argument(
         "--kill-at",
