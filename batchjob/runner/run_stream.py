@@ -273,6 +273,7 @@ def _run_partitioned(
     merged = merge(runs, _stats_plan(stats), device, wall)
     stage["load_s"] += merged.load_s
     stage["run_s"] = wall
+    stage["calibration_s"] = sum(e.calibration_s for e in runs)  # partitions in turn
     log.info("stage run done in %.2f s (%d partitions)", wall, len(runs))
     n_over = merged.over_budget
     t0 = time.perf_counter()

@@ -759,6 +759,7 @@ def _run_on_cluster(
     stage["plan_s"] = max(plan_seconds(finished + splits).values(), default=0.0)  # slowest
     stage["load_s"] += merged.load_s
     stage["run_s"] = wall
+    stage["calibration_s"] = merged.calibration_s  # the largest partition's: workers in parallel
     n_over = merged.over_budget
     t0 = time.perf_counter()
     with owned_workdir(_work_parent(layout), ".commit-buckets-") as buckets:
