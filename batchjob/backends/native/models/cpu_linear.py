@@ -27,11 +27,11 @@ docs/kernels.md) and is measured by a later load. Wide layers are calibrated on 
 ``CALIB_COLS`` output columns (the kernel's work is per column panel; the logits projection
 of a 150k vocabulary would otherwise take seconds a call).
 
-Memory: the two packed copies triple the linear weights while the model loads (the
-calibration reads the plain weights, which are released after it: the layers keep oneDNN's
-copy and the kernel's where a bucket picks it); where they would take more than
-``packed_weights.MAX_MEMORY_SHARE`` of the memory available at load, one copy is made
-(oneDNN's, else the kernel's), and none (``F.linear``) where even that would not fit.
+Memory: each layer keeps oneDNN's copy and the kernel's where a bucket picks it; its plain
+weight is released once it is packed (after calibration for the one layer per shape that
+calibration measures), so a load peaks near two copies of the weights. Where those would
+take more than ``packed_weights.MAX_MEMORY_SHARE`` of the memory available at load, one copy
+is made (oneDNN's, else the kernel's), and none (``F.linear``) where even that would not fit.
 ``engine.linear = "torch"`` turns it off; ``$BATCHJOB_CPU_CALIBRATE`` applies as for attention.
 """
 
@@ -268,9 +268,19 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
         assert kernel is not None
         return PackedLinear(w, b, kernel, on, onednn=onednn)
 
-    packed = [packed_of(child.weight, child.bias) for _, _, child in targets]
-    for (parent, name, _), layer in zip(targets, packed, strict=True):
+    # Each layer's plain weight goes as soon as the layer is packed, except the first of each
+    # calibration shape (what calibrate_at_load measures): the load peaks near two copies.
+    packed, measured_shapes, n_layers = [], set(), len(targets)
+    while targets:  # popped: the list would keep each replaced nn.Linear (and weight) alive
+        parent, name, child = targets.pop(0)
+        layer = packed_of(child.weight, child.bias)
         setattr(parent, name, layer)
+        del child
+        shape = (layer.in_features, min(layer.out_features, CALIB_COLS))
+        if shape in measured_shapes:
+            layer.release_plain_weight()
+        measured_shapes.add(shape)
+        packed.append(layer)
     if head_w is not None:
         model.logits_linear = packed_of(head_w, None)
         packed.append(model.logits_linear)
@@ -278,6 +288,6 @@ def use_cpu_linear(model: nn.Module, isa: str | None = None) -> int:
     dropped = sum(layer.drop_unused_kernel_copy() for layer in packed)
     if dropped:
         log.info("linear layers: %d of %d run oneDNN at every row count", dropped, len(packed))
-    for layer in packed[: len(targets)]:  # not the logits projection's (the embedding's)
+    for layer in packed[:n_layers]:  # not the logits projection's (the embedding's)
         layer.release_plain_weight()
     return len(packed)
