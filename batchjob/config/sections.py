@@ -503,7 +503,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9  # GPU memory share for the KV cache (kv_cache_bytes unset)
     block_size: int | None = None  # tokens per KV block; unset: 16 native, vLLM: see backends
     attention: str = "auto"  # auto, torch, cpu (C kernel) or triton (CUDA)
-    linear: str = "auto"  # auto: CPU fp32 on the C kernel where faster, bf16 packed oneDNN; torch
+    linear: str = "auto"  # auto: CPU fp32 on the C kernel or packed oneDNN, bf16 packed oneDNN
     threads: int | None = None  # CPU threads; unset: all cores
     # CUDA: batches of up to this many tokens replay CUDA graphs (512: vLLM's default); 0:
     # eager; unset: native eager, vLLM its own
