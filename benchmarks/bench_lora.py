@@ -3,7 +3,7 @@ added per token) against the same rows on the model with that adapter merged int
 weights; one system per fresh process, repeats interleaved.
 
     flock /tmp/helpers/bench.lock nice -n -20 .venv/bin/python benchmarks/bench_lora.py \\
-        --model-shape smollm2-135m --rank 16 --repeats 3 \\
+        --model-shape smollm2-135m --rank 16 --docs 8 --questions 16 --max-tokens 32 --repeats 3 \\
         --results benchmarks/results/zen5_lora_smollm2_135m_fp32.json
 
 The rows are ``--docs`` documents of ``--doc-tokens`` random token ids, each asked
