@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -30,3 +31,23 @@ def add_calibration(seconds: float) -> None:
 def calibration_s() -> float:
     """Seconds of kernel calibration this process has spent so far (load and first use)."""
     return _calibration_s[0]
+
+
+@dataclass(frozen=True)
+class LoopClock:
+    """A loop's start, to time it less the kernel calibrations that ran inside it."""
+
+    wall: float
+    calibrating: float
+
+    @classmethod
+    def start(cls) -> LoopClock:
+        return cls(time.perf_counter(), calibration_s())
+
+    def calibration_s(self) -> float:
+        """Calibration seconds spent since the start."""
+        return calibration_s() - self.calibrating
+
+    def wall_s(self) -> float:
+        """Wall seconds since the start, calibrations excluded."""
+        return time.perf_counter() - self.wall - self.calibration_s()

@@ -42,7 +42,7 @@ from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
 from batchjob.inputs.row_settings import RowSettings
 from batchjob.model.info import ModelInfo
 from batchjob.plan.plan import Plan
-from batchjob.timing import calibration_s
+from batchjob.timing import LoopClock
 from batchjob.tokenize.prompts import TokenizedPrompts
 
 GiB = 1 << 30
@@ -207,7 +207,7 @@ class Engine:
             prompt_lp=prompt_lp,
         )
         records: list[IterationRecord] = []
-        t_start = (time.perf_counter(), calibration_s())
+        clock = LoopClock.start()
         for t0, out, batch in self._steps(sched, self._adapters(prompts, plan)):
             sampled: dict[int, int] = {}
             finished: set[int] = set()
@@ -253,7 +253,7 @@ class Engine:
             sched.update(out, sampled, finished)
             self._record(records, out, t0, on_iteration)
         self.prompt_logprob_rows = prompt_lp.rows if prompt_lp is not None else 0
-        return self._engine_run(records, sched.stats, t_start)
+        return self._engine_run(records, sched.stats, clock)
 
     @torch.inference_mode()
     def score(
@@ -272,7 +272,7 @@ class Engine:
         be each row's longest label (its KV need: the prompt + the longest label - 1)."""
         sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan, label_steps)
         records: list[IterationRecord] = []
-        t_start = (time.perf_counter(), calibration_s())
+        clock = LoopClock.start()
         for t0, out, batch in self._steps(sched, self._adapters(prompts, plan)):
             logits = self.forward(
                 batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_index
@@ -287,7 +287,7 @@ class Engine:
             for pos in sched.update(out, {}, set()):
                 scores.finish(pos)
             self._record(records, out, t0, on_iteration)
-        return self._engine_run(records, sched.stats, t_start)
+        return self._engine_run(records, sched.stats, clock)
 
     @torch.inference_mode()
     def embed(
@@ -306,14 +306,14 @@ class Engine:
         steps: tuple[tuple, ...] = ((),) * len(prompts)
         sched = make_scheduler(self.scheduler_cfg, self.kv, prompts, plan, steps)
         records: list[IterationRecord] = []
-        t_start = (time.perf_counter(), calibration_s())
+        clock = LoopClock.start()
         for t0, out, batch in self._steps(sched, self._adapters(prompts, plan)):
             h = model.last_hidden(batch.input_ids, batch.positions, self.kv_cache, batch.meta)
             pooler.add(out, h)
             for pos in sched.update(out, {}, set()):
                 pooler.finish(pos)
             self._record(records, out, t0, on_iteration)
-        return self._engine_run(records, sched.stats, t_start)
+        return self._engine_run(records, sched.stats, clock)
 
     def _adapters(self, prompts: TokenizedPrompts, plan: Plan | None) -> SeqAdapters | None:
         """Each sequence's LoRA adapter (a group prefix's: its members'); None without."""
@@ -369,17 +369,16 @@ class Engine:
             on_iteration(rec)
 
     def _engine_run(
-        self, records: list[IterationRecord], stats: SchedulerStats, t_start: tuple[float, float]
+        self, records: list[IterationRecord], stats: SchedulerStats, clock: LoopClock
     ) -> EngineRun:
-        """``t_start``: the loop's start (wall clock, ``calibration_s()``)."""
-        calibrating = calibration_s() - t_start[1]
+        calibrating = clock.calibration_s()
         return EngineRun(
             iterations=records,
             scheduler=stats,
             num_blocks=self.num_blocks,
             block_size=self.kv.block_size,
             kv_bytes_per_token=self.info.kv_bytes_per_token,
-            wall_s=time.perf_counter() - t_start[0] - calibrating,
+            wall_s=clock.wall_s(),
             calibration_s=calibrating,
         )
 

@@ -7,11 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchjob.backends.native.models.onednn_linear import (
-    OneDnnLinear,
-    onednn_bf16_available,
-    use_onednn_linear,
-)
+from batchjob.backends.native.models.onednn_linear import OneDnnLinear, use_onednn_linear
+from batchjob.backends.native.models.onednn_ops import onednn_bf16_available
 
 pytestmark = pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 matmul")
 

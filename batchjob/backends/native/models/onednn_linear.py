@@ -28,20 +28,12 @@ from batchjob.backends.native.models.llama import MLP
 from batchjob.backends.native.models.onednn_ops import (
     PACK_ROWS_HINT,
     onednn_available,
-    onednn_bf16_available,
     onednn_linear,
     onednn_pack,
 )
 from batchjob.backends.native.models.packed_weights import linear_targets
 
 log = logging.getLogger(__name__)
-__all__ = [
-    "PACK_ROWS_HINT",
-    "OneDnnLinear",
-    "OneDnnSiluMul",
-    "onednn_bf16_available",
-    "use_onednn_linear",
-]
 
 
 class OneDnnLinear(nn.Module):
