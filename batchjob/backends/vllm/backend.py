@@ -14,7 +14,6 @@ serves any number of ``run`` calls; the prefix cache is reset before each.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from batchjob.backends.vllm.engine_args import (
     vllm_log_file,
 )
 from batchjob.backends.vllm.requests import OutputTracker, ScoreTracker, Submission, plan_order
+from batchjob.backends.vllm.run_record import RunRecorder
 from batchjob.backends.vllm.scheduler import scheduler_class_path
 from batchjob.backends.vllm.spawn import main_module_hidden
 from batchjob.errors import EXIT_RUNTIME, BatchJobError, ConfigError
@@ -341,17 +341,8 @@ class VllmBackend(Backend):
             raise VllmError("vLLM could not reset its prefix cache (requests still running)")
         self.scheduler.bj_new_run()  # batchllm: decode lengths learned per run
         positions: dict[str, int] = {}
-        first_step, first_prefill, first_preempt = (
-            counters.steps,
-            counters.prefill_tokens,
-            counters.preemptions,
-        )
-        counters.peak_blocks = 0
-        seen = len(counters.records)
-        records = []
-        block_bytes = self.block_bytes
+        recorder = RunRecorder(counters, self.block_bytes, on_iteration)
         pending = True
-        t0 = time.perf_counter()
         from vllm.inputs import TokensPrompt
 
         while True:
@@ -379,29 +370,9 @@ class VllmBackend(Backend):
                 if done is not None:
                     del positions[out.request_id]
                     on_finish(done)
-            for rec in counters.records[seen:]:
-                rec = dataclasses.replace(
-                    rec,
-                    iteration=rec.iteration - first_step,
-                    kv_bytes_used=rec.kv_blocks_used * block_bytes,
-                )
-                records.append(rec)
-                if on_iteration is not None:
-                    on_iteration(rec)
-            seen = len(counters.records)
-        wall = time.perf_counter() - t0
-        del counters.records[:]  # the run's records are in `records` now
-        computed = counters.prefill_tokens - first_prefill
+            recorder.collect()
         first_time = int(prompts.lengths.sum()) - tracker.cached_tokens
-        return BackendRun(
-            iterations=records,
-            computed_prefill_tokens=computed,
-            recomputed_tokens=max(computed - first_time, 0),
-            preemptions=counters.preemptions - first_preempt,
-            peak_kv_bytes=counters.peak_blocks * block_bytes,
-            kv_budget_bytes=self.num_blocks * block_bytes,
-            wall_s=wall,
-        )
+        return recorder.finish(first_time, self.num_blocks)
 
     def attention_stats(self) -> dict[str, int] | None:
         """The worker's prefix-shared attention counts (prefix_attention.STATS, since the

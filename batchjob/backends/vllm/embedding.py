@@ -13,12 +13,12 @@ is_prefix_caching_supported``), so there every prompt token is computed. vLLM cu
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from batchjob.backends.base import BackendRun, FinishedRequest, IterationRecord, RunSink
+from batchjob.backends.base import BackendRun, FinishedRequest, RunSink
+from batchjob.backends.vllm.run_record import RunRecorder
 from batchjob.model.pooling import PoolingSpec
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.prompts import TokenizedPrompts
@@ -68,15 +68,7 @@ def run_embeddings(
     positions: dict[str, int] = {}
     cached = 0
     nxt = 0
-    first_step, first_prefill, first_preempt = (
-        counters.steps,
-        counters.prefill_tokens,
-        counters.preemptions,
-    )
-    counters.peak_blocks = 0
-    seen = len(counters.records)
-    records: list[IterationRecord] = []
-    t0 = time.perf_counter()
+    recorder = RunRecorder(counters, block_bytes, sink.on_iteration)
     while nxt < len(order) or positions:
         while nxt < len(order) and len(positions) < window:
             m = order[nxt]
@@ -101,28 +93,8 @@ def run_embeddings(
                     embedding=vec,
                 )
             )
-        for rec in counters.records[seen:]:
-            rec = dataclasses.replace(
-                rec,
-                iteration=rec.iteration - first_step,
-                kv_bytes_used=rec.kv_blocks_used * block_bytes,
-            )
-            records.append(rec)
-            if sink.on_iteration is not None:
-                sink.on_iteration(rec)
-        seen = len(counters.records)
-    wall = time.perf_counter() - t0
-    del counters.records[:]  # the run's records are in `records` now
-    computed = counters.prefill_tokens - first_prefill
-    return BackendRun(
-        iterations=records,
-        computed_prefill_tokens=computed,
-        recomputed_tokens=max(computed - (int(prompts.lengths.sum()) - cached), 0),
-        preemptions=counters.preemptions - first_preempt,
-        peak_kv_bytes=counters.peak_blocks * block_bytes,
-        kv_budget_bytes=num_blocks * block_bytes,
-        wall_s=wall,
-    )
+        recorder.collect()
+    return recorder.finish(int(prompts.lengths.sum()) - cached, num_blocks)
 
 
 def with_kwargs(settings: Any, spec: PoolingSpec) -> Any:
