@@ -332,6 +332,9 @@ class InputDataset:
     batch_rows: int
     limit: int | None
     builder: PromptBuilder | None = None  # template / messages / chat (None: prompt column)
+    # every file's columns unified: a batch of a file lacking a column gets it as nulls, so
+    # each batch has the columns the whole dataset read at once would (None: as read)
+    schema: pa.Schema | None = None
 
     @property
     def num_rows(self) -> int:
@@ -391,6 +394,9 @@ class InputDataset:
                 col.cast(pa.int64(), safe=False).fill_null(0).to_numpy(zero_copy_only=False)
             )
         rest = table.drop_columns([c for c in drop if c in table.column_names])
+        for f in self.schema or ():
+            if f.name not in table.column_names and f.name not in drop:
+                rest = rest.append_column(f.with_nullable(True), pa.nulls(n, f.type))
         if ROW_ID in rest.column_names:  # keep an input column named row_id under another name
             rest = rest.rename_columns(
                 ["input_" + c if c == ROW_ID else c for c in rest.column_names]
@@ -589,4 +595,5 @@ def open_dataset(cfg: InputConfig, model: ModelConfig | None = None) -> InputDat
         batch_rows=cfg.batch_rows,
         limit=cfg.limit,
         builder=builder,
+        schema=unified if len(files) > 1 else None,
     )

@@ -170,3 +170,41 @@ def test_partitioned_samples_killed_and_resumed_exactly_once(
     assert len(have) == len(want)
     for a, b in zip(want, have, strict=True):
         _assert_same(a, b)
+
+
+def test_a_file_without_a_setting_column_runs_as_in_memory(
+    tmp_path: Path, run_model: Path, data: Path, adapters: str
+) -> None:
+    """Two input files, the second without the setting columns (and with a column of its
+    own): its rows take the job's settings and the other file's columns as nulls, planned in
+    memory or in partitions alike (batches are read with the dataset's unified columns)."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    t = pq.read_table(data)
+    half = t.num_rows // 2
+    pq.write_table(t.slice(0, half), folder / "a.parquet", row_group_size=128)
+    b = t.slice(half).drop_columns(["temperature", "seed"])
+    b = b.append_column("note", pa.array([f"n{i}" for i in range(b.num_rows)]))
+    pq.write_table(b, folder / "b.parquet", row_group_size=128)
+    sets = {"input.path": str(folder)}
+    ref = run_job(
+        load_job(None, _sets(run_model, data, tmp_path / "ref", "row_settings", "") | sets)
+    )
+    got = run_job(
+        load_job(
+            None,
+            _sets(run_model, data, tmp_path / "part", "row_settings", "")
+            | sets
+            | {"scheduler.plan_memory": BUDGET},
+        )
+    )
+    assert got.summary is not None and ref.summary is not None
+    want, have = _files(tmp_path / "ref"), _files(tmp_path / "part")
+    assert len(want) == len(have) > 1
+    for x, y in zip(want, have, strict=True):
+        assert x.equals(y)
+    whole = pa.concat_tables(have)
+    assert whole.num_rows == t.num_rows
+    late = whole.filter(pa.compute.greater_equal(whole["row_id"], half))
+    assert late["temperature"].null_count == late.num_rows  # the file had none
+    assert whole.filter(pa.compute.less(whole["row_id"], half))["note"].null_count == half
