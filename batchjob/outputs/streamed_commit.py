@@ -189,7 +189,13 @@ class PassthroughSpill:
     def tables(self) -> Iterator[pa.Table]:
         """The tables in order; the file is opened here, so they read on after its folder
         is removed (as ``ResultStarts``' map does)."""
-        return _blobs(open(self.path, "rb"))  # closed by _blobs
+        return passthrough_tables(self.path)
+
+
+def passthrough_tables(path: Path) -> Iterator[pa.Table]:
+    """The tables of a ``PassthroughSpill`` another process wrote at ``path``, in order (the
+    file is opened here)."""
+    return _blobs(open(path, "rb"))
 
 
 def _blobs(f) -> Iterator[pa.Table]:

@@ -48,6 +48,7 @@ from batchjob.timing import StageTiming
 from batchjob.tokenize.tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
+PASSTHROUGH_FILE = "passthrough.arrows"  # in the spill folder: the pass-through columns
 TEXT_BYTES_PER_TOKEN = 4  # text prompts: the token estimate before tokenizing
 CHAT_BYTES_PER_ROW = 64  # a chat template's markup (role tags, turn ends) per conversation
 SPILL_PREFIX = ".plan-spill-"  # <meta>/.plan-spill-*: partitions being planned or run
@@ -208,7 +209,7 @@ def spill_input(
     spill = PartitionSpill(folder, num_parts)
     rejected = RejectedSpill(folder)
     rows_of = BatchRows(job, tokenizer, max_len, vocab, dataset.prompt_column)
-    kept = PassthroughSpill(folder / "passthrough.arrows") if keep_passthrough else None
+    kept = PassthroughSpill(folder / PASSTHROUGH_FILE) if keep_passthrough else None
     starts = None if rows_of.samples == (1, False) else ResultStarts(folder / "results.starts")
     schema: pa.Schema | None = None
     t_read = t_tok = 0.0

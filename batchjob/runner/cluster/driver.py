@@ -17,9 +17,10 @@ import shutil
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +39,8 @@ from batchjob.runner.heartbeat import Heartbeat
 from batchjob.tokenize.prompts import TokenizedPrompts
 
 log = logging.getLogger(__name__)
+
+W = TypeVar("W")  # a work item the driver queues
 
 ACTOR_PREFIX = "batchjob-"  # actor names: batchjob-<run token>-<writer id>
 # the driver's object-store settings and credentials go with its workers (a cluster's nodes
@@ -191,7 +194,7 @@ class _Driver:
         return _Work(f"{len(rest)} rows left by {work.what}", rest, plan_job(rest, job.scheduler))
 
     def run(self, prompts: TokenizedPrompts, plan: Plan) -> Execution:
-        ray, cfg = self.ray, self.job.cluster
+        cfg = self.job.cluster
         t0 = time.perf_counter()
         sharding = shard_plan(plan, prompts.lengths, cfg.workers)
         queue: deque[_Work] = deque()
@@ -205,56 +208,97 @@ class _Driver:
             cfg.workers,
             100 * sharding.spread,
         )
+        results: list[Execution] = []
+
+        def done(slot: _Slot, work: _Work, answer: Execution) -> None:
+            results.append(answer)
+            log.info("cluster: %s done on %s", work.what, slot.writer)
+
+        self.dispatch(
+            queue,
+            submit=lambda slot, work: slot.actor.run.remote(work.prompts, work.plan),
+            done=done,
+            lost=lambda slot, work, err: self._lost(slot, work, queue, err),
+            waiting=lambda running: self._beat(len(prompts), results, running),
+            left=lambda: f"{sum(len(w.prompts) for w in queue)} rows",
+        )
+        return merge(results, plan, self._device(results), time.perf_counter() - t0)
+
+    def dispatch(
+        self,
+        queue: deque[W],
+        submit: Callable[[_Slot, W], Any],
+        done: Callable[[_Slot, W, Any], None],
+        lost: Callable[[_Slot, W, Exception], None],
+        waiting: Callable[[dict], None],
+        left: Callable[[], str],
+    ) -> None:
+        """Start the workers and hand each idle one the next item of ``queue`` (``submit``
+        returns the call's ref) until none is queued or running. A worker's answer goes to
+        ``done``, its death to ``lost`` (which may queue work again and restart the slot);
+        ``waiting`` is called at every heartbeat with nothing finished. A task that raised
+        a ``BatchJobError`` re-raises it here (a bad config or model keeps its exit code);
+        every worker is killed on the way out, the workers' folder removed when all is done."""
+        ray, cfg = self.ray, self.job.cluster
         for slot in self.slots:
             self._start(slot)
-        running: dict[Any, tuple[_Slot, _Work]] = {}
-        results: list[Execution] = []
+        running: dict[Any, tuple[_Slot, W]] = {}
         try:
             while queue or running:
                 for slot in self.slots:
                     if queue and slot.actor is not None and not slot.busy:
-                        work = queue.popleft()
-                        running[slot.actor.run.remote(work.prompts, work.plan)] = (slot, work)
+                        item = queue.popleft()
+                        running[submit(slot, item)] = (slot, item)
                         slot.busy = True
                 if not running:
                     raise WorkersLostError(
                         f"every cluster worker died ({cfg.workers} workers, "
-                        f"cluster.max_restarts = {cfg.max_restarts}) with "
-                        f"{sum(len(w.prompts) for w in queue)} rows left; the rows written "
-                        f"are kept: rerun the job to resume (last: {self.last_error})"
+                        f"cluster.max_restarts = {cfg.max_restarts}) with {left()} left; the "
+                        f"rows written are kept: rerun the job to resume (last: "
+                        f"{self.last_error})"
                     )
                 every = self.heartbeat.every_s if self.heartbeat else None
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=every)
                 if not ready:
-                    self._beat(len(prompts), results, running)
+                    waiting(running)
                     continue
                 [ref] = ready
-                slot, work = running.pop(ref)
+                slot, item = running.pop(ref)
                 slot.busy = False
                 try:
-                    results.append(ray.get(ref))
-                    log.info("cluster: %s done on %s", work.what, slot.writer)
+                    answer = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    self._lost(slot, work, queue, e)
+                    lost(slot, item, e)
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None)
                     if isinstance(cause, BatchJobError):
-                        raise cause from None  # bad config/model: its own exit code
+                        raise cause from None
                     raise
+                else:
+                    done(slot, item, answer)
         finally:
             for slot in self.slots:
                 if slot.actor is not None:
                     ray.kill(slot.actor, no_restart=True)
         if isinstance(info := workers_dir(self.layout), Path):  # (on a store: left, tiny)
             shutil.rmtree(info, ignore_errors=True)
-        return merge(results, plan, self._device(results), time.perf_counter() - t0)
+
+    def lost_worker(self, slot: _Slot, err: Exception) -> None:
+        """Make sure a worker whose call failed is gone (an unreachable actor is not always
+        a dead one) before its unwritten rows go to another: two writers of a row would be
+        a duplicate. Its slot gets a new actor while ``cluster.max_restarts`` allows."""
+        self.ray.kill(slot.actor, no_restart=True)
+        self.last_error = f"{slot.writer}: {_first_line(err)}"
+        slot.actor = None
+
+    def restart(self, slot: _Slot) -> None:
+        if slot.restarts < self.job.cluster.max_restarts:
+            slot.restarts += 1
+            self._start(slot)
 
     def _lost(self, slot: _Slot, work: _Work, queue: deque[_Work], err: Exception) -> None:
-        # make sure it is gone (an unreachable actor is not always a dead one) before its
-        # unwritten rows go to another worker: two writers of a row would be a duplicate
-        self.ray.kill(slot.actor, no_restart=True)
+        self.lost_worker(slot, err)
         rest = self._left_over(work)
-        self.last_error = f"{slot.writer}: {_first_line(err)}"
         log.warning(
             "cluster: worker %s died (%s); %s",
             slot.writer,
@@ -263,10 +307,7 @@ class _Driver:
         )
         if rest is not None:
             queue.appendleft(rest)
-        slot.actor = None
-        if slot.restarts < self.job.cluster.max_restarts:
-            slot.restarts += 1
-            self._start(slot)
+        self.restart(slot)
 
     def _beat(self, total: int, results: list[Execution], running: dict) -> None:
         if self.heartbeat:

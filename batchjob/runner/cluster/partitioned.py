@@ -5,7 +5,8 @@
    reads, tokenizes and spills it by its rows' first tokens (``plan_stream.spill_input``, with
    the partition count of the whole input) into its own folder under the driver's spill
    folder (``<meta>/.plan-spill-*/rNNNNN/``), and returns per-partition row, token and
-   decode counts and its rejected rows. A task retried by Ray starts its folder over. An
+   decode counts and its rejected rows; a run's tasks also keep their rows' pass-through
+   columns there, for the commit. A task retried by Ray starts its folder over. An
    OpenAI JSONL input (no row groups) is spilled by the driver itself, streaming.
 2. **Assign by cost.** Partition ``p`` is the union of every slice's ``p`` files, in slice
    order (row-id order). Its estimated cost is the shard balancer's
@@ -18,7 +19,8 @@
    (``plan_job``) and runs it on a backend opened once per worker, its rows going to its own
    part files as a ``ShardWorker``'s do. It writes the plan of what it ran beside the spill.
 4. **Commit on the driver**, a results file at a time, as a single-process partitioned run
-   does (``streamed_commit``): the same result files. The plan file lists the groups in the
+   does (``streamed_commit``), the pass-through columns taken from the slices' copies (the
+   input is read once): the same result files. The plan file lists the groups in the
    order they ran, partition after partition.
 
 A worker that dies fails its call; its partition is queued again, flagged so that its next
@@ -40,6 +42,7 @@ path on a filesystem the nodes share. Ray is imported only when this runs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import shutil
@@ -67,7 +70,7 @@ from batchjob.model.info import ModelInfo, model_info_for
 from batchjob.outputs.naming import OutputLayout
 from batchjob.outputs.results import ResultRow, ResultSink
 from batchjob.outputs.spilled_records import IterationLog, RejectedSpill
-from batchjob.outputs.streamed_commit import RowBits, bucket_parts, done_rows
+from batchjob.outputs.streamed_commit import RowBits, bucket_parts, done_rows, passthrough_tables
 from batchjob.plan.budget import budget_of, num_partitions, plan_bytes
 from batchjob.plan.build import plan_job
 from batchjob.plan.partition import FIRST_DEPTH, ROW, PartitionSpill, Rows
@@ -84,7 +87,6 @@ from batchjob.plan.streamed import (
     fit_partitions,
 )
 from batchjob.runner.cluster.driver import (
-    WorkersLostError,
     _Driver,
     _first_line,
     _import_ray,
@@ -94,7 +96,7 @@ from batchjob.runner.cluster.driver import (
     runtime_options,
 )
 from batchjob.runner.cluster.read import FragmentDataset, _fields, fragments, group
-from batchjob.runner.cluster.worker import ShardWorker, workers_dir
+from batchjob.runner.cluster.worker import ShardWorker
 from batchjob.runner.execute import (
     Execution,
     backend_config,
@@ -103,7 +105,13 @@ from batchjob.runner.execute import (
     open_job_backend,
     select_rows,
 )
-from batchjob.runner.plan_stream import PartitionedPlan, estimated_tokens, spill_folder, spill_input
+from batchjob.runner.plan_stream import (
+    PASSTHROUGH_FILE,
+    PartitionedPlan,
+    estimated_tokens,
+    spill_folder,
+    spill_input,
+)
 from batchjob.runner.progress import results_phrase
 from batchjob.runner.run_stream import StreamedRun, _stats_plan, _sum_stats, _work_parent
 from batchjob.storage.atomic import Target, atomic_open
@@ -162,10 +170,19 @@ def _rejected_rows(rejected: Any) -> RejectedRows:
     return RejectedRows.concat(list(rejected.chunks()))
 
 
-def _spill(job: JobConfig, dataset: InputDataset, folder: Path, num_parts: int, tok=None):
+def _spill(
+    job: JobConfig,
+    dataset: InputDataset,
+    folder: Path,
+    num_parts: int,
+    tok=None,
+    keep_passthrough: bool = False,
+):
     shutil.rmtree(folder, ignore_errors=True)  # a retried task starts its slice over
     folder.mkdir(parents=True)
-    s = spill_input(job, dataset, folder, tok, num_parts=num_parts)
+    s = spill_input(
+        job, dataset, folder, tok, num_parts=num_parts, keep_passthrough=keep_passthrough
+    )
     rejected = _rejected_rows(s.rejected)
     pq.write_table(rejected.to_arrow(), folder / REJECTED_FILE)
     return SliceSpill(
@@ -190,27 +207,38 @@ def spill_slice(
     frags: tuple,
     folder: str,
     num_parts: int,
+    keep_passthrough: bool,
 ) -> SliceSpill:
-    """One Ray task: read, tokenize and spill the rows of ``frags`` under ``folder``."""
+    """One Ray task: read, tokenize and spill the rows of ``frags`` under ``folder``
+    (``keep_passthrough``: their pass-through columns too, for the commit)."""
     configure_storage(job.storage)
     builder = make_builder(job.input, job.model) if has_builder else None
     part = FragmentDataset(**{**fields, "builder": builder, "fragments": frags})
-    return _spill(job, part, Path(folder), num_parts)
+    return _spill(job, part, Path(folder), num_parts, keep_passthrough=keep_passthrough)
 
 
 def spill_on_cluster(
-    ray, job: JobConfig, dataset: InputDataset, root: Path, num_parts: int, tokenizer=None
+    ray,
+    job: JobConfig,
+    dataset: InputDataset,
+    root: Path,
+    num_parts: int,
+    tokenizer=None,
+    keep_passthrough: bool = False,
 ) -> list[SliceSpill]:
-    """Every slice spilled under ``root/rNNNNN`` (slice order = row-id order)."""
+    """Every slice spilled under ``root/rNNNNN`` (slice order = row-id order);
+    ``keep_passthrough``: each slice's pass-through columns too (``slice_passthrough``)."""
     if job.input.path.endswith(".jsonl"):  # no row groups: one stream, here
         log.info("read + tokenize + spill in this process (OpenAI JSONL input)")
-        return [_spill(job, dataset, root / "r00000", num_parts, tokenizer)]
+        return [_spill(job, dataset, root / "r00000", num_parts, tokenizer, keep_passthrough)]
     tasks = group(fragments(dataset), job.cluster.workers)
     task = ray.remote(spill_slice).options(**runtime_options())
     fields = _fields(dataset) | {"builder": None}
     has_builder = dataset.builder is not None
     refs = [
-        task.remote(job, fields, has_builder, frags, str(root / f"r{i:05d}"), num_parts)
+        task.remote(
+            job, fields, has_builder, frags, str(root / f"r{i:05d}"), num_parts, keep_passthrough
+        )
         for i, frags in enumerate(tasks)
     ]
     try:
@@ -220,6 +248,13 @@ def spill_on_cluster(
         if isinstance(cause, BatchJobError):
             raise cause from None  # a corrupt file, a bad column: its own exit code
         raise
+
+
+def slice_passthrough(slices: list[SliceSpill]) -> Iterator[pa.Table]:
+    """The slices' pass-through columns in row-id order, every file opened now (so they read
+    on after the spill folder is removed)."""
+    opened = [passthrough_tables(Path(s.folder) / PASSTHROUGH_FILE) for s in slices]
+    return itertools.chain.from_iterable(opened)
 
 
 def _slice_rejected(slices: list[SliceSpill]):
@@ -483,53 +518,22 @@ class _PartitionDriver(_Driver):
         return (*super()._actor_args(slot), self.done_ref, self.num_rows, str(self.work))
 
     def run_items(self, items: list[PartitionItem]) -> list[PartitionDone]:
-        ray, cfg = self.ray, self.job.cluster
         queue: deque[PartitionItem] = deque(items)
-        for slot in self.slots:
-            self._start(slot)
-        running: dict[Any, tuple[_Slot, PartitionItem]] = {}
         results: list[PartitionDone] = []
-        try:
-            while queue or running:
-                for slot in self.slots:
-                    if queue and slot.actor is not None and not slot.busy:
-                        item = queue.popleft()
-                        method = "split_partition" if item.split else self.method
-                        ref = getattr(slot.actor, method).remote(item)
-                        running[ref] = (slot, item)
-                        slot.busy = True
-                if not running:
-                    raise WorkersLostError(
-                        f"every cluster worker died ({cfg.workers} workers, "
-                        f"cluster.max_restarts = {cfg.max_restarts}) with {len(queue)} "
-                        f"partitions left; the rows written are kept: rerun the job to "
-                        f"resume (last: {self.last_error})"
-                    )
-                every = self.heartbeat.every_s if self.heartbeat else None
-                ready, _ = ray.wait(list(running), num_returns=1, timeout=every)
-                if not ready:
-                    self._say(len(queue), results, running)
-                    continue
-                [ref] = ready
-                slot, item = running.pop(ref)
-                slot.busy = False
-                try:
-                    done: PartitionDone = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    self._lost_item(slot, item, queue, e)
-                except ray.exceptions.RayTaskError as e:
-                    cause = getattr(e, "cause", None)
-                    if isinstance(cause, BatchJobError):
-                        raise cause from None  # bad config/model: its own exit code
-                    raise
-                else:
-                    self._finished(item, done, queue, results)
-        finally:
-            for slot in self.slots:
-                if slot.actor is not None:
-                    ray.kill(slot.actor, no_restart=True)
-        if isinstance(info := workers_dir(self.layout), Path):
-            shutil.rmtree(info, ignore_errors=True)
+
+        def submit(slot: _Slot, item: PartitionItem) -> Any:
+            return getattr(slot.actor, "split_partition" if item.split else self.method).remote(
+                item
+            )
+
+        self.dispatch(
+            queue,
+            submit=submit,
+            done=lambda slot, item, done: self._finished(item, done, queue, results),
+            lost=lambda slot, item, err: self._lost_item(slot, item, queue, err),
+            waiting=lambda running: self._say(len(queue), results, running),
+            left=lambda: f"{len(queue)} partitions",
+        )
         return results
 
     def _finished(self, item: PartitionItem, done: PartitionDone, queue, results) -> None:
@@ -558,16 +562,12 @@ class _PartitionDriver(_Driver):
             piece.remove()
 
     def _lost_item(self, slot: _Slot, item: PartitionItem, queue, err: Exception) -> None:
-        self.ray.kill(slot.actor, no_restart=True)  # gone before another takes its rows
-        self.last_error = f"{slot.writer}: {_first_line(err)}"
+        self.lost_worker(slot, err)
         log.warning(
             "cluster: worker %s died (%s); %s run again", slot.writer, _first_line(err), item.what
         )
         queue.appendleft(dataclasses.replace(item, rescan=True))
-        slot.actor = None
-        if slot.restarts < self.job.cluster.max_restarts:
-            slot.restarts += 1
-            self._start(slot)
+        self.restart(slot)
 
     def _say(self, queued: int, results: list[PartitionDone], running: dict) -> None:
         if self.heartbeat:
@@ -687,7 +687,8 @@ def _run_on_cluster(
     try:
         with spill_folder(layout.meta) as work:
             t0 = time.perf_counter()
-            slices = spill_on_cluster(ray, job, dataset, work, num_parts, tokenizer)
+            slices = spill_on_cluster(ray, job, dataset, work, num_parts, tokenizer, True)
+            passthrough = slice_passthrough(slices)  # for the commit: not the input again
             stage["read_s"], stage["tokenize_s"] = _stage_times(slices, time.perf_counter() - t0)
             num_rows = sum(s.rows for s in slices)
             n_rejected = sum(s.rejected for s in slices)
@@ -764,8 +765,7 @@ def _run_on_cluster(
     t0 = time.perf_counter()
     with owned_workdir(_work_parent(layout), ".commit-buckets-") as buckets:
         streamed = bucket_parts(layout, sink.schema, buckets, num_rows, sink.rows_per_file)
-        again = open_input(job.input, job.model, job.sampling)  # pass-through columns
-        chunks = streamed.chunks((b.passthrough for b in again.batches()), _unify(slices))
+        chunks = streamed.chunks(passthrough, _unify(slices))
         results = sink.commit_chunks(chunks, num_rows)
     stage["write_s"] = time.perf_counter() - t0
     rows = {

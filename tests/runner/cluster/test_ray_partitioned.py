@@ -26,7 +26,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.config import load_job
+from batchjob.inputs.source import open_input
 from batchjob.outputs.naming import OutputLayout
+from batchjob.runner.cluster import partitioned
 from batchjob.runner.pipeline import run
 from tests.e2e.jobkit import ROOT, cli, write_job
 from tests.runner.cluster.conftest import write_cluster_data
@@ -82,12 +84,21 @@ def test_four_workers_plan_and_run_their_partitions_as_one_process(
     data: Path,
     reference: list[pa.Table],
     caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.INFO, logger="batchjob.runner.cluster.partitioned")
+    opened: list[str] = []
+
+    def counted_open(inp, *args, **kwargs):
+        opened.append(inp.path)
+        return open_input(inp, *args, **kwargs)
+
+    monkeypatch.setattr(partitioned, "open_input", counted_open)
     job = write_job(tmp_path, cluster_model, data, tmp_path / "out", **OUTPUT)
     result = run(load_job(job, {**SETS, **FOUR}), progress=False)
     assert result.summary is not None and result.summary.device == "ray:4xcpu"
-    check_same_files(tmp_path / "out", reference)
+    check_same_files(tmp_path / "out", reference)  # pass-through columns included
+    assert opened == [str(data)]  # the driver opened the input once: the commit reads none
     messages = [r.getMessage() for r in caplog.records]
     assert any("split into" in m for m in messages), messages  # a worker split the partition
     [per_worker] = [m for m in messages if "planning per worker" in m]
