@@ -30,6 +30,7 @@ from batchjob.backends.native.attention.calibrate import KINDS, batch_kind  # no
 from batchjob.backends.native.models import cpu_linear  # noqa: E402
 from batchjob.backends.native.models.llama import LlamaForCausalLM  # noqa: E402
 from batchjob.backends.native.models.onednn_linear import OneDnnLinear  # noqa: E402
+from batchjob.backends.native.models.onednn_ops import onednn_available  # noqa: E402
 from batchjob.backends.native.output_processor import OutputProcessor  # noqa: E402
 from batchjob.config import load_job  # noqa: E402
 from batchjob.runner import pipeline  # noqa: E402
@@ -73,20 +74,24 @@ def _traced_stages() -> None:
 
 
 def gemm_rate(hidden: int, inter: int, dtype: torch.dtype) -> float:
-    """GFLOP/s of the model's gate-up product at 512 rows (the machine's matmul rate in this
-    dtype, as the engine calls it: packed oneDNN for bf16, torch for float32), the best of 15
+    """GFLOP/s of the model's gate-up product at 512 rows: the machine's matmul rate in this
+    dtype, the faster of torch's ``F.linear`` and oneDNN's product on a packed weight (the
+    float32 ``F.linear`` reached half of oneDNN's on a Zen 5 EPYC), each the best of 15
     calls: a VM's neighbours only ever slow a call down."""
     w = torch.randn(2 * inter, hidden).to(dtype)
     x = torch.randn(512, hidden).to(dtype)
-    fn = OneDnnLinear(w, None) if dtype == torch.bfloat16 else (lambda a: F.linear(a, w))
-    for _ in range(3):
-        fn(x)
-    ts = []
-    for _ in range(15):
-        t = time.perf_counter()
-        fn(x)
-        ts.append(time.perf_counter() - t)
-    return 2 * 512 * hidden * 2 * inter / min(ts) / 1e9
+    fns = [lambda a: F.linear(a, w)]
+    if onednn_available(dtype):
+        fns.append(OneDnnLinear(w, None))
+    best = float("inf")
+    for fn in fns:
+        for _ in range(3):
+            fn(x)
+        for _ in range(15):
+            t = time.perf_counter()
+            fn(x)
+            best = min(best, time.perf_counter() - t)
+    return 2 * 512 * hidden * 2 * inter / best / 1e9
 
 
 def linear_flops_per_token(cfg: dict) -> int:
