@@ -33,7 +33,8 @@ from typing import Any
 MAX_SECONDS = 2.0  # per row: one render, one compile (a real one takes well under 0.1 s)
 MAX_CHARS = 16 << 20  # 16,777,216 characters: a render's output and anything it builds
 MAX_BYTES = 2 << 30  # memory one native compile may add to the guard process (2 GiB)
-START_SECONDS = 60.0  # the guard process's start-up (imports), not counted per row
+START_SECONDS = 600.0  # the guard process's start-up (imports), not counted per row: a
+# loaded machine (a CI box, a busy Airflow worker) took over 60 s to import xgrammar
 
 
 class LimitError(ValueError):
@@ -104,7 +105,13 @@ class _GuardProcess:
             with contextlib.suppress(TimeoutError):
                 self.ready = self._reply(START_SECONDS) is not None
             if not self.ready:
-                raise RuntimeError("the guard process (batchjob.guard) did not start")
+                code = self.proc.poll()
+                why = (
+                    f"it exited with code {code}"
+                    if code is not None
+                    else f"not ready after {START_SECONDS:g} s of imports"
+                )
+                raise RuntimeError(f"the guard process (batchjob.guard) did not start: {why}")
         _send(self.proc.stdin, (module, function, args))
         try:
             reply = self._reply(MAX_SECONDS)
