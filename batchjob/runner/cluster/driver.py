@@ -235,10 +235,11 @@ class _Driver:
     ) -> None:
         """Start the workers and hand each idle one the next item of ``queue`` (``submit``
         returns the call's ref) until none is queued or running. A worker's answer goes to
-        ``done``, its death to ``lost`` (which may queue work again and restart the slot);
-        ``waiting`` is called at every heartbeat with nothing finished. A task that raised
-        a ``BatchJobError`` re-raises it here (a bad config or model keeps its exit code);
-        every worker is killed on the way out, the workers' folder removed when all is done."""
+        ``done``; a dead worker is killed for sure, ``lost`` queues again what it left, then
+        its slot gets a new actor while ``cluster.max_restarts`` allows. ``waiting`` is
+        called at every heartbeat with nothing finished. A task that raised a
+        ``BatchJobError`` re-raises it here; every worker is killed on the way out, the
+        workers' folder removed when all is done."""
         ray, cfg = self.ray, self.job.cluster
         for slot in self.slots:
             self._start(slot)
@@ -268,11 +269,13 @@ class _Driver:
                 try:
                     answer = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
+                    self._retire(slot, e)
                     lost(slot, item, e)
+                    self._replace(slot)
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None)
                     if isinstance(cause, BatchJobError):
-                        raise cause from None
+                        raise cause from None  # bad config/model: its own exit code
                     raise
                 else:
                     done(slot, item, answer)
@@ -283,21 +286,21 @@ class _Driver:
         if isinstance(info := workers_dir(self.layout), Path):  # (on a store: left, tiny)
             shutil.rmtree(info, ignore_errors=True)
 
-    def lost_worker(self, slot: _Slot, err: Exception) -> None:
+    def _retire(self, slot: _Slot, err: Exception) -> None:
         """Make sure a worker whose call failed is gone (an unreachable actor is not always
         a dead one) before its unwritten rows go to another: two writers of a row would be
-        a duplicate. Its slot gets a new actor while ``cluster.max_restarts`` allows."""
+        a duplicate."""
         self.ray.kill(slot.actor, no_restart=True)
         self.last_error = f"{slot.writer}: {_first_line(err)}"
         slot.actor = None
 
-    def restart(self, slot: _Slot) -> None:
+    def _replace(self, slot: _Slot) -> None:
+        """A new actor for a retired slot, while ``cluster.max_restarts`` allows."""
         if slot.restarts < self.job.cluster.max_restarts:
             slot.restarts += 1
             self._start(slot)
 
     def _lost(self, slot: _Slot, work: _Work, queue: deque[_Work], err: Exception) -> None:
-        self.lost_worker(slot, err)
         rest = self._left_over(work)
         log.warning(
             "cluster: worker %s died (%s); %s",
@@ -307,7 +310,6 @@ class _Driver:
         )
         if rest is not None:
             queue.appendleft(rest)
-        self.restart(slot)
 
     def _beat(self, total: int, results: list[Execution], running: dict) -> None:
         if self.heartbeat:

@@ -562,12 +562,10 @@ class _PartitionDriver(_Driver):
             piece.remove()
 
     def _lost_item(self, slot: _Slot, item: PartitionItem, queue, err: Exception) -> None:
-        self.lost_worker(slot, err)
         log.warning(
             "cluster: worker %s died (%s); %s run again", slot.writer, _first_line(err), item.what
         )
         queue.appendleft(dataclasses.replace(item, rescan=True))
-        self.restart(slot)
 
     def _say(self, queued: int, results: list[PartitionDone], running: dict) -> None:
         if self.heartbeat:
