@@ -24,6 +24,7 @@ from batchjob.backends.native.kv_cache import KVLayout
 from batchjob.backends.native.logits_processors import DecodeState
 from batchjob.backends.native.malloc_tuning import keep_freed_memory
 from batchjob.backends.native.models.llama import LlamaForCausalLM
+from batchjob.backends.native.models.logits_buffer import LogitsBuffer
 from batchjob.backends.native.models.lora import LoraRouter
 from batchjob.backends.native.output_processor import OutputProcessor
 from batchjob.backends.native.prompt_logprobs import PromptLogprobs
@@ -120,6 +121,8 @@ class Engine:
         self.engine_cfg = engine
         if info.torch_device.type == "cpu":
             keep_freed_memory()  # no page-fault churn on each step's activations
+            if isinstance(model, LlamaForCausalLM):  # each step's logits read before the next
+                model.logits_buffer = LogitsBuffer()
         # ValueError when the budget holds fewer than two blocks
         self.kv = KVLayout.from_budget(
             kv_budget_bytes(engine, info.torch_device),

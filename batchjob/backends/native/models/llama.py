@@ -23,6 +23,7 @@ from torch import nn
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.backends.native.models import cpu_glue
 from batchjob.backends.native.models.config import ModelConfig
+from batchjob.backends.native.models.logits_buffer import LogitsBuffer
 from batchjob.backends.native.models.rope import RopeTable, apply_rope_, inv_frequencies
 from batchjob.errors import ModelError
 
@@ -193,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = attn_backend  # write_kv/attend provider, see engine.attention
         # the logits projection as a module (cpu_linear.PackedLinear), else F.linear below
         self.logits_linear: nn.Module | None = None
+        # set by the engine on CPUs: float32 logits into storage reused step to step
+        self.logits_buffer: LogitsBuffer | None = None
 
     @torch.inference_mode()
     def forward(
@@ -232,11 +235,14 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids), cos, sin
 
     def logits(self, h: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
-        """float32 [K, vocab] of the rows ``logits_index`` of the last layer's h."""
+        """float32 [K, vocab] of the rows ``logits_index`` of the last layer's h; with
+        ``logits_buffer`` set, a view of its storage valid until the next call."""
         x = self.norm(h[logits_index])  # [K, hidden]
         if self.logits_linear is not None:
-            return self.logits_linear(x).float()
-        return F.linear(x, self.logits_weight()).float()  # [K, vocab]
+            y = self.logits_linear(x)
+        else:
+            y = F.linear(x, self.logits_weight())  # [K, vocab]
+        return y.float() if self.logits_buffer is None else self.logits_buffer.to_float(y)
 
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the untied head's, else the embedding's."""
