@@ -200,6 +200,7 @@ def _load(isa: str) -> CpuKernel | None:
     strided = lib.batchjob_paged_attention_strided
     strided.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, p, i64]
     strided.argtypes += [ctypes.c_float, p, p, p, ctypes.c_int, ctypes.c_int]
+    strided.argtypes += [ctypes.c_int, p]  # q_bf16, out_bf16 (NULL: float32 out only)
     strided.restype = ctypes.c_int
     rope = lib.batchjob_rope
     rope.argtypes = [p, i64, i64, i64, i64, i64, p, p, ctypes.c_int, ctypes.c_int]

@@ -102,7 +102,7 @@ typedef int32_t vi __attribute__((vector_size(4 * L)));
 enum { U_Q0, U_NQ, U_NKEYS, U_BLK, U_CAUSAL, U_DST, U_KVH, U_FIELDS };
 
 typedef struct {
-    const float *q;
+    const void *q; /* float32, or bfloat16 (uint16) when q_bf16 */
     const void *k, *v; /* float32, or bfloat16 (uint16) when kv_bf16 */
     const int32_t *blocks;
     float *out, *pout, *lse;
@@ -110,16 +110,14 @@ typedef struct {
     int64_t bstr, ks, hstr; /* cache strides in elements: a block, a key row, a KV head */
     const int64_t *tok; /* the units' token t is row tok[t] of q, out and lse (NULL: t) */
     int64_t qstr;       /* elements from one token's queries to the next's in q */
+    int q_bf16;         /* q holds bfloat16 values (a bf16 model's: widened exactly) */
     float qscale; /* softmax scale * log2(e) */
 } args_t;
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Where the units' query token t lives: its row of out and lse, and of q (qrow, head h). */
+/* Where the units' query token t lives: its row of q (q_f32), out and lse. */
 INLINE int64_t tok_row(const args_t *a, int64_t t) { return a->tok ? a->tok[t] : t; }
-INLINE const float *qrow(const args_t *a, int64_t t, int64_t h, int64_t D) {
-    return a->q + tok_row(a, t) * a->qstr + h * D;
-}
 
 INLINE vf ld(const float *p) { return *(const vfu *)p; }
 INLINE void st(float *p, vf x) { *(vfu *)p = x; }
@@ -535,6 +533,21 @@ INLINE const float *pack_bf16(float *dst, const uint16_t *src, int nv, int64_t D
     return dst;
 }
 
+/* float32 -> bfloat16, round to nearest even as torch's conversion (NaN stays a quiet NaN). */
+INLINE uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Query token t, head h, as float32: in place, or widened from bfloat16 into buf ([D]). */
+INLINE const float *q_f32(const args_t *a, int64_t t, int64_t h, int64_t D, float *buf) {
+    const int64_t at = tok_row(a, t) * a->qstr + h * D;
+    if (!a->q_bf16) return (const float *)a->q + at;
+    return pack_bf16(buf, (const uint16_t *)a->q + at, 1, D, D);
+}
+
 /* nv key (or value) rows of one head from element `at` of a cache whose rows are ks apart, as
    float32 rows D apart in dst: a tile's packed copy (see pack), widened if bfloat16. */
 INLINE const float *packed_rows(float *dst, const void *cache, int64_t at, int nv, int64_t D,
@@ -748,7 +761,8 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 #endif
     for (int r = 0; r < rows; r++) {
         const int64_t hh = r / rh, rl = r % rh;
-        const float *src = qrow(a, q0 + rl / R, (h0 + hh) * R + rl % R, D);
+        float qb_[MAX_D];
+        const float *src = q_f32(a, q0 + rl / R, (h0 + hh) * R + rl % R, D, qb_);
 #ifdef HAVE_BF16DP
         if (dot_bf16) { /* instead of the scaled float32 queries, which they never read */
             for (int64_t d = 0; d < D; d += 32)
@@ -1057,7 +1071,9 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
     uint32_t *qv = (uint32_t *)w->qtk; /* head hh's pairs at hh * (D / 2) * RP */
     for (int64_t hh = 0; hh < nh; hh++)
         for (int r = 0; r < RP; r++) {
-            const float *src = r < rh ? qrow(a, q0 + r / R, (h0 + hh) * R + r % R, D) : NULL;
+            float qb_[MAX_D];
+            const float *src =
+                r < rh ? q_f32(a, q0 + r / R, (h0 + hh) * R + r % R, D, qb_) : NULL;
             for (int64_t p = 0; p < D / 2; p++)
                 qv[(hh * (D / 2) + p) * RP + r] =
                     r < rh ? bf16_pair(src[2 * p], src[2 * p + 1]) : 0;
@@ -1261,7 +1277,8 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], h0 = u[U_KVH];
     const int rows = (int)(nq * R), M = (rows + 15) / 16, RP = M * 16;
     for (int r = 0; r < RP; r++) { /* queries as bf16 pairs of dims, transposed; pad rows 0 */
-        const float *src = r < rows ? qrow(a, q0 + r / R, h0 * R + r % R, D) : NULL;
+        float qb_[MAX_D];
+        const float *src = r < rows ? q_f32(a, q0 + r / R, h0 * R + r % R, D, qb_) : NULL;
         for (int64_t p = 0; p < D / 2; p++)
             w->qv[r / 16][p][r % 16] =
                 r < rows ? bf16_pair(src[2 * p], src[2 * p + 1]) : 0;
@@ -1378,14 +1395,18 @@ static __thread scratch_t *tls_scratch;
    q, out, pout and lse (a caller's batch order, read and written in place: no gather of q or
    scatter of out around the call). q_stride: elements from one token's queries to the next
    (H * D when q is contiguous; a row of a fused QKV projection's output otherwise).
+   q_bf16: q holds bfloat16 values (each widened exactly as it is read: a bf16 model's
+   queries need no float32 copy). out_bf16: NULL, or bfloat16 [T, H, D] receiving out rounded
+   to nearest even after the merge (out still holds the float32 result).
    Returns 0, or a negative code for arguments the kernel does not support. */
-int batchjob_paged_attention_strided(const float *q, const void *k_cache, const void *v_cache,
+int batchjob_paged_attention_strided(const void *q, const void *k_cache, const void *v_cache,
                                      const int32_t *blocks, const int64_t *units,
                                      int64_t n_units, int64_t T, int64_t H, int64_t Hkv,
                                      int64_t D, int64_t BS, int64_t bstr, int64_t ks,
                                      int64_t hstr, const int64_t *tokens, int64_t q_stride,
                                      float scale, float *out, float *pout, float *lse,
-                                     int n_threads, int kv_bf16) {
+                                     int n_threads, int kv_bf16, int q_bf16,
+                                     uint16_t *out_bf16) {
     if (D % L || D > MAX_D || BS % CH || Hkv <= 0 || H % Hkv) return -1;
     if (ks < D || hstr < D || bstr < BS * ks || q_stride < H * D) return -1;
     for (int64_t t = 0; tokens && t < T; t++)
@@ -1396,7 +1417,8 @@ int batchjob_paged_attention_strided(const float *q, const void *k_cache, const 
         if (rh > MAX_ROWS || (all && Hkv * batchjob_kernel_head_rows(rh) > MAX_WROWS)) return -2;
     }
     const args_t a = {q, k_cache, v_cache, blocks, out, pout, lse, T, H, Hkv, D, BS,
-                      bstr, ks, hstr, tokens, q_stride, scale * (float)M_LOG2E};
+                      bstr, ks, hstr, tokens, q_stride, q_bf16 != 0,
+                      scale * (float)M_LOG2E};
     if (kv_bf16) batchjob_kernel_amx(); /* once per process, before the threads start */
     int failed = 0;
 #pragma omp parallel num_threads(n_threads)
@@ -1420,14 +1442,17 @@ int batchjob_paged_attention_strided(const float *q, const void *k_cache, const 
         }
 #pragma omp for
         for (int64_t i = 0; i < T * H; i++) { /* merge the prefix partial into out */
-            const float lp = lse[T * H + i];
-            if (lp == -INFINITY) continue;
-            const float lo = lse[i], mx = lo > lp ? lo : lp;
-            const float wo = expf(lo - mx), wp = expf(lp - mx), inv = 1.0f / (wo + wp);
             float *o = out + i * D;
-            const float *p = pout + i * D;
-            for (int64_t d = 0; d < D; d++) o[d] = (o[d] * wo + p[d] * wp) * inv;
-            lse[i] = mx + logf(wo + wp);
+            const float lp = lse[T * H + i];
+            if (lp != -INFINITY) {
+                const float lo = lse[i], mx = lo > lp ? lo : lp;
+                const float wo = expf(lo - mx), wp = expf(lp - mx), inv = 1.0f / (wo + wp);
+                const float *p = pout + i * D;
+                for (int64_t d = 0; d < D; d++) o[d] = (o[d] * wo + p[d] * wp) * inv;
+                lse[i] = mx + logf(wo + wp);
+            }
+            if (out_bf16)
+                for (int64_t d = 0; d < D; d++) out_bf16[i * D + d] = to_bf16(o[d]);
         }
     }
     return failed ? -3 : 0;
@@ -1442,5 +1467,6 @@ int batchjob_paged_attention(const float *q, const void *k_cache, const void *v_
                              int kv_bf16) {
     return batchjob_paged_attention_strided(q, k_cache, v_cache, blocks, units, n_units, T, H,
                                             Hkv, D, BS, BS * Hkv * D, Hkv * D, D, NULL,
-                                            H * D, scale, out, pout, lse, n_threads, kv_bf16);
+                                            H * D, scale, out, pout, lse, n_threads, kv_bf16,
+                                            0, NULL);
 }

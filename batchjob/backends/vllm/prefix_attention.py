@@ -260,20 +260,21 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
         t = attn_metadata.num_actual_tokens
         d = kv_cache.shape[3] // 2
         h = query.shape[1]
-        q = query[:t]
-        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+        q = query[:t]  # float32 or bf16 read in place by the kernel; other dtypes widened
+        if q.dtype not in (torch.float32, torch.bfloat16) or q.stride(2) != 1 or q.stride(1) != d:
             q = q.to(torch.float32).contiguous()
         out3 = output[:t].view(t, h, d)
         direct = out3.dtype == torch.float32 and out3.is_contiguous()
+        half = out3.dtype == torch.bfloat16 and out3.is_contiguous()  # the kernel rounds
         if work.scratch is None or work.scratch[0].shape != (t, h, d):
             pout = torch.empty(t, h, d, dtype=torch.float32)
             work.scratch = (pout, torch.empty(2, t, h, dtype=torch.float32))
         out = run_units(
             kn, q, *native_cache(kv_cache), work.units, work.blocks, work.has_prefix, work.threads,
             kv_cache.dtype == torch.bfloat16, self.scale, out3 if direct else None,
-            work.batch.token_order, work.scratch,
+            work.batch.token_order, work.scratch, out3 if half else None,
         )  # fmt: skip
-        if not direct:
+        if not (direct or half):
             out3.copy_(out.to(out3.dtype))
         return output
 

@@ -387,3 +387,27 @@ def test_calibration_env(monkeypatch):
     monkeypatch.setenv(calib.ENV, "maybe")
     with pytest.raises(ValueError, match=calib.ENV):
         CpuAttention()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", (32, 64, 128))
+@pytest.mark.parametrize("with_out", (False, True))
+def test_bf16_queries_read_in_place_equal_the_widened_copy(isa, head_dim, with_out):
+    """bf16 queries read where the qkv projection left them (a strided view) and the output
+    rounded to bf16 in the kernel: bit-equal to widening q to a float32 copy first and rounding
+    the float32 output with torch (every unit kind: decode rows, prefixes, prefill tiles)."""
+    spec = ref.random_spec(
+        80 + head_dim, num_q_heads=6, num_kv_heads=2, head_dim=head_dim, block_size=16,
+        max_prefix=300, max_chunk=90, prefill_prob=0.5, dtype=torch.bfloat16,
+    )  # fmt: skip
+    b = ref.build_batch(spec, seed=head_dim)
+    t, h, d = b.q.shape
+    qkv = torch.randn(t, (h + 4) * d).to(torch.bfloat16)  # q, then k and v of 2 KV heads
+    q = qkv[:, : h * d].view(t, h, d)
+    q.copy_(b.q)
+    backend = CpuAttention(isa, calibrate=False)
+    out = torch.full((t, h, d), float("nan"), dtype=torch.bfloat16) if with_out else None
+    got = backend.attend(q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    assert got.dtype == torch.bfloat16 and (out is None or got.data_ptr() == out.data_ptr())
+    widened = backend.attend(q.float(), b.k_cache, b.v_cache, b.meta, b.scale)
+    assert torch.equal(got, widened.to(torch.bfloat16))

@@ -184,18 +184,30 @@ def run_units(
     out: torch.Tensor | None = None,
     tokens: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_bf16: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One batch's work units on the kernel: ``q`` float32 [T, H, D] with each token's heads
-    contiguous (tokens any stride apart: a view of a fused QKV output); the K and V caches at
+    """One batch's work units on the kernel: ``q`` float32 or bfloat16 [T, H, D] with each
+    token's heads contiguous (tokens any stride apart: a view of a fused QKV output; bf16
+    queries are widened exactly inside the kernel, no float32 copy); the K and V caches at
     ``k_ptr`` / ``v_ptr`` with ``strides`` (a block, a key row, a KV head; in elements); the
     result in ``out`` (float32 contiguous [T, H, D], made if None). ``tokens``: None, or int64
     [T], the units' token t being row ``tokens[t]`` of q and out (the kernel reads and writes
-    them in place). ``scratch``: (pout [T, H, D], lse [2, T, H]) float32 to reuse, else made."""
+    them in place). ``scratch``: (pout [T, H, D], lse [2, T, H]) float32 to reuse, else made.
+    ``out_bf16``: None, or contiguous bfloat16 [T, H, D]: also receives the result rounded
+    to bf16 (returned instead of ``out``)."""
     t, h, d = q.shape
-    if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
-        raise ValueError("run_units: q must be float32 with each token's heads contiguous")
+    if q.dtype not in KV_DTYPES or q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError(
+            "run_units: q must be float32 or bfloat16 with each token's heads contiguous"
+        )
     if tokens is not None and (tokens.dtype != torch.int64 or not tokens.is_contiguous()):
         raise ValueError("run_units: tokens must be contiguous int64")
+    if out_bf16 is not None and (
+        out_bf16.dtype != torch.bfloat16
+        or out_bf16.shape != q.shape
+        or not out_bf16.is_contiguous()
+    ):
+        raise ValueError("run_units: out_bf16 must be contiguous bfloat16 of q's shape")
     out = torch.empty(t, h, d, dtype=torch.float32) if out is None else out
     pout, lse = scratch if scratch is not None else (None, None)
     if pout is None or lse is None:
@@ -206,10 +218,11 @@ def run_units(
         units.ctypes.data_as(ctypes.c_void_p), len(units), t, h, hkv, d, bs, *strides,
         None if tokens is None else tokens.data_ptr(), q.stride(0), scale,
         out.data_ptr(), pout.data_ptr(), lse.data_ptr(), threads, int(bf16),
+        int(q.dtype == torch.bfloat16), None if out_bf16 is None else out_bf16.data_ptr(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"CPU paged attention kernel rejected its arguments (code {rc})")
-    return out
+    return out if out_bf16 is None else out_bf16
 
 
 def kv_rows_fit(
@@ -336,6 +349,15 @@ class CpuAttention:
             lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole_tiles),
         )
         native = (bs * hkv * d, hkv * d, d)  # [num_blocks, BS, Hkv, D]
+        if q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d:
+            # read in place (a view of the qkv output), written as bf16 by the kernel
+            direct = out is not None and out.dtype == q.dtype and out.is_contiguous()
+            o16 = out if direct else torch.empty(q.shape, dtype=torch.bfloat16)
+            run_units(
+                kn, q, k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs, native, units, blocks,
+                has_prefix, threads, bf16, scale, out_bf16=o16,
+            )  # fmt: skip
+            return o16 if direct else into(out, o16)
         o = run_units(
             kn, q.to(torch.float32).contiguous(), k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs,
             native, units, blocks, has_prefix, threads, bf16, scale,
