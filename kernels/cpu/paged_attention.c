@@ -533,12 +533,18 @@ INLINE const float *pack_bf16(float *dst, const uint16_t *src, int nv, int64_t D
     return dst;
 }
 
-/* float32 -> bfloat16, round to nearest even as torch's conversion (NaN stays a quiet NaN). */
+INLINE uint32_t bf16_round(float x) { /* round to nearest even (finite x) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* float32 -> bfloat16 as torch's conversion: bf16_round, a NaN kept a quiet NaN. */
 INLINE uint16_t to_bf16(float x) {
     uint32_t u;
     memcpy(&u, &x, 4);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return (uint16_t)bf16_round(x);
 }
 
 /* Query token t, head h, as float32: in place, or widened from bfloat16 into buf ([D]). */
@@ -594,12 +600,6 @@ static const uint16_t PAIR_IDX[2][32] __attribute__((aligned(64))) = {
      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
     {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-
-INLINE uint32_t bf16_round(float x) { /* round to nearest even (finite x) */
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
 
 INLINE uint32_t bf16_pair(float lo, float hi) { /* one dword: (bf16(lo), bf16(hi)) */
     return bf16_round(lo) | bf16_round(hi) << 16;

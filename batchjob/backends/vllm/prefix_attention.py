@@ -41,6 +41,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from batchjob.backends.native.attention.cpu import (
     DST,
+    KV_DTYPES,
     MAX_WHOLE_ROWS,
     build_units,
     kernel_takes,
@@ -53,7 +54,6 @@ from batchjob.kernels.cpu.build import CpuKernel, load_kernel
 
 logger = init_logger(__name__)
 ENV_SWITCH = "BATCHJOB_VLLM_PREFIX_ATTENTION"
-KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def enabled() -> bool:
@@ -261,7 +261,7 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
         d = kv_cache.shape[3] // 2
         h = query.shape[1]
         q = query[:t]  # float32 or bf16 read in place by the kernel; other dtypes widened
-        if q.dtype not in (torch.float32, torch.bfloat16) or q.stride(2) != 1 or q.stride(1) != d:
+        if q.dtype not in KV_DTYPES or q.stride(2) != 1 or q.stride(1) != d:
             q = q.to(torch.float32).contiguous()
         out3 = output[:t].view(t, h, d)
         direct = out3.dtype == torch.float32 and out3.is_contiguous()

@@ -349,17 +349,14 @@ class CpuAttention:
             lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole_tiles),
         )
         native = (bs * hkv * d, hkv * d, d)  # [num_blocks, BS, Hkv, D]
-        if q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d:
-            # read in place (a view of the qkv output), written as bf16 by the kernel
-            direct = out is not None and out.dtype == q.dtype and out.is_contiguous()
-            o16 = out if direct else torch.empty(q.shape, dtype=torch.bfloat16)
-            run_units(
-                kn, q, k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs, native, units, blocks,
-                has_prefix, threads, bf16, scale, out_bf16=o16,
-            )  # fmt: skip
-            return o16 if direct else into(out, o16)
+        # bf16 queries are read in place (a view of the qkv output) and the result written as
+        # bf16 by the kernel, into the caller's out when it is contiguous bf16
+        in_place = q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(1) == d
+        direct = in_place and out is not None and out.dtype == q.dtype and out.is_contiguous()
+        o16 = (out if direct else torch.empty(q.shape, dtype=q.dtype)) if in_place else None
         o = run_units(
-            kn, q.to(torch.float32).contiguous(), k_cache.data_ptr(), v_cache.data_ptr(), hkv, bs,
-            native, units, blocks, has_prefix, threads, bf16, scale,
+            kn, q if in_place else q.to(torch.float32).contiguous(), k_cache.data_ptr(),
+            v_cache.data_ptr(), hkv, bs, native, units, blocks, has_prefix, threads, bf16, scale,
+            out_bf16=o16,
         )  # fmt: skip
-        return into(out, o.to(q.dtype))
+        return o if direct else into(out, o.to(q.dtype))
