@@ -107,3 +107,35 @@ def test_bf16_forward_is_as_close_to_hf_as_hf_bf16_is_to_float32(tmp_path) -> No
     assert bf16_noise > 0
     assert (ours - ref16).abs().max() <= 2 * bf16_noise
     assert (ours - ref32).abs().max() <= 2 * bf16_noise
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mlp_residual_fused_into_next_input_norm_equals_adding_it_first(
+    tmp_path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer hands its MLP output to the next layer's input norm (one C pass in bf16 on
+    the CPU): the logits equal those of adding it to the residual stream first."""
+    from batchjob.backends.native.models import load_model
+    from batchjob.backends.native.models.llama import DecoderLayer
+    from batchjob.testing.tiny_model import make_tiny_model
+    from tests.backends.native.test_models_hf_parity import CORPUS, MiniEngine, Seq
+
+    folder = make_tiny_model(tmp_path / "m", vocab_size=300, layers=3, corpus=CORPUS)
+    ids = list(range(3, 70))
+
+    def logits() -> torch.Tensor:
+        model, info = load_model(folder, dtype=dtype, device="cpu", attention="auto")
+        engine = MiniEngine(model, info, block_size=16)
+        engine.cache = engine.cache.to(getattr(torch, dtype))
+        return engine.step([(Seq(ids), len(ids))])[0]
+
+    fused = logits()
+
+    def add_first(self, h, cos, sin, layer_cache, meta, backend, residual_delta=None):
+        if residual_delta is not None:
+            h.add_(residual_delta)
+        q, k, v = self.pre_attention(h, cos, sin)
+        return self.post_attention(h, self.attn.attend(q, k, v, layer_cache, meta, backend))
+
+    monkeypatch.setattr(DecoderLayer, "forward", add_first)
+    assert torch.equal(fused, logits())

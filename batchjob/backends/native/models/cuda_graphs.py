@@ -167,15 +167,18 @@ class PiecewiseForward:
         cos, sin = s.cos[:bucket], s.sin[:bucket]
 
         def run() -> None:
+            delta = None  # the previous layer's MLP output, not yet added to h
             if i == 0:
                 h0, c, si = model.embed(s.input_ids[:bucket], s.positions[:bucket])
                 h.copy_(h0)
                 cos.copy_(c)
                 sin.copy_(si)
             else:
-                layers[i - 1].post_attention(h, o)
+                delta = layers[i - 1].post_attention(h, o)
             if i < n:
-                layers[i].pre_attention(h, cos, sin, qkv_out=qkv)
+                layers[i].pre_attention(h, cos, sin, qkv_out=qkv, residual_delta=delta)
+            elif delta is not None:
+                h.add_(delta)
 
         return run
 

@@ -7,7 +7,9 @@ gate/up projections are fused into one matmul each at load time (weights concate
 
 Glue done in place: residual adds (``add_``); RMSNorm with torch's fused ``rms_norm`` in
 float32 (bit-equal to HF's formula; HF's two roundings kept in bf16/fp16), in bf16 on the CPU
-one C pass with the residual add before the MLP fused into it (``cpu_glue``); RoPE on q and k
+one C pass with the residual add before it fused in (``cpu_glue``): attention's output before
+the post-attention norm, and a layer's MLP output before the next layer's input norm (a
+layer returns that output instead of adding it); RoPE on q and k
 together as one strided view of the qkv output with cos/sin cached per position
 (``RopeTable``, bit-equal to HF's); SiLU-mul written into the gate half of the gate_up output,
 which the down projection reads in place (torch's strided loops may differ from HF's
@@ -155,18 +157,25 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def pre_attention(self, h, cos, sin, qkv_out=None):
-        """q, k, v of the normalised residual stream h [T, hidden] (``Attention.project``)."""
-        return self.attn.project(self.input_norm(h), cos, sin, qkv_out)
+    def pre_attention(self, h, cos, sin, qkv_out=None, residual_delta=None):
+        """q, k, v of the normalised residual stream h [T, hidden] (``Attention.project``);
+        with ``residual_delta`` (the previous layer's MLP output) h += it first, in the
+        norm's pass (vLLM's fused_add_rms_norm at a layer's input)."""
+        if residual_delta is None:
+            x = self.input_norm(h)
+        else:
+            x = add_rms_norm_(h, residual_delta, self.input_norm)
+        return self.attn.project(x, cos, sin, qkv_out)
 
     def post_attention(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """h [T, hidden] (the residual stream) updated in place with attention's output o
-        [T, q_size] and the MLP, and returned."""
-        x = add_rms_norm_(h, self.attn.o_proj(o), self.post_norm)
-        return h.add_(self.mlp(x))
+        [T, q_size]; returns the MLP's output, which the caller adds to h: the next layer's
+        ``pre_attention`` in its norm's pass, or ``h.add_`` after the last layer."""
+        return self.mlp(add_rms_norm_(h, self.attn.o_proj(o), self.post_norm))
 
-    def forward(self, h, cos, sin, layer_cache, meta, backend) -> torch.Tensor:
-        q, k, v = self.pre_attention(h, cos, sin)
+    def forward(self, h, cos, sin, layer_cache, meta, backend, residual_delta=None):
+        """The MLP output still to be added to h (``post_attention``)."""
+        q, k, v = self.pre_attention(h, cos, sin, residual_delta=residual_delta)
         return self.post_attention(h, self.attn.attend(q, k, v, layer_cache, meta, backend))
 
 
@@ -221,9 +230,10 @@ class LlamaForCausalLM(nn.Module):
         self._check_window(meta)
         # every position < its group's prefix + its own KV (build_batch checks it)
         h, cos, sin = self.embed(input_ids, positions, meta.max_prefix_len + meta.max_kv_len)
+        delta = None  # a layer's MLP output, added to h in the next layer's input norm
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend)
-        return h
+            delta = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend, delta)
+        return h if delta is None else h.add_(delta)
 
     def embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor, bound: int = 0
