@@ -32,7 +32,10 @@ reaches both sides of a ratio, and neither system always runs first. Nothing run
 timed run (no idle engine of another system); each pays its own start-up, which stays outside
 run_s for every system as in the default order (run_s: vLLM ``generate``, batchjob-vllm plan +
 ``VllmBackend.run``, both after their engine's start-up and one warm-up request), and inside
-end_to_end_s. Match fractions are filled in once the repeat's batchjob run is done.
+end_to_end_s. Match fractions are filled in once the repeat's batchjob run is done. Before the
+timed runs of each model, one untimed run of each system on the first workload (``--warmup``,
+the default): vLLM's first run on a fresh machine fills its compile cache and batchjob's its
+calibration cache, which every later fresh process reuses.
 EOS: every system decodes exactly max_tokens tokens and EOS may be sampled (batchjob
 ``ignore_eos``; vllm_peer ``--no-min-tokens``), so outputs compare token by token;
 ``--stop-ids N``: every system stops a row at EOS or any of N ids instead (still greedy).
@@ -78,6 +81,7 @@ class Options:
     kv_heads: int
     dtype: str
     interleave: bool
+    warmup: bool
     stop_ids: int
     smoke: bool
     out: Path
@@ -158,6 +162,13 @@ class Options:
     "order rotated each repeat (A1 B1 B2 A2 A3 B3), every run a fresh process with its own "
     "engine (start-up outside run_s, as always). Default: all batchjob runs, then all vLLM "
     "runs of a head dim in one process, then each batchjob-vllm system's in one process.",
+)
+@click.option(
+    "--warmup/--no-warmup",
+    default=True,
+    show_default=True,
+    help="With --interleave: one untimed run of each system on the first workload, per model, "
+    "before the timed runs (compile caches, calibration).",
 )
 @click.option(
     "--stop-ids",
@@ -246,6 +257,7 @@ def _settings(o: Options) -> tuple[matrix.Settings, list[int]]:
         max_model_len=o.max_model_len,
         dtype=o.dtype,
         interleave=o.interleave,
+        warmup=o.warmup and not o.smoke,
     )
     return settings, dims
 

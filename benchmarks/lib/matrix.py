@@ -43,6 +43,7 @@ class Settings:
     max_model_len: int | None
     dtype: str
     interleave: bool
+    warmup: bool = False  # --interleave: one untimed run of each system first
 
     @property
     def kv_bytes(self) -> int:
@@ -147,6 +148,8 @@ def _interleaved(s: Settings, v: Variant, runs: Runs, runs_dir: Path, datas: dic
     """Every run a fresh process, the systems alternating (see the module doc)."""
     hd = v.head_dim
     sched = interleaved_schedule(list(s.scales), s.systems, s.repeats)
+    if s.warmup and not all(runs.finished(n, sy, r, v) for n, r, sy in sched):
+        _warm_up(s, v, runs_dir, datas, sched[0][0])
     print(f"d{hd}: {len(sched)} runs interleaved, each in a fresh process", flush=True)
     for (name, rep), block in itertools.groupby(sched, key=lambda x: x[:2]):
         ours, fresh = None, []
@@ -170,6 +173,20 @@ def _interleaved(s: Settings, v: Variant, runs: Runs, runs_dir: Path, datas: dic
         )
         for r in fresh:
             runs.record(recheck(r, runs_dir, ours), v)
+
+
+def _warm_up(s: Settings, v: Variant, runs_dir: Path, datas: dict, name: str) -> None:
+    """One run of each system on ``name``, not recorded: what a first run on this model
+    pays once (vLLM's compile cache, the native engine's calibration, page cache) is paid
+    here, outside every timed run."""
+    for system in s.systems:
+        print(f"  d{v.head_dim} {name} warm-up: {system} ...", flush=True)
+        peers.run_fresh(
+            system, name, 0, datas[name], s.scales[name][2], model=v.model,
+            work=runs_dir / "warmup", kv_gib=s.kv_gib, chunk_size=s.chunk_size,
+            vllm_chunk=s.vllm_chunk, max_model_len=s.max_model_len, dtype=s.dtype,
+            backend_chunk=s.backend_chunk,
+        )  # fmt: skip
 
 
 def _grouped(s: Settings, v: Variant, runs: Runs, runs_dir: Path, datas: dict) -> None:

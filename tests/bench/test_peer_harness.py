@@ -277,11 +277,17 @@ def test_interleaved_schedule_alternates_and_rotates(monkeypatch) -> None:
 def test_interleave_runs_alternate_each_in_a_fresh_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--interleave: batchjob-vllm and vLLM alternate repeat by repeat, one launcher call (a
+    """--interleave: one untimed warm-up run of each system first (its own folder, not in
+    the table), then batchjob-vllm and vLLM alternate repeat by repeat, one launcher call (a
     fresh process and engine) per run, each in its own run folder; the runs table keeps its
     schema (one row per system and repeat)."""
     calls, runs = _bench_with_stub_peers(tmp_path, monkeypatch, "--interleave")
     w, a, b = "micro-2000-200-s16", "batchjob-vllm", "vllm-sorted"
+    warm = tmp_path / "runs" / "d128" / "warmup"
+    assert [(s, r, p) for s, r, p in calls[:2]] == [
+        (a, [(w, 0)], warm / f"{w}-{a}-0"), (b, [(w, 0)], warm / f"{w}-{b}-0")
+    ]  # fmt: skip
+    calls = calls[2:]
     order = [(s, r) for s, r, _ in calls]
     assert order == [
         (a, [(w, 0)]), (b, [(w, 0)]), (b, [(w, 1)]), (a, [(w, 1)]), (a, [(w, 2)]), (b, [(w, 2)])
@@ -292,6 +298,14 @@ def test_interleave_runs_alternate_each_in_a_fresh_process(
     assert runs.column_names == [f.name for f in dataclasses.fields(bp.peers.RunResult)]
     got = zip(runs["system"].to_pylist(), runs["repeat"].to_pylist(), strict=True)
     assert sorted(got) == sorted((s, r) for s in (a, b) for r in range(3))
+
+
+def test_no_warmup_starts_with_the_timed_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls, runs = _bench_with_stub_peers(tmp_path, monkeypatch, "--interleave", "--no-warmup")
+    assert len(calls) == runs.num_rows == 6
+    assert all(p is not None and p.parent.name == "d128" for *_, p in calls)
 
 
 def test_default_order_runs_each_system_in_one_process(
