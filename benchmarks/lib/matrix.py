@@ -159,12 +159,7 @@ def _interleaved(s: Settings, v: Variant, runs: Runs, runs_dir: Path, datas: dic
                     ours = _batchjob_outputs(runs_dir, name, rep)
                 continue
             print(f"  d{hd} {name} rep {rep}: {system} ...", flush=True)
-            r, outs = peers.run_fresh(
-                system, name, rep, datas[name], s.scales[name][2], model=v.model,
-                work=runs_dir, kv_gib=s.kv_gib, chunk_size=s.chunk_size,
-                vllm_chunk=s.vllm_chunk, max_model_len=s.max_model_len, dtype=s.dtype,
-                backend_chunk=s.backend_chunk,
-            )  # fmt: skip
+            r, outs = _run_fresh(s, v, system, name, rep, datas[name], runs_dir)
             ours = outs if system == "batchjob" else ours
             fresh.append(r)
         # match fractions against this repeat's batchjob outputs, whenever it ran
@@ -181,12 +176,18 @@ def _warm_up(s: Settings, v: Variant, runs_dir: Path, datas: dict, name: str) ->
     here, outside every timed run."""
     for system in s.systems:
         print(f"  d{v.head_dim} {name} warm-up: {system} ...", flush=True)
-        peers.run_fresh(
-            system, name, 0, datas[name], s.scales[name][2], model=v.model,
-            work=runs_dir / "warmup", kv_gib=s.kv_gib, chunk_size=s.chunk_size,
-            vllm_chunk=s.vllm_chunk, max_model_len=s.max_model_len, dtype=s.dtype,
-            backend_chunk=s.backend_chunk,
-        )  # fmt: skip
+        _run_fresh(s, v, system, name, 0, datas[name], runs_dir / "warmup")
+
+
+def _run_fresh(
+    s: Settings, v: Variant, system: str, name: str, rep: int, data: Path, work: Path
+) -> tuple[RunResult, Outputs]:
+    """``peers.run_fresh`` with this benchmark's settings, run folders under ``work``."""
+    return peers.run_fresh(
+        system, name, rep, data, s.scales[name][2], model=v.model, work=work, kv_gib=s.kv_gib,
+        chunk_size=s.chunk_size, vllm_chunk=s.vllm_chunk, max_model_len=s.max_model_len,
+        dtype=s.dtype, backend_chunk=s.backend_chunk,
+    )  # fmt: skip
 
 
 def _grouped(s: Settings, v: Variant, runs: Runs, runs_dir: Path, datas: dict) -> None:
