@@ -303,14 +303,45 @@ INLINE void pf_rows(pf_t f, int r0, int r1) { /* rows r0 .. r1 - 1 of f */
         for (int64_t l = 0; l < f.bytes; l += 64) __builtin_prefetch(f.p + r * f.stride + l, 0, 2);
 }
 
+/* RB rows of accumulate_km (o0, p, p1 at the first of them): RB x AV accumulators, each a
+   chain over the keys in order, so a row's sums are the same whichever step takes it. */
+INLINE void accumulate_km_rows(float *o0, const float *p, const float *p1, int RP, const int RB,
+                               int64_t D, const float *V0, const float *V1, int64_t vs, int nv0,
+                               int nv1) {
+    const int AV = div_le((int)(D / L), ACC / RB);
+    for (int64_t d = 0; d < D; d += AV * L) {
+        vf acc[4][ACC];
+        for (int i = 0; i < RB; i++)
+            for (int v = 0; v < AV; v++) acc[i][v] = ld(o0 + i * D + d + v * L);
+        for (int j = 0; j < nv0; j++) {
+            const float *vj = V0 + j * vs + d, *pj = p + j * RP;
+            for (int v = 0; v < AV; v++) {
+                const vf x = ld(vj + v * L);
+                for (int i = 0; i < RB; i++) acc[i][v] += pj[i] * x;
+            }
+        }
+        for (int j = 0; j < nv1; j++) {
+            const float *vj = V1 + j * vs + d, *pj = p1 + j * RP;
+            for (int v = 0; v < AV; v++) {
+                const vf x = ld(vj + v * L);
+                for (int i = 0; i < RB; i++) acc[i][v] += pj[i] * x;
+            }
+        }
+        for (int i = 0; i < RB; i++)
+            for (int v = 0; v < AV; v++) st(o0 + i * D + d + v * L, acc[i][v]);
+    }
+}
+
 /* Key-major tiles: o[r] += sum_j p[j * RP + r] v_j over two chunks' keys (nv0 from V0, then
-   nv1 from V1; rows vs apart), 4 rows x AV vectors of D per step (4 * AV accumulators), then
-   single rows. Two chunks per load and store of the accumulators: their traffic halves
-   (f0, f1: the lines of the walk's next two chunks, spread over the steps). */
+   nv1 from V1; rows vs apart), 4 rows x AV vectors of D per step (4 * AV accumulators), the
+   last 1-3 rows in one step of their own (one row at a time was a single chain of dependent
+   FMAs per vector: 63-row tiles, GQA 3 or 7 query heads per KV head, spent a fifth of P.V on
+   their last 3 rows). Two chunks per load and store of the accumulators: their traffic
+   halves (f0, f1: the lines of the walk's next two chunks, spread over the steps). */
 INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_t D,
                           const float *V0, const float *V1, int64_t vs, int nv0, int nv1,
                           pf_t f0, pf_t f1) {
-    const int AV = div_le((int)(D / L), ACC / 4), steps = rows / 4;
+    const int steps = rows / 4;
     const float *p1 = p + CH * RP;
     if (!steps) {
         pf_rows(f0, 0, CH);
@@ -320,37 +351,14 @@ INLINE void accumulate_km(float *obase, const float *p, int RP, int rows, int64_
     for (; r + 4 <= rows; r += 4) {
         pf_rows(f0, r / 4 * CH / steps, (r / 4 + 1) * CH / steps);
         pf_rows(f1, r / 4 * CH / steps, (r / 4 + 1) * CH / steps);
-        float *o0 = obase + r * D;
-        for (int64_t d = 0; d < D; d += AV * L) {
-            vf acc[4][ACC / 4];
-            for (int i = 0; i < 4; i++)
-                for (int v = 0; v < AV; v++) acc[i][v] = ld(o0 + i * D + d + v * L);
-            for (int j = 0; j < nv0; j++) {
-                const float *vj = V0 + j * vs + d, *pj = p + j * RP + r;
-                for (int v = 0; v < AV; v++) {
-                    const vf x = ld(vj + v * L);
-                    for (int i = 0; i < 4; i++) acc[i][v] += pj[i] * x;
-                }
-            }
-            for (int j = 0; j < nv1; j++) {
-                const float *vj = V1 + j * vs + d, *pj = p1 + j * RP + r;
-                for (int v = 0; v < AV; v++) {
-                    const vf x = ld(vj + v * L);
-                    for (int i = 0; i < 4; i++) acc[i][v] += pj[i] * x;
-                }
-            }
-            for (int i = 0; i < 4; i++)
-                for (int v = 0; v < AV; v++) st(o0 + i * D + d + v * L, acc[i][v]);
-        }
+        accumulate_km_rows(obase + r * D, p + r, p1 + r, RP, 4, D, V0, V1, vs, nv0, nv1);
     }
-    for (; r < rows; r++) {
-        float *o = obase + r * D;
-        for (int64_t d = 0; d < D; d += L) {
-            vf acc = ld(o + d);
-            for (int j = 0; j < nv0; j++) acc += p[j * RP + r] * ld(V0 + j * vs + d);
-            for (int j = 0; j < nv1; j++) acc += p1[j * RP + r] * ld(V1 + j * vs + d);
-            st(o + d, acc);
-        }
+    float *o = obase + r * D;
+    switch (rows - r) { /* RB constant in each clone: the accumulators stay in registers */
+    case 1: accumulate_km_rows(o, p + r, p1 + r, RP, 1, D, V0, V1, vs, nv0, nv1); break;
+    case 2: accumulate_km_rows(o, p + r, p1 + r, RP, 2, D, V0, V1, vs, nv0, nv1); break;
+    case 3: accumulate_km_rows(o, p + r, p1 + r, RP, 3, D, V0, V1, vs, nv0, nv1); break;
+    default: break;
     }
 }
 
@@ -414,6 +422,24 @@ typedef struct {
     float *s, *m, *l, *o;
 } tile_t;
 
+/* The lanewise max of n key-major score vectors (s + j * RP), key j counted in lanes with
+   j < lim unless `all`; four running maxima (one was a chain of dependent vmaxps: 3% of a bf16
+   prefill unit's cycles, AMD Zen 4). Padding lanes hold finite scores of zero queries. */
+INLINE vf span_max(const float *s, int RP, int n, vi lim, int all) {
+#define KEY(j) (all ? ld(s + (j) * RP) : select_v(lim > (j), ld(s + (j) * RP), splat(-INFINITY)))
+    vf m0 = splat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        m0 = vmax(m0, KEY(j));
+        m1 = vmax(m1, KEY(j + 1));
+        m2 = vmax(m2, KEY(j + 2));
+        m3 = vmax(m3, KEY(j + 3));
+    }
+    for (; j < n; j++) m0 = vmax(m0, KEY(j));
+#undef KEY
+    return vmax(vmax(m0, m1), vmax(m2, m3));
+}
+
 INLINE void softmax_km(tile_t w, int rows, int NV, int64_t R, int64_t D, int64_t causal,
                        int64_t kb, int n, const float scl) { /* scl: scores' scale, or 1 */
     const int RP = NV * L;
@@ -426,12 +452,7 @@ INLINE void softmax_km(tile_t w, int rows, int NV, int64_t R, int64_t D, int64_t
         }
         int all = 1; /* every real row of this vector sees all n keys: no masks */
         for (int i = 0; i < L && v * L + i < rows; i++) all &= lim[i] == n;
-        vf mx = splat(-INFINITY);
-        if (all) /* padding lanes hold finite scores of zero queries: harmless */
-            for (int j = 0; j < n; j++) mx = vmax(mx, ld(w.s + j * RP + v * L));
-        else
-            for (int j = 0; j < n; j++)
-                mx = vmax(mx, select_v(lim > j, ld(w.s + j * RP + v * L), splat(-INFINITY)));
+        const vf mx = span_max(w.s + v * L, RP, n, lim, all);
         const vf mold = ld(w.m + v * L);
         const vf mnew = vmax(mx * scl, mold); /* scl > 0: the max commutes with it */
         const vi none = mnew == splat(-INFINITY); /* no key seen yet: keep zeros */
@@ -1008,40 +1029,42 @@ INLINE void scores_dp(const uint32_t *qv, float *sk, int M, int64_t D, const uin
     }
 }
 
+/* RB rows of pv_dp (o0, pp at the first of them): RB x AV accumulators, each a chain over
+   the key pairs in order (a row's sums the same whichever step takes it). */
+INLINE void pv_dp_rows(float *o0, const uint32_t *pp, int RP, const int RB, int64_t D,
+                       const uint32_t *vv, int np) {
+    const int AV = div_le((int)(D / 16), RB >= 3 ? 4 : 8); /* <= 24 of 32 zmm live */
+    for (int64_t d = 0; d < D; d += AV * 16) {
+        __m512 acc[4][8];
+        for (int i = 0; i < RB; i++)
+            for (int v = 0; v < AV; v++) acc[i][v] = _mm512_loadu_ps(o0 + i * D + d + v * 16);
+        for (int jp = 0; jp < np; jp++) {
+            const uint32_t *vj = vv + jp * D + d, *pj = pp + jp * RP;
+            __m512bh x[8];
+            for (int v = 0; v < AV; v++) x[v] = (__m512bh)_mm512_loadu_si512(vj + v * 16);
+            for (int i = 0; i < RB; i++) {
+                const __m512bh pi = (__m512bh)_mm512_set1_epi32((int)pj[i]);
+                for (int v = 0; v < AV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pi, x[v]);
+            }
+        }
+        for (int i = 0; i < RB; i++)
+            for (int v = 0; v < AV; v++) _mm512_storeu_ps(o0 + i * D + d + v * 16, acc[i][v]);
+    }
+}
+
 /* o[r] += sum over key pairs jp of (P pair pp[jp * RP + r]) . (V pair row vv[jp * D]), for
-   `rows` rows of D: 4 rows x AV vectors of D a step, then single rows. */
+   `rows` rows of D: 4 rows a step, the last 1-3 in one step (one at a time was a chain of
+   dependent vdpbf16ps per vector: 63-row tiles spent a fifth of P.V on their last 3 rows). */
 INLINE void pv_dp(float *obase, const uint32_t *pp, int RP, int rows, int64_t D,
                   const uint32_t *vv, int np) {
-    const int AV = div_le((int)(D / 16), 4);
     int r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        float *o0 = obase + r * D;
-        for (int64_t d = 0; d < D; d += AV * 16) {
-            __m512 acc[4][4];
-            for (int i = 0; i < 4; i++)
-                for (int v = 0; v < AV; v++) acc[i][v] = _mm512_loadu_ps(o0 + i * D + d + v * 16);
-            for (int jp = 0; jp < np; jp++) {
-                const uint32_t *vj = vv + jp * D + d, *pj = pp + jp * RP + r;
-                __m512bh x[4];
-                for (int v = 0; v < AV; v++) x[v] = (__m512bh)_mm512_loadu_si512(vj + v * 16);
-                for (int i = 0; i < 4; i++) {
-                    const __m512bh pi = (__m512bh)_mm512_set1_epi32((int)pj[i]);
-                    for (int v = 0; v < AV; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pi, x[v]);
-                }
-            }
-            for (int i = 0; i < 4; i++)
-                for (int v = 0; v < AV; v++) _mm512_storeu_ps(o0 + i * D + d + v * 16, acc[i][v]);
-        }
-    }
-    for (; r < rows; r++) {
-        float *o = obase + r * D;
-        for (int64_t d = 0; d < D; d += 16) {
-            __m512 acc = _mm512_loadu_ps(o + d);
-            for (int jp = 0; jp < np; jp++)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)pp[jp * RP + r]),
-                                       (__m512bh)_mm512_loadu_si512(vv + jp * D + d));
-            _mm512_storeu_ps(o + d, acc);
-        }
+    for (; r + 4 <= rows; r += 4) pv_dp_rows(obase + r * D, pp + r, RP, 4, D, vv, np);
+    float *o = obase + r * D;
+    switch (rows - r) { /* RB constant in each clone */
+    case 1: pv_dp_rows(o, pp + r, RP, 1, D, vv, np); break;
+    case 2: pv_dp_rows(o, pp + r, RP, 2, D, vv, np); break;
+    case 3: pv_dp_rows(o, pp + r, RP, 3, D, vv, np); break;
+    default: break;
     }
 }
 
