@@ -58,7 +58,7 @@ def batch(
     dtype = torch.bfloat16 if bf16 else torch.float32
     kvs = itertools.cycle([torch.randn(nblocks, hkv, bs, 2 * d).to(dtype) for _ in range(layers)])
     q = torch.randn(int(qsl[-1]), hq, d)
-    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), bs, hq, hkv)
+    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), bs, hq, hkv, kv_bf16=bf16)
 
     def call(k: CpuKernel) -> torch.Tensor:
         return run_units(

@@ -91,7 +91,7 @@ def measure_batch(
             scheduler_metadata=meta, s_aux=None,
         )  # fmt: skip
 
-    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv)
+    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv, kv_bf16=False)
 
     def ours() -> None:  # the backend's forward, without the module around it
         run_units(

@@ -15,9 +15,10 @@ native kernel's work units once; every layer then runs ``batchjob_paged_attentio
 (kernels/cpu/paged_attention.c) on the cache in place: each group's prefix read once per group,
 as on the native engine. Layers the kernel does not take (sliding windows, ALiBi, soft caps,
 sinks, fp8 or fp16 caches, head dims not a multiple of the build's vector width, encoder
-attention, no C compiler) keep vLLM's layout and kernel throughout, and so do bf16 caches where
-vLLM runs its AMX attention (``vllm_kernel_wins``: measured faster there).
-``BATCHJOB_VLLM_PREFIX_ATTENTION=0`` turns the backend off.
+attention, no C compiler) keep vLLM's layout and kernel throughout. bf16 caches on an AMX CPU
+take the kernel too, its key-major tiles one KV head a unit (``whole_tiles``): the units its AMX
+path runs. ``BATCHJOB_VLLM_PREFIX_ATTENTION=0`` turns the backend off (vLLM's attention in every
+layer).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
-    _get_attn_isa,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 from batchjob.backends.native.attention.cpu import (
     DST,
@@ -48,6 +49,7 @@ from batchjob.backends.native.attention.cpu import (
     kv_rows_fit,
     run_units,
     tile_tokens,
+    whole_tiles,
 )
 from batchjob.backends.vllm.prefix_groups import NativeBatch, native_metadata
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
@@ -58,14 +60,6 @@ ENV_SWITCH = "BATCHJOB_VLLM_PREFIX_ATTENTION"
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
-
-
-def vllm_kernel_wins(vllm_isa: str) -> bool:
-    """Whether vLLM's own attention runs these layers: its AMX path (bf16 caches on an AMX
-    CPU, block size a multiple of 32), which measured faster than this kernel's bf16 tiles
-    (SmolLM2-135M shape, Emerald Rapids: prefill-step attention 2.9 vs 10.9 s, decode 10.4 vs
-    15.4 s on micro-2000-200-s16). ``BATCHJOB_VLLM_PREFIX_ATTENTION=all`` takes them anyway."""
-    return vllm_isa == "amx" and os.environ.get(ENV_SWITCH, "1") != "all"
 
 
 _KERNEL: list[CpuKernel | None] = []
@@ -120,7 +114,6 @@ class PrefixSharedMetadataBuilder(CPUAttentionMetadataBuilder):
             or self.window_size != -1
             or self.is_cross_attention
             or self.is_encoder_only_attention
-            or vllm_kernel_wins(self.isa)
             or not kernel_takes(
                 kn, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size
             )
@@ -135,6 +128,8 @@ class PrefixSharedMetadataBuilder(CPUAttentionMetadataBuilder):
             self.block_size,
             self.num_heads,
             self.num_kv_heads,
+            kv_bf16=isinstance(spec := self.kv_cache_spec, AttentionSpec)
+            and spec.dtype == torch.bfloat16,
         )
         return meta
 
@@ -147,17 +142,21 @@ def step_work(
     block_size: int,
     heads: int,
     kv_heads: int,
+    *,
+    kv_bf16: bool,
 ) -> _Work:
     """The kernel's work for one step of vLLM's batch (block tables, sequence lengths, query
-    offsets), built once and run by every layer. A request whose query rows (tokens x query
-    heads per KV head) fill a whole tile joins no prefix group: its own tiles read the prefix
-    as often as a group's would, and splitting its attention in two partials merged after
-    only adds work (natural-qa and 200/2000 prefill steps 7-20% faster, 8/2 and 8/8 x 128)."""
+    offsets; ``kv_bf16``: the cache is bfloat16), built once and run by every layer. A
+    request whose query rows (tokens x query heads per KV head) fill a whole tile joins no
+    prefix group: its own tiles read the prefix as often as a group's would, and splitting its
+    attention in two partials merged after only adds work (natural-qa and 200/2000 prefill
+    steps 7-20% faster, 8/2 and 8/8 x 128)."""
     max_group_q = tile_tokens(kn.max_rows, heads, kv_heads)
     batch = native_metadata(table, seq_lens, query_start, block_size, max_group_q)
     threads = torch.get_num_threads()
+    whole = whole_tiles(kn, kv_bf16)
     units, blocks = build_units(
-        batch.meta, heads, kv_heads, kn.max_rows, kn.lanes, threads, True, MAX_WHOLE_ROWS
+        batch.meta, heads, kv_heads, kn.max_rows, kn.lanes, threads, whole, MAX_WHOLE_ROWS
     )
     _count(batch)
     return _Work(batch, units, blocks, bool(units[:, DST].any()), threads)
@@ -194,7 +193,6 @@ class PrefixSharedImpl(CPUAttentionBackendImpl):
                 and self.sinks is None
                 and not self.is_fp8_kv_cache
                 and kv_cache.dtype in KV_DTYPES
-                and not vllm_kernel_wins(_get_attn_isa(kv_cache.dtype, bs, two_d // 2))
                 and kv_cache.is_contiguous()
                 and kernel_takes(kn, self.num_heads, hkv, two_d // 2, bs)
             )

@@ -80,8 +80,35 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
 
     kn = load_kernel(None if isa == "auto" else isa)
     assert kn is not None
+    _attend_as_dense(pa, kn, kn, hq, hkv, d, dtype, seed, monkeypatch)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 128), (8, 2, 64), (9, 3, 64)])
+@pytest.mark.parametrize("seed", range(3))
+def test_bf16_units_for_an_amx_build_take_one_kv_head_a_tile(pa, hq, hkv, d, seed, monkeypatch):
+    """An AMX build runs bf16 key-major tiles only in one-KV-head units (run_unit_bf16): the
+    backend lays a bf16 step's tiles out so, as the native engine does (``whole_tiles``),
+    where other builds put a tile's rows of all KV heads in one unit; those units attend as
+    dense attention does (run here by this CPU's build, which takes both layouts)."""
+    import dataclasses
+
+    from batchjob.backends.native.attention.cpu import KVH, NQ, WHOLE_ROWS
+
+    kn = pa.kernel()
+    amx = dataclasses.replace(kn, isa="amx")  # what step_work sees on an AMX CPU
+    work, args = _attend_as_dense(pa, kn, amx, hq, hkv, d, torch.bfloat16, seed, monkeypatch)
+    tiles = work.units[work.units[:, NQ] * (hq // hkv) >= WHOLE_ROWS]
+    assert len(tiles) and (tiles[:, KVH] >= 0).all()
+    own = pa.step_work(kn, *args, kv_bf16=True).units  # this build's own layout
+    if kn.isa != "amx" and hkv > 1:
+        assert (own[own[:, NQ] * (hq // hkv) >= WHOLE_ROWS, KVH] < 0).any()
+
+
+def _attend_as_dense(pa, kn, units_for, hq, hkv, d, dtype, seed, monkeypatch):
+    """One random step of shared-document requests through the backend's KV update and
+    forward on ``kn``, its units built for the build ``units_for``, against dense causal
+    attention; returns the step's work and step_work's batch arguments."""
     monkeypatch.setattr(pa, "_KERNEL", [kn])
-    monkeypatch.setenv(pa.ENV_SWITCH, "all")  # bf16 too where vLLM's AMX attention would run
     rng = random.Random(seed)
     torch.manual_seed(seed)
     bs, nblocks = 32, 64
@@ -100,7 +127,8 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
     t = int(starts[-1])
     qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
     q = qkv[:, : hq * d].view(t, hq, d)  # the kernel reads it in place (float32)
-    work = pa.step_work(kn, table, seq_lens, starts, bs, hq, hkv)
+    bf16 = dtype == torch.bfloat16
+    work = pa.step_work(units_for, table, seq_lens, starts, bs, hq, hkv, kv_bf16=bf16)
     assert work.batch.meta.num_groups > 0  # the document really read once per group
     out = torch.zeros(t, hq * d, dtype=dtype)
     meta = SimpleNamespace(num_actual_tokens=t, work=work)
@@ -116,21 +144,18 @@ def test_attends_as_dense_causal_attention(pa, hq, hkv, d, dtype, seed, isa, mon
         ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, -torch.inf).softmax(-1), vals)
         tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(out[starts[r] : starts[r + 1]], ref, **tol)
+    return work, (table, seq_lens, starts, bs, hq, hkv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bf16_layers_stay_on_vllms_amx_attention_where_it_runs(pa, dtype, monkeypatch):
-    """vLLM's AMX path (bf16, block 32, an AMX CPU) keeps its own layout and kernel (measured
-    faster); float32 and CPUs without AMX take batchjob's; ``=all`` takes every layer."""
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+def test_decoder_layers_take_the_kernel_unless_switched_off(pa, dtype, monkeypatch):
+    """float32 and bf16 caches take batchjob's kernel, where vLLM would run its AMX path too;
+    ``BATCHJOB_VLLM_PREFIX_ATTENTION=0`` leaves every layer to vLLM's layout and kernel."""
     cache = torch.zeros(4, 2, 32, 2 * 64, dtype=dtype)
-    impl = pa.PrefixSharedImpl(8, 64, 64**-0.5, 2, None, None, "auto")
-    vllm_amx = _get_attn_isa(dtype, 32, 64) == "amx"
-    assert impl._uses_native(cache) is (not vllm_amx)
-    monkeypatch.setenv(pa.ENV_SWITCH, "all")
     assert pa.PrefixSharedImpl(8, 64, 64**-0.5, 2, None, None, "auto")._uses_native(cache)
-    assert not pa.vllm_kernel_wins("vec") and pa.vllm_kernel_wins("amx") is False
+    monkeypatch.setattr(pa, "_KERNEL", [])
+    monkeypatch.setenv(pa.ENV_SWITCH, "0")
+    assert not pa.PrefixSharedImpl(8, 64, 64**-0.5, 2, None, None, "auto")._uses_native(cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,7 +164,6 @@ def test_the_kv_update_in_c_writes_the_native_layout(pa, dtype, monkeypatch):
     torch path writes (the C call refused), K and V rows of fused-projection views with more
     rows than slots (vLLM pads the batch); a slot out of range raises."""
     hq, hkv, d, bs, nblocks = 8, 2, 64, 32, 6
-    monkeypatch.setenv(pa.ENV_SWITCH, "all")
     impl = pa.PrefixSharedImpl(hq, d, d**-0.5, hkv, None, None, "auto")
     fused = torch.randn(12, 2 * hkv, d).to(dtype)
     k, v = fused[:, :hkv], fused[:, hkv:]
@@ -173,7 +197,7 @@ def test_a_prefill_that_fills_a_tile_alone_joins_no_group(pa, hkv, grouped):
     table = np.array([[3, 4, 5, 0], [3, 4, 6, 0], [3, 4, 7, 8]], dtype=np.int32)
     seq_lens = np.array([70, 70, 104])  # all three: the document's 2 blocks before the queries
     starts = np.array([0, 1, 2, 42])
-    work = pa.step_work(kn, table, seq_lens, starts, bs, 8, hkv)
+    work = pa.step_work(kn, table, seq_lens, starts, bs, 8, hkv, kv_bf16=False)
     assert work.batch.meta.num_groups == 1
     assert int((work.batch.meta.seq_group.numpy() >= 0).sum()) == grouped
 
@@ -188,7 +212,9 @@ def test_a_token_map_that_is_not_a_permutation_is_refused(pa):
     d, bs = 64, 32
     cache = torch.zeros(4, hkv, bs, 2 * d)
     table = np.array([[1], [2]], dtype=np.int32)
-    work = pa.step_work(kn, table, np.array([3, 3]), np.array([0, 1, 2]), bs, hq, hkv)
+    work = pa.step_work(
+        kn, table, np.array([3, 3]), np.array([0, 1, 2]), bs, hq, hkv, kv_bf16=False
+    )
     base = cache.data_ptr()
     args = (base, base + bs * hkv * d * 4, hkv, bs, (2 * bs * hkv * d, hkv * d, d), work.units)
     q = torch.randn(2, hq, d)

@@ -155,6 +155,13 @@ def _work(
     return units, blocks, bool(units[:, DST].any())
 
 
+def whole_tiles(kn: CpuKernel, kv_bf16: bool) -> bool:
+    """Whether ``build_units`` may put a key-major tile's rows of all KV heads in one unit. Not
+    where the build multiplies bf16 tiles on AMX: the kernel runs only one-KV-head units there
+    (``run_unit_bf16``), so an all-head tile would take the vdpbf16ps path instead."""
+    return not (kv_bf16 and kn.isa == "amx")
+
+
 def kernel_takes(kn: CpuKernel, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Whether the kernel build ``kn`` runs this attention shape: head dims a multiple of its
     vector width up to 256, blocks a multiple of 16, a KV head's query heads within a unit."""
@@ -342,11 +349,11 @@ class CpuAttention:
         _, bs, hkv, _ = k_cache.shape
         threads = torch.get_num_threads()
         bf16 = k_cache.dtype == torch.bfloat16
-        whole_tiles = not (bf16 and kn.isa == "amx")  # AMX tiles: one KV head a unit
+        whole = whole_tiles(kn, bf16)
         units, blocks, has_prefix = self._work.get(
             meta,
-            (h, hkv, kn.max_rows, threads, whole_tiles),
-            lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole_tiles),
+            (h, hkv, kn.max_rows, threads, whole),
+            lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole),
         )
         native = (bs * hkv * d, hkv * d, d)  # [num_blocks, BS, Hkv, D]
         # bf16 queries are read in place (a view of the qkv output) and the result written as
