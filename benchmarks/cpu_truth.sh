@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The CPU checks and real-shape peer cells a session runs first on a CPU class it seldom gets
+# (an AMX Xeon above all), as stages with a time limit each; logs and tables under $OUT
+# (default out/cpu). Needs `make install` (.venv with vLLM).
+#
+#   bash benchmarks/cpu_truth.sh check   # this CPU's kernel builds against their references,
+#                                        # the vLLM backend's kernel inside vLLM (~20 s on a Zen 4)
+#   bash benchmarks/cpu_truth.sh bench   # the real-shape cells, interleaved after a warm-up
+#
+# bench runs CELLS (comma list, default: every cell below), each a bench_peers.py table in
+# bfloat16 (float32 where the CPU has no bf16) over WORKLOADS (natural-qa,micro-2000-200-s16,
+# long-doc), REPEATS (3) interleaved repeats, both cores bound for vLLM, at nice -20:
+#   native    the native engine against vLLM sorted, SHAPES (smollm2-135m,qwen2.5-0.5b)
+#   backend   the vllm backend against vLLM sorted, SHAPES
+#   backend0  the same with BATCHJOB_VLLM_PREFIX_ATTENTION=0 (vLLM's attention in every layer)
+# Each cell at one shape takes 25-40 min on 2 vCPUs (every vLLM run pays its ~100 s start-up):
+# CELL_LIMIT (3000 s) bounds each. Record the tables in docs/benchmarks.md and the README with
+# the CPU's model and flags (env.log), the data under benchmarks/results/.
+set -u
+MODE=${1:-check}
+OUT=${OUT:-out/cpu}
+PY=${PY:-.venv/bin/python}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}
+
+stage() {  # stage NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, print its tail
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    echo "=== $name (limit ${limit} s) $(date -u +%T)"
+    timeout "$limit" "$@" >>"$OUT/$name.log" 2>&1
+    rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - start)) s"
+    tail -n "${TAIL:-12}" "$OUT/$name.log" | cut -c1-400
+}
+
+{
+    date -u
+    lscpu | grep -E 'Model name|^CPU\(s\)|CPU family|^Model:'
+    echo "flags: $(grep -m1 -o -w -E 'avx2|fma|avx512f|avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+    "$PY" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
+    "$PY" -c "from batchjob.kernels.cpu.build import load_kernel as k; n = k(); print('kernel build', n and n.isa)"
+} >"$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+
+if [ "$MODE" = check ]; then
+    TAIL=6 stage kernel_tests "${TESTS_LIMIT:-900}" "$PY" -m pytest -q -p no:cacheprovider \
+        tests/backends/native/test_attention_cpu_isa.py tests/backends/vllm/test_vllm_prefix_attention.py
+    exit 0
+fi
+
+DTYPE=bfloat16
+grep -q -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo || DTYPE=float32
+for cell in $(echo "${CELLS:-native,backend,backend0}" | tr ',' ' '); do
+    case $cell in
+    native) systems=batchjob,vllm-sorted envs=() ;;
+    backend) systems=batchjob-vllm,vllm-sorted envs=() ;;
+    backend0) systems=batchjob-vllm,vllm-sorted envs=(BATCHJOB_VLLM_PREFIX_ATTENTION=0) ;;
+    *) echo "unknown cell $cell" && continue ;;
+    esac
+    for shape in $(echo "${SHAPES:-smollm2-135m,qwen2.5-0.5b}" | tr ',' ' '); do
+        TAIL=12 stage "${cell}_${shape}" "${CELL_LIMIT:-3000}" env "${envs[@]}" nice -n -20 \
+            "$PY" benchmarks/bench_peers.py --model-shapes "$shape" --dtype "$DTYPE" \
+            --workloads "${WORKLOADS:-natural-qa,micro-2000-200-s16,long-doc}" \
+            --systems "$systems" --with-vllm --repeats "${REPEATS:-3}" --interleave \
+            --out "$OUT/${cell}_${shape}_${DTYPE}"
+    done
+done
