@@ -23,15 +23,8 @@ PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}
 
-stage() {  # stage NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, print its tail
-    local name=$1 limit=$2 start=$SECONDS rc
-    shift 2
-    echo "=== $name (limit ${limit} s) $(date -u +%T)"
-    timeout "$limit" "$@" >>"$OUT/$name.log" 2>&1
-    rc=$?
-    echo "=== $name rc=$rc in $((SECONDS - start)) s"
-    tail -n "${TAIL:-12}" "$OUT/$name.log" | cut -c1-400
-}
+# stage NAME LIMIT_S CMD...: run with a limit, log to $OUT/NAME.log, print its tail
+source "$(dirname "$0")/lib/stage.sh"
 
 {
     date -u
