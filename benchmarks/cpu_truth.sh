@@ -4,7 +4,9 @@
 # (default out/cpu). Needs `make install` (.venv with vLLM).
 #
 #   bash benchmarks/cpu_truth.sh check   # this CPU's kernel builds against their references,
-#                                        # the vLLM backend's kernel inside vLLM (~20 s on a Zen 4)
+#                                        # the vLLM backend's kernel inside vLLM, and the native
+#                                        # engine's linear layers beside vLLM's at Qwen2.5-0.5B's
+#                                        # shapes (linear.log; ~2 min on a Zen 4)
 #   bash benchmarks/cpu_truth.sh bench   # the real-shape cells, interleaved after a warm-up
 #
 # bench runs CELLS (comma list, default: every cell below), each a bench_peers.py table in
@@ -35,14 +37,16 @@ source "$(dirname "$0")/lib/stage.sh"
 } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
+DTYPE=bfloat16
+grep -q -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo || DTYPE=float32
 if [ "$MODE" = check ]; then
     TAIL=6 stage kernel_tests "${TESTS_LIMIT:-900}" "$PY" -m pytest -q -p no:cacheprovider \
         tests/backends/native/test_attention_cpu_isa.py tests/backends/vllm/test_vllm_prefix_attention.py
+    # oneDNN packed as the engine packs it, packed for the call's rows, vLLM's onednn_mm
+    TAIL=16 stage linear 600 "$PY" benchmarks/bench_cpu_linear.py --dtype "$DTYPE" --peers \
+        --rows 16,102,512,2048 --repeats 10 --shapes 896:1152,896:896,896:9728,4864:896
     exit 0
 fi
-
-DTYPE=bfloat16
-grep -q -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo || DTYPE=float32
 for cell in $(echo "${CELLS:-native,backend,backend0}" | tr ',' ' '); do
     case $cell in
     native) systems=batchjob,vllm-sorted envs=() ;;
