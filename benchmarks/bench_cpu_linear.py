@@ -120,7 +120,7 @@ def vllm_onednn_mm() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
         if not ops._supports_onednn:
             return None
         return ops.create_onednn_mm, ops.onednn_mm
-    except Exception:  # noqa: BLE001 - no vLLM, or its ops fail to load on this CPU
+    except Exception:  # no vLLM, or its ops fail to load on this CPU
         return None
 
 
