@@ -4,13 +4,19 @@ What the vLLM backend's attention (backends/vllm/prefix_attention.py) changes, o
 attention call at a time: vLLM's ``cpu_attention_with_kv_cache`` on its cache layout against
 ``batchjob_paged_attention_strided`` on the same cache tensor in the native layout, with the
 step's work built from vLLM-style block tables (``step_work``: prefix groups found from equal
-leading block ids, requests in shuffled batch order). float32, block 32, both kernels on the
-threads torch has; times are the best of 3 rounds of 10 calls, the two alternating
-(``--layers 8``: each call on the next of 8 caches, as cold as a model's other layers leave
-them).
+leading block ids, requests in shuffled batch order). float32 (``--dtype bfloat16``: bf16
+queries, caches and output, vLLM's AMX kernel where the CPU has AMX, batchjob's tiles one KV
+head a unit there as the backend builds them), block 32, both kernels on the threads torch
+has; times are the best of 3 rounds of 10 calls, the two alternating (``--layers 8``: each
+call on the next of 8 caches, as cold as a model's other layers leave them). ``--heads``
+also takes the real checkpoints' 9/3x64 (SmolLM2-135M), 14/2x64 (Qwen2.5-0.5B) and 32/8x64
+(Llama-3.2-1B).
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/bench_vllm_attention.py \\
         [--out benchmarks/results/vllm_attention_zen4.txt]
+    # real shapes in bf16, cold caches (what cpu_truth.sh check runs):
+    VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/bench_vllm_attention.py \
+        --dtype bfloat16 --heads 9/3x64,14/2x64 --layers 8
     # the batches of a real run, step by step (profile_vllm_backend.py --capture-steps):
     VLLM_CPU_OMP_THREADS_BIND=0-1 .venv/bin/python benchmarks/bench_vllm_attention.py \\
         --heads 8/2x128 --steps out/profile_vllm_backend/micro-2000-200-s16-vllm-sorted/steps \\
@@ -32,6 +38,7 @@ from lib.workloads import ATTENTION_SHAPES as SHAPES
 from lib.workloads import BS, block_tables
 
 HEADS = [(8, 8, 128), (8, 2, 128), (8, 8, 64)]  # query heads, KV heads, head dim
+REAL_HEADS = [(9, 3, 64), (14, 2, 64), (32, 8, 64)]  # SmolLM2-135M, Qwen2.5-0.5B, Llama-3.2-1B
 
 
 def best_ms(fns: dict[str, Callable[[], None]], rounds: int = 3, calls: int = 10):
@@ -57,6 +64,7 @@ def measure_batch(
     rounds: int = 3,
     calls: int = 10,
     layers: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[float, float, int]:
     """(vLLM ms, batchjob ms, prefix groups) of one batch: block tables [R, M] int32 into a
     cache of ``nblocks`` blocks, sequence lengths [R], query start offsets [R + 1]. Each call
@@ -71,15 +79,16 @@ def measure_batch(
     kn = pa.kernel()
     assert kn is not None, "no C kernel build"
     r, t = len(seq), int(qsl[-1])
-    kvs = [torch.randn(nblocks, hkv, BS, 2 * d) for _ in range(layers)]
+    bf16 = dtype == torch.bfloat16
+    kvs = [torch.randn(nblocks, hkv, BS, 2 * d).to(dtype) for _ in range(layers)]
     halves = itertools.cycle([kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2) for kv in kvs])
     natives = itertools.cycle([pa.native_cache(kv) for kv in kvs])
-    q = torch.randn(t, hq, d)
-    out = torch.empty(t, hq, d)
+    q = torch.randn(t, hq, d).to(dtype)
+    out = torch.empty(t, hq, d, dtype=dtype)
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=r, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq,
-        dtype=torch.float32, query_start_loc=qsl, causal=True, sliding_window_size=-1,
-        isa=_get_attn_isa(torch.float32, BS, d), enable_kv_split=False,
+        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+        isa=_get_attn_isa(dtype, BS, d), enable_kv_split=False,
     )  # fmt: skip
 
     def vllm() -> None:
@@ -91,19 +100,23 @@ def measure_batch(
             scheduler_metadata=meta, s_aux=None,
         )  # fmt: skip
 
-    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv, kv_bf16=False)
+    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv, kv_bf16=bf16)
+    scratch = (torch.empty(t, hq, d), torch.empty(2, t, hq))
 
     def ours() -> None:  # the backend's forward, without the module around it
         run_units(
             kn, q, *next(natives), work.units, work.blocks, work.has_prefix, work.threads,
-            False, d**-0.5, out, work.batch.token_order,
+            bf16, d**-0.5, None if bf16 else out, work.batch.token_order, scratch,
+            out if bf16 else None,
         )  # fmt: skip
 
     ms = best_ms({"vllm": vllm, "ours": ours}, rounds, whole_cycles(calls, layers))
     return ms["vllm"], ms["ours"], work.batch.meta.num_groups
 
 
-def replay(folder: Path, hq: int, hkv: int, d: int, layers: int = 1) -> list[str]:
+def replay(
+    folder: Path, hq: int, hkv: int, d: int, layers: int = 1, dtype: torch.dtype = torch.float32
+) -> list[str]:
     """Both kernels on every step batch saved in ``folder`` (profile_vllm_backend.py
     --capture-steps), on random queries and caches (``layers`` of them, each call the next):
     per-step-kind totals of one layer's calls, and the steps with prompt tokens one by one."""
@@ -122,7 +135,7 @@ def replay(folder: Path, hq: int, hkv: int, d: int, layers: int = 1) -> list[str
         qlen = (qsl[1:] - qsl[:-1]).numpy()
         kind = "decode" if (qlen == 1).all() else "prefill"
         nblocks = int(table.max()) + 1
-        v, o, g = measure_batch(hq, hkv, d, nblocks, table, seq, qsl, 3, 2, layers)
+        v, o, g = measure_batch(hq, hkv, d, nblocks, table, seq, qsl, 3, 2, layers, dtype)
         tot = totals[kind]
         tot[0], tot[1], tot[2] = tot[0] + v, tot[1] + o, tot[2] + 1
         if kind == "prefill":
@@ -165,21 +178,31 @@ def main() -> None:
     p.add_argument(
         "--layers", type=int, default=1, help="caches the calls cycle through (8: cold as in a run)"
     )
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     heads = HEADS
     if args.heads:
         want = {h.replace(" ", "") for h in args.heads.split(",")}
-        heads = [x for x in HEADS if f"{x[0]}/{x[1]}x{x[2]}" in want]
+        heads = [x for x in HEADS + REAL_HEADS if f"{x[0]}/{x[1]}x{x[2]}" in want]
+        if len(heads) != len(want):
+            raise SystemExit(f"--heads: choose from {HEADS + REAL_HEADS} as q/kvxdim")
     shapes = SHAPES
     if args.shapes:
         shapes = [s for s in SHAPES if any(w in s[0] for w in args.shapes.split(","))]
     import vllm
 
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from batchjob.backends.vllm import prefix_attention as pa
     from batchjob.model.host_cpu import host_cpu
 
+    kn = pa.kernel()
+    amx = bool(kn is not None and args.dtype == "bfloat16" and kn.isa == "amx")
     lines = [
         f"CPU: {host_cpu().summary()}; torch threads {torch.get_num_threads()}; "
-        f"vLLM {vllm.__version__}; float32, block {BS}",
+        f"vLLM {vllm.__version__} ({_get_attn_isa(dtype, BS, heads[0][2])} kernel); "
+        f"batchjob {kn and kn.isa} build{' on AMX' if amx else ''}; {args.dtype}, block {BS}",
         "",
         "| heads (q/kv) x dim | batch | vLLM ms | batchjob ms | vLLM / batchjob | groups |",
         "|---|---|---:|---:|---:|---:|",
@@ -187,13 +210,15 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     if args.steps is not None:
         for hq, hkv, d in heads[:1]:
-            out = replay(args.steps, hq, hkv, d, args.layers)
+            out = replay(args.steps, hq, hkv, d, args.layers, dtype)
             print("\n".join(out), flush=True)
             lines += out
         shapes = []
     for hq, hkv, d in heads:
         for shape in shapes:
-            v, o, g = measure_batch(hq, hkv, d, *block_tables(shape), layers=args.layers)
+            v, o, g = measure_batch(
+                hq, hkv, d, *block_tables(shape), layers=args.layers, dtype=dtype
+            )
             line = f"| {hq}/{hkv} x {d} | {shape[0]} | {v:.2f} | {o:.2f} | {v / o:.2f}x | {g} |"
             print(line, flush=True)
             lines.append(line)

@@ -4,9 +4,11 @@
 # (default out/cpu). Needs `make install` (.venv with vLLM).
 #
 #   bash benchmarks/cpu_truth.sh check   # this CPU's kernel builds against their references,
-#                                        # the vLLM backend's kernel inside vLLM, and the native
-#                                        # engine's linear layers beside vLLM's at Qwen2.5-0.5B's
-#                                        # shapes (linear.log; ~2 min on a Zen 4)
+#                                        # the vLLM backend's kernel inside vLLM, one layer's
+#                                        # attention beside vLLM's at SmolLM2's and Qwen2.5-0.5B's
+#                                        # heads (attention.log), the native engine's linear
+#                                        # layers beside vLLM's at Qwen2.5-0.5B's shapes
+#                                        # (linear.log); ~3 min on a Zen 4
 #   bash benchmarks/cpu_truth.sh bench   # the real-shape cells, interleaved after a warm-up
 #
 # bench runs CELLS (comma list, default: every cell below), each a bench_peers.py table in
@@ -42,6 +44,9 @@ grep -q -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo || DTYPE=float32
 if [ "$MODE" = check ]; then
     TAIL=6 stage kernel_tests "${TESTS_LIMIT:-900}" "$PY" -m pytest -q -p no:cacheprovider \
         tests/backends/native/test_attention_cpu_isa.py tests/backends/vllm/test_vllm_prefix_attention.py
+    # one layer's attention: the backend's kernel beside vLLM's (AMX where the CPU has it)
+    TAIL=16 stage attention 900 "$PY" benchmarks/bench_vllm_attention.py --dtype "$DTYPE" \
+        --heads 9/3x64,14/2x64 --layers 8
     # oneDNN packed as the engine packs it, packed for the call's rows, vLLM's onednn_mm
     TAIL=16 stage linear 600 "$PY" benchmarks/bench_cpu_linear.py --dtype "$DTYPE" --peers \
         --rows 16,102,512,2048 --repeats 10 --shapes 896:1152,896:896,896:9728,4864:896
