@@ -191,7 +191,6 @@ def main() -> None:
     if args.shapes:
         shapes = [s for s in SHAPES if any(w in s[0] for w in args.shapes.split(","))]
     import vllm
-
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from batchjob.backends.vllm import prefix_attention as pa
