@@ -26,7 +26,6 @@ also takes the real checkpoints' 9/3x64 (SmolLM2-135M), 14/2x64 (Qwen2.5-0.5B) a
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,48 +69,11 @@ def measure_batch(
     cache of ``nblocks`` blocks, sequence lengths [R], query start offsets [R + 1]. Each call
     reads the next of ``layers`` caches, so a cache is as cold as a model's other layers
     leave it (1: the same cache every call, warm where it fits L3)."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    from batchjob.backends.vllm.attention_choice import call_pair
 
-    from batchjob.backends.native.attention.cpu import run_units
-    from batchjob.backends.vllm import prefix_attention as pa
-
-    kn = pa.kernel()
-    assert kn is not None, "no C kernel build"
-    r, t = len(seq), int(qsl[-1])
-    bf16 = dtype == torch.bfloat16
-    kvs = [torch.randn(nblocks, hkv, BS, 2 * d).to(dtype) for _ in range(layers)]
-    halves = itertools.cycle([kv.view(nblocks, hkv, 2 * BS, d).chunk(2, dim=2) for kv in kvs])
-    natives = itertools.cycle([pa.native_cache(kv) for kv in kvs])
-    q = torch.randn(t, hq, d).to(dtype)
-    out = torch.empty(t, hq, d, dtype=dtype)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=r, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq,
-        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
-        isa=_get_attn_isa(dtype, BS, d), enable_kv_split=False,
-    )  # fmt: skip
-
-    def vllm() -> None:
-        key_cache, value_cache = next(halves)
-        ops.cpu_attention_with_kv_cache(
-            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
-            query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
-            scheduler_metadata=meta, s_aux=None,
-        )  # fmt: skip
-
-    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), BS, hq, hkv, kv_bf16=bf16)
-    scratch = (torch.empty(t, hq, d), torch.empty(2, t, hq))
-
-    def ours() -> None:  # the backend's forward, without the module around it
-        run_units(
-            kn, q, *next(natives), work.units, work.blocks, work.has_prefix, work.threads,
-            bf16, d**-0.5, None if bf16 else out, work.batch.token_order, scratch,
-            out if bf16 else None,
-        )  # fmt: skip
-
+    vllm, ours, groups = call_pair(hq, hkv, d, BS, dtype, (nblocks, table, seq, qsl), layers)
     ms = best_ms({"vllm": vllm, "ours": ours}, rounds, whole_cycles(calls, layers))
-    return ms["vllm"], ms["ours"], work.batch.meta.num_groups
+    return ms["vllm"], ms["ours"], groups
 
 
 def replay(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from batchjob.backends.base import (
 from batchjob.backends.scoring import LabelCombiner, expand
 from batchjob.backends.vllm.embedding import run_embeddings, with_kwargs
 from batchjob.backends.vllm.engine_args import (
+    PREFIX_ATTENTION_WORKER,
     EngineSettings,
     drop_vllm_log,
     engine_settings,
@@ -51,6 +52,9 @@ from batchjob.plan.intmath import cdiv
 from batchjob.plan.plan import Plan
 from batchjob.tokenize.bad_words import bad_words_of
 from batchjob.tokenize.prompts import TokenizedPrompts
+
+if TYPE_CHECKING:  # imports vLLM: the backend imports it at start-up only
+    from batchjob.backends.vllm.attention_choice import Choice
 
 
 class VllmError(BatchJobError):
@@ -104,6 +108,8 @@ class VllmBackend(Backend):
         self._runs = 0
         self.starts = 0  # engines started by this backend (a warm Generator: one)
         self.keep_log = False  # a failure named vLLM's log: close() leaves it
+        # on the CPU: the decoder layers' attention and why (attention_choice), at start-up
+        self.attention: Choice | None = None
         # model.task = "embed": vLLM's pooling runner with this pooling (``vllm.embedding``)
         self.pooling: PoolingSpec | None = None
         if cfg.model.task == "embed":
@@ -120,11 +126,29 @@ class VllmBackend(Backend):
             route_vllm_log(Path(log_config))
         if self.pooling is not None:
             s = with_kwargs(s, self.pooling)
+        s = self._choose_attention(s)
         with environment(s.env):
             self._start_engine(s, longest, longest_row)
         self.starts += 1
         self.device = "cpu" if s.on_cpu else "cuda:0"
         self.window = max(2 * self.engine.vllm_config.scheduler_config.max_num_seqs, 256)
+
+    def _choose_attention(self, s: EngineSettings) -> EngineSettings:
+        """On the CPU with batchjob's worker extension: batchjob's prefix-shared kernel or
+        vLLM's attention in the decoder layers, measured per class (``attention_choice``);
+        vLLM's passes to the worker as ``BATCHJOB_VLLM_PREFIX_ATTENTION=0``."""
+        if not s.on_cpu or s.kwargs.get("worker_extension_cls") != PREFIX_ATTENTION_WORKER:
+            return s
+        from batchjob.backends.vllm import attention_choice
+
+        m = self.model
+        block = int(s.kwargs.get("block_size") or 16)
+        self.attention = attention_choice.choose(
+            m.num_heads, m.num_kv_heads, m.head_dim, block, m.dtype
+        )
+        if self.attention.kernel:
+            return s
+        return dataclasses.replace(s, env={**s.env, attention_choice.pa.ENV_SWITCH: "0"})
 
     def _start_engine(self, s: EngineSettings, longest: int, longest_row: int) -> None:
         import vllm.envs as envs

@@ -18,7 +18,8 @@ sinks, fp8 or fp16 caches, head dims not a multiple of the build's vector width,
 attention, no C compiler) keep vLLM's layout and kernel throughout. bf16 caches on an AMX CPU
 take the kernel too, its key-major tiles one KV head a unit (``whole_tiles``): the units its AMX
 path runs. ``BATCHJOB_VLLM_PREFIX_ATTENTION=0`` turns the backend off (vLLM's attention in every
-layer).
+layer): the driver sets it for the worker where its measurement per class found vLLM's
+attention faster on this CPU (``attention_choice``).
 """
 
 from __future__ import annotations

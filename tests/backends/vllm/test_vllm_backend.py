@@ -111,10 +111,36 @@ def test_batchllm_scheduler_equals_native_without_preemption(batchllm, native):
     # every group released its pinned prefix: no block is held after the run
     assert batchllm.backend.scheduler.bj_blocks_in_use() == 0
     assert not batchllm.backend.scheduler._bj_groups
-    # on the CPU every step ran batchjob's prefix-shared kernel, and groups shared reads
+    # on the CPU every step ran the attention measured faster here (attention_choice):
+    # batchjob's prefix-shared kernel, with groups sharing reads, or vLLM's in every layer
     stats = batchllm.backend.attention_stats()
-    assert stats is not None and stats["kernel_steps"] == stats["steps"] >= len(records)
-    assert stats["grouped_steps"] > 0 and stats["saved_kv_reads"] > 0
+    assert stats is not None and batchllm.backend.attention is not None
+    if batchllm.backend.attention.kernel:
+        assert stats["kernel_steps"] == stats["steps"] >= len(records)
+        assert stats["grouped_steps"] > 0 and stats["saved_kv_reads"] > 0
+    else:
+        assert stats["kernel_steps"] == 0
+
+
+def test_layers_keep_vllms_attention_where_it_measures_faster(
+    model_dir, dataset, native, tmp_path_factory, monkeypatch
+):
+    """The driver's choice reaches the worker: vLLM's attention in every layer, outputs equal."""
+    from batchjob.backends.vllm import attention_choice
+
+    def vllm_faster(*shape):
+        return attention_choice.Choice(False, "measured", kernel_ms=2.0, vllm_ms=1.0)
+
+    monkeypatch.setattr(attention_choice, "choose", vllm_faster)
+    opened = next(_open(model_dir, dataset, tmp_path_factory, "batchllm"))
+    try:
+        done, _, records = opened.run()
+        assert opened.backend.attention is not None and not opened.backend.attention.kernel
+        assert_equal_to_native(done, native, opened.prompts)
+        stats = opened.backend.attention_stats()
+        assert stats is not None and stats["kernel_steps"] == 0 and len(records) > 0
+    finally:
+        opened.backend.close()
 
 
 def test_vllm_scheduler_preempts_under_the_same_budget_and_still_equals_native(

@@ -1,0 +1,206 @@
+"""Which attention the vllm backend's decoder layers run on the CPU, decided by measurement.
+
+batchjob's prefix-shared kernel (``prefix_attention``) reads a shared prefix once per group,
+but per query-key pair it may be slower than vLLM's own CPU attention on some CPU classes
+(vLLM's AMX kernel keeps V packed for its tiles in the cache; batchjob's packs it per span).
+So, as the native engine calibrates its kernel against torch's attention, the backend times
+both kernels once per class (kernel build, heads, KV heads, head dim, block size, KV dtype)
+before vLLM starts, on two synthetic steps of one layer: a decode step (128 requests in 16
+groups of 8 over a 1,024-token prefix, 64 own tokens each) and a prefill step (16 requests of
+128 new tokens over one cached 512-token prefix). Each side runs on one thread, timed in that
+thread's CPU time, calls alternated (``calibrate.alternated_times``). A job is taken as three
+decode steps per prefill step (``WEIGHTS``; real-shape runs: ~1 on natural-qa, ~5 on 2000/200
+s16), and batchjob's kernel keeps the layers unless that takes more than ``MARGIN`` times
+vLLM's. The measurements are cached with the native engine's calibrations
+(``calibrate.Calibration``), so a class is measured once per machine (1-3.5 s at 0.1-1B
+shapes on a Zen 4); ``$BATCHJOB_CPU_CALIBRATE`` applies as there (``0``: no measurement, the
+kernel everywhere it fits; ``fresh``: measure again).
+
+``BATCHJOB_VLLM_PREFIX_ATTENTION``: unset, the measured choice; ``1`` batchjob's kernel
+without measuring; ``0`` vLLM's attention in every layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from batchjob.backends.native.attention import calibrate as calib
+from batchjob.backends.native.attention.cpu import kernel_takes, run_units
+from batchjob.backends.vllm import prefix_attention as pa
+
+log = logging.getLogger(__name__)
+
+MARGIN = 1.05  # batchjob's / vLLM's weighted step times above which vLLM's attention is used
+# (groups, members a group, shared prefix tokens, own tokens, query tokens a request)
+STEPS = {"decode": (16, 8, 1024, 64, 1), "prefill": (1, 16, 512, 128, 128)}
+WEIGHTS = {"decode": 3.0, "prefill": 1.0}  # steps of each kind in a job's proxy
+LAYERS = 4  # caches the timed calls cycle through: each as cold as a model's other layers
+REPS = 5
+
+
+@dataclass(frozen=True)
+class AttentionClass:
+    """One layer's attention as the two kernels see it, and the step kind timed."""
+
+    isa: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # the KV cache's: float32 | bfloat16
+    kind: str  # a key of STEPS
+
+    @property
+    def key(self) -> str:
+        return (
+            f"vllm-attention/{self.isa}/h{self.heads}/kv{self.kv_heads}/d{self.head_dim}"
+            f"/bs{self.block_size}/{self.dtype}/{self.kind}"
+        )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The layers' attention and the measurements behind it (ms of one layer's call, one
+    thread; None where nothing was measured)."""
+
+    kernel: bool  # batchjob's prefix-shared kernel; else vLLM's attention
+    reason: str
+    kernel_ms: float | None = None  # the job proxy's weighted sum (WEIGHTS)
+    vllm_ms: float | None = None
+
+
+def step_batch(
+    groups: int, members: int, prefix: int, own: int, qlen: int, block_size: int, seed: int = 0
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A vLLM-style step: (blocks in the cache, block tables [R, M] int32 with each group's
+    prefix blocks shared and the requests shuffled, sequence lengths [R], query start
+    offsets [R + 1]). Block 0 stays unused, as vLLM's null block."""
+    g = torch.Generator().manual_seed(seed)
+    r = groups * members
+    nb_p, nb_own = prefix // block_size, -(-own // block_size)
+    nblocks = groups * nb_p + r * nb_own + 1
+    ids = (torch.randperm(nblocks - 1, generator=g) + 1).int()
+    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
+    nxt = groups * nb_p
+    for i in range(r):
+        k = i // members
+        table[i, :nb_p] = ids[k * nb_p : (k + 1) * nb_p]
+        table[i, nb_p:] = ids[nxt : nxt + nb_own]
+        nxt += nb_own
+    table = table[torch.randperm(r, generator=g)].contiguous()
+    seq = torch.full((r,), prefix + own, dtype=torch.int32)
+    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
+    return nblocks, table, seq, qsl
+
+
+def call_pair(
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    dtype: torch.dtype,
+    step: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],
+    layers: int = 1,
+) -> tuple[Callable[[], None], Callable[[], None], int]:
+    """Two callables running one layer's attention of ``step`` (``step_batch``'s, blocks of
+    ``bs`` tokens): vLLM's ``cpu_attention_with_kv_cache`` on its cache layout, and
+    batchjob's kernel on the same cache tensor in the native layout (the backend's forward
+    without the module around it), each call on the next of ``layers`` caches; and the
+    step's prefix groups."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    kn = pa.kernel()
+    if kn is None:
+        raise RuntimeError("no C kernel build")
+    nblocks, table, seq, qsl = step
+    r, t = len(seq), int(qsl[-1])
+    bf16 = dtype == torch.bfloat16
+    kvs = [torch.randn(nblocks, hkv, bs, 2 * d).to(dtype) for _ in range(layers)]
+    halves = itertools.cycle([kv.view(nblocks, hkv, 2 * bs, d).chunk(2, dim=2) for kv in kvs])
+    natives = itertools.cycle([pa.native_cache(kv) for kv in kvs])
+    q = torch.randn(t, hq, d).to(dtype)
+    out = torch.empty(t, hq, d, dtype=dtype)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=r, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq,
+        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
+        isa=_get_attn_isa(dtype, bs, d), enable_kv_split=False,
+    )  # fmt: skip
+
+    def vllm() -> None:
+        key_cache, value_cache = next(halves)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
+            scheduler_metadata=meta, s_aux=None,
+        )  # fmt: skip
+
+    work = pa.step_work(kn, table.numpy(), seq.numpy(), qsl.numpy(), bs, hq, hkv, kv_bf16=bf16)
+    scratch = (torch.empty(t, hq, d), torch.empty(2, t, hq))
+
+    def ours() -> None:
+        run_units(
+            kn, q, *next(natives), work.units, work.blocks, work.has_prefix, work.threads,
+            bf16, d**-0.5, None if bf16 else out, work.batch.token_order, scratch,
+            out if bf16 else None,
+        )  # fmt: skip
+
+    return vllm, ours, work.batch.meta.num_groups
+
+
+def measure(cls: AttentionClass) -> calib.Decision:
+    """One-thread CPU ms of batchjob's kernel and vLLM's attention on the class's step, calls
+    alternated; ``torch_ms`` holds vLLM's (the calibration file's name for the other side)."""
+    step = step_batch(*STEPS[cls.kind], cls.block_size)
+    dtype = getattr(torch, cls.dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # both kernels take their thread count from it
+    try:
+        vllm, ours, _ = call_pair(
+            cls.heads, cls.kv_heads, cls.head_dim, cls.block_size, dtype, step, LAYERS
+        )
+        k_s, v_s = calib.alternated_times((ours, vllm), (), REPS, clock=time.thread_time)
+    finally:
+        torch.set_num_threads(threads)
+    return calib.paired_decision(k_s, v_s, MARGIN)
+
+
+def choose(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> Choice:
+    """The decoder layers' attention for this model on this CPU (the module doc): a
+    ``Choice`` the backend passes to vLLM's worker through ``prefix_attention.ENV_SWITCH``."""
+    switch = os.environ.get(pa.ENV_SWITCH, "").strip()
+    if switch == "0":
+        return Choice(False, f"{pa.ENV_SWITCH}=0")
+    kn = pa.kernel()
+    if kn is None:
+        return Choice(False, "no C kernel build here")
+    if dtype not in ("float32", "bfloat16") or not kernel_takes(
+        kn, heads, kv_heads, head_dim, block_size
+    ):
+        return Choice(False, "a shape or dtype the kernel does not take")
+    if switch == "1":
+        return Choice(True, f"{pa.ENV_SWITCH}=1")
+    if calib.mode() == "0":
+        return Choice(True, f"{calib.ENV}=0 (no measurement)")
+    cal = calib.calibration_for(kn.path)
+    ms = {}
+    for kind in STEPS:
+        cls = AttentionClass(kn.isa, heads, kv_heads, head_dim, block_size, dtype, kind)
+        ms[kind] = cal.decide(cls, measure)
+    k = sum(WEIGHTS[kind] * d.kernel_ms for kind, d in ms.items())
+    v = sum(WEIGHTS[kind] * d.torch_ms for kind, d in ms.items())
+    detail = ", ".join(f"{kind} {d.kernel_ms:.2f} vs {d.torch_ms:.2f} ms" for kind, d in ms.items())
+    use = k <= MARGIN * v
+    choice = Choice(use, f"measured one layer's steps: batchjob vs vLLM {detail}", k, v)
+    log.info(
+        "vllm backend attention: %s (%s)", "batchjob's kernel" if use else "vLLM's", choice.reason
+    )
+    return choice

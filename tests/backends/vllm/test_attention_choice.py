@@ -1,0 +1,114 @@
+"""The vllm backend's measured choice between batchjob's attention kernel and vLLM's
+(backends/vllm/attention_choice.py): real timings of both kernels on this CPU, the rule that
+turns them into a choice, the cache, and the switches that override it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from batchjob.backends.native.attention import calibrate as calib
+from tests.backends.vllm.vllm_kit import needs_vllm
+
+pytestmark = [needs_vllm]
+
+
+@pytest.fixture
+def ac(tmp_path, monkeypatch):
+    """The module, with a calibration file of this test's own (the kernel library stays where
+    it is built)."""
+    from batchjob.backends.vllm import attention_choice
+
+    kn = attention_choice.pa.kernel()
+    if kn is None:
+        pytest.skip("no C compiler: the backend stays vLLM's")
+    cal = calib.Calibration(kn.path)
+    cal.path = tmp_path / "calibration.json"
+    monkeypatch.setitem(calib._CALIBRATIONS, calib.cache_dir() / kn.path.name, cal)
+    monkeypatch.delenv(attention_choice.pa.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(calib.ENV, raising=False)
+    return attention_choice
+
+
+def test_a_step_shares_each_groups_prefix_blocks(ac):
+    nblocks, table, seq, qsl = ac.step_batch(3, 4, 64, 20, 5, block_size=16)
+    assert table.shape == (12, 4 + 2) and nblocks == 3 * 4 + 12 * 2 + 1
+    assert (seq == 84).all() and qsl.tolist() == list(range(0, 61, 5))
+    prefixes = {tuple(row[:4].tolist()) for row in table}
+    assert len(prefixes) == 3  # one run of prefix blocks per group, 4 members each
+    own = table[:, 4:].flatten().tolist()
+    assert len(set(own)) == len(own) and 0 not in own  # own blocks apart; block 0 unused
+    assert not set(own) & {b for p in prefixes for b in p}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_both_kernels_are_timed_and_the_class_cached(ac, dtype, monkeypatch):
+    choice = ac.choose(8, 2, 64, 32, dtype)
+    assert choice.kernel_ms is not None and choice.vllm_ms is not None
+    assert choice.kernel_ms > 0 and choice.vllm_ms > 0
+    assert choice.kernel == (choice.kernel_ms <= ac.MARGIN * choice.vllm_ms)
+    cached = json.loads(calib.calibration_for(ac.pa.kernel().path).path.read_text())
+    keys = [k for k in cached["classes"] if k.startswith("vllm-attention/")]
+    assert {k.rsplit("/", 1)[1] for k in keys} == set(ac.STEPS)
+    assert all(f"/{dtype}/" in k for k in keys)
+
+    def measured_again(cls):
+        raise AssertionError(f"{cls.key} measured again")
+
+    monkeypatch.setattr(ac, "measure", measured_again)
+    assert ac.choose(8, 2, 64, 32, dtype) == choice  # from the cache
+
+
+@pytest.mark.parametrize(
+    ("kernel_ms", "vllm_ms", "kernel"),
+    [
+        ({"decode": 1.0, "prefill": 10.0}, {"decode": 2.0, "prefill": 12.0}, True),
+        # faster decode steps do not outweigh prefill steps twice as slow
+        ({"decode": 1.0, "prefill": 20.0}, {"decode": 2.0, "prefill": 10.0}, False),
+        # within the margin: the kernel stays
+        ({"decode": 1.0, "prefill": 10.4}, {"decode": 1.0, "prefill": 10.0}, True),
+        ({"decode": 3.0, "prefill": 10.0}, {"decode": 1.0, "prefill": 10.0}, False),
+    ],
+)
+def test_the_choice_weighs_decode_and_prefill_steps(ac, kernel_ms, vllm_ms, kernel, monkeypatch):
+    def measured(cls):
+        k, v = kernel_ms[cls.kind], vllm_ms[cls.kind]
+        return calib.Decision(k <= v, k, v)
+
+    monkeypatch.setattr(ac, "measure", measured)
+    choice = ac.choose(8, 2, 64, 32, "float32")
+    assert choice.kernel is kernel
+    w = ac.WEIGHTS
+    assert choice.kernel_ms == pytest.approx(sum(w[k] * kernel_ms[k] for k in w))
+    assert choice.vllm_ms == pytest.approx(sum(w[k] * vllm_ms[k] for k in w))
+
+
+def test_switches_decide_without_measuring(ac, monkeypatch):
+    def never(cls):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(ac, "measure", never)
+    monkeypatch.setenv(ac.pa.ENV_SWITCH, "0")
+    assert not ac.choose(8, 2, 64, 32, "bfloat16").kernel
+    monkeypatch.setenv(ac.pa.ENV_SWITCH, "1")
+    assert ac.choose(8, 2, 64, 32, "bfloat16").kernel
+    monkeypatch.delenv(ac.pa.ENV_SWITCH)
+    monkeypatch.setenv(calib.ENV, "0")
+    assert ac.choose(8, 2, 64, 32, "bfloat16").kernel
+
+
+def test_shapes_the_kernel_does_not_take_stay_vllms(ac, monkeypatch):
+    monkeypatch.setattr(ac, "measure", lambda cls: pytest.fail("measured"))
+    lanes = ac.pa.kernel().lanes
+    assert not ac.choose(8, 2, lanes + lanes // 2, 32, "float32").kernel  # off the vector
+    assert not ac.choose(8, 2, 64, 32, "float16").kernel  # fp16 caches stay vLLM's
+    assert not ac.choose(8, 3, 64, 32, "float32").kernel  # query heads not a multiple
+
+
+def test_measuring_runs_one_thread_and_restores_torchs(ac):
+    before = torch.get_num_threads()
+    d = ac.measure(ac.AttentionClass(ac.pa.kernel().isa, 8, 2, 64, 32, "float32", "decode"))
+    assert d.kernel_ms > 0 and d.torch_ms > 0
+    assert torch.get_num_threads() == before
