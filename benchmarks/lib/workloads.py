@@ -115,24 +115,10 @@ ATTENTION_SHAPES = [
 
 
 def block_tables(shape: tuple) -> tuple[int, Any, Any, Any]:
-    """A vLLM-style batch of ``shape``: (blocks in the cache, block tables [R, M] int32 with
-    each group's prefix blocks shared and the requests shuffled, sequence lengths, query
-    start offsets [R + 1]), torch tensors. Block 0 stays unused, as vLLM's null block."""
-    import torch
+    """A vLLM-style batch of ``shape`` (``prefix_groups.block_tables``: blocks in the cache,
+    block tables [R, M] int32 with each group's prefix blocks shared and the requests
+    shuffled, sequence lengths, query start offsets [R + 1]), torch tensors."""
+    from batchjob.backends.vllm.prefix_groups import block_tables as tables
 
     _, groups, members, prefix, own, qlen = shape
-    r = groups * members
-    nb_p, nb_own = prefix // BS, -(-own // BS)
-    nblocks = groups * nb_p + r * nb_own + 1
-    ids = (torch.randperm(nblocks - 1) + 1).int()
-    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
-    nxt = groups * nb_p
-    for i in range(r):
-        g = i // members
-        table[i, :nb_p] = ids[g * nb_p : (g + 1) * nb_p]
-        table[i, nb_p:] = ids[nxt : nxt + nb_own]
-        nxt += nb_own
-    table = table[torch.randperm(r)].contiguous()
-    seq = torch.full((r,), prefix + own, dtype=torch.int32)
-    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
-    return nblocks, table, seq, qsl
+    return tables(groups, members, prefix, own, qlen, BS)

@@ -34,6 +34,7 @@ import torch
 from batchjob.backends.native.attention import calibrate as calib
 from batchjob.backends.native.attention.cpu import kernel_takes, run_units
 from batchjob.backends.vllm import prefix_attention as pa
+from batchjob.backends.vllm.prefix_groups import block_tables
 
 log = logging.getLogger(__name__)
 
@@ -79,25 +80,10 @@ class Choice:
 def step_batch(
     groups: int, members: int, prefix: int, own: int, qlen: int, block_size: int, seed: int = 0
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A vLLM-style step: (blocks in the cache, block tables [R, M] int32 with each group's
-    prefix blocks shared and the requests shuffled, sequence lengths [R], query start
-    offsets [R + 1]). Block 0 stays unused, as vLLM's null block."""
+    """A vLLM-style step of ``groups`` x ``members`` requests (``prefix_groups.block_tables``),
+    seeded."""
     g = torch.Generator().manual_seed(seed)
-    r = groups * members
-    nb_p, nb_own = prefix // block_size, -(-own // block_size)
-    nblocks = groups * nb_p + r * nb_own + 1
-    ids = (torch.randperm(nblocks - 1, generator=g) + 1).int()
-    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
-    nxt = groups * nb_p
-    for i in range(r):
-        k = i // members
-        table[i, :nb_p] = ids[k * nb_p : (k + 1) * nb_p]
-        table[i, nb_p:] = ids[nxt : nxt + nb_own]
-        nxt += nb_own
-    table = table[torch.randperm(r, generator=g)].contiguous()
-    seq = torch.full((r,), prefix + own, dtype=torch.int32)
-    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
-    return nblocks, table, seq, qsl
+    return block_tables(groups, members, prefix, own, qlen, block_size, g)
 
 
 def call_pair(

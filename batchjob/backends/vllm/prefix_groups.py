@@ -195,3 +195,34 @@ def native_metadata(
         max_prefix_len=int(p_len.max()) if len(p_len) else 0,
     )
     return NativeBatch(meta, token_order)
+
+
+def block_tables(
+    groups: int,
+    members: int,
+    prefix: int,
+    own: int,
+    qlen: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A synthetic vLLM step (benchmarks, the backend's attention measurement): ``groups`` x
+    ``members`` requests, each group's ``prefix`` tokens in shared blocks, ``own`` tokens in
+    blocks of its own, ``qlen`` query tokens each. Returns (blocks in the cache, block tables
+    [R, M] int32 with the requests shuffled, sequence lengths [R], query start offsets
+    [R + 1]), int32 tensors; block 0 stays unused, as vLLM's null block."""
+    r = groups * members
+    nb_p, nb_own = prefix // block_size, -(-own // block_size)
+    nblocks = groups * nb_p + r * nb_own + 1
+    ids = (torch.randperm(nblocks - 1, generator=generator) + 1).int()
+    table = torch.zeros(r, nb_p + nb_own, dtype=torch.int32)
+    nxt = groups * nb_p
+    for i in range(r):
+        k = i // members
+        table[i, :nb_p] = ids[k * nb_p : (k + 1) * nb_p]
+        table[i, nb_p:] = ids[nxt : nxt + nb_own]
+        nxt += nb_own
+    table = table[torch.randperm(r, generator=generator)].contiguous()
+    seq = torch.full((r,), prefix + own, dtype=torch.int32)
+    qsl = torch.arange(r + 1, dtype=torch.int32) * qlen
+    return nblocks, table, seq, qsl
