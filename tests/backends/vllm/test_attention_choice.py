@@ -112,3 +112,14 @@ def test_measuring_runs_one_thread_and_restores_torchs(ac):
     d = ac.measure(ac.AttentionClass(ac.pa.kernel().isa, 8, 2, 64, 32, "float32", "decode"))
     assert d.kernel_ms > 0 and d.torch_ms > 0
     assert torch.get_num_threads() == before
+
+
+def test_a_measurement_that_fails_keeps_the_kernel(ac, monkeypatch):
+    """A vLLM whose CPU attention ops differ must not stop the engine from starting."""
+
+    def broken(cls):
+        raise AttributeError("_C has no attribute cpu_attention_with_kv_cache")
+
+    monkeypatch.setattr(ac, "measure", broken)
+    choice = ac.choose(8, 2, 64, 32, "float32")
+    assert choice.kernel and "not measured" in choice.reason
