@@ -4,7 +4,8 @@ batchjob's prefix-shared kernel (``prefix_attention``) reads a shared prefix onc
 but per query-key pair it may be slower than vLLM's own CPU attention on some CPU classes
 (vLLM's AMX kernel keeps V packed for its tiles in the cache; batchjob's packs it per span).
 So, as the native engine calibrates its kernel against torch's attention, the backend times
-both kernels once per class (kernel build, heads, KV heads, head dim, block size, KV dtype)
+both kernels once per class (vLLM version, kernel build, heads, KV heads, head dim, block
+size, KV dtype)
 before vLLM starts, on two synthetic steps of one layer: a decode step (128 requests in 16
 groups of 8 over a 1,024-token prefix, 64 own tokens each) and a prefill step (16 requests of
 128 new tokens over one cached 512-token prefix). Each side runs on one thread, timed in that
@@ -50,6 +51,7 @@ REPS = 5
 class AttentionClass:
     """One layer's attention as the two kernels see it, and the step kind timed."""
 
+    vllm: str  # vLLM's version: its kernel's speed is part of the class
     isa: str
     heads: int
     kv_heads: int
@@ -61,8 +63,8 @@ class AttentionClass:
     @property
     def key(self) -> str:
         return (
-            f"vllm-attention/{self.isa}/h{self.heads}/kv{self.kv_heads}/d{self.head_dim}"
-            f"/bs{self.block_size}/{self.dtype}/{self.kind}"
+            f"vllm-attention/{self.vllm}/{self.isa}/h{self.heads}/kv{self.kv_heads}"
+            f"/d{self.head_dim}/bs{self.block_size}/{self.dtype}/{self.kind}"
         )
 
 
@@ -176,11 +178,15 @@ def choose(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str
         return Choice(True, f"{pa.ENV_SWITCH}=1")
     if calib.mode() == "0":
         return Choice(True, f"{calib.ENV}=0 (no measurement)")
+    import vllm
+
     cal = calib.calibration_for(kn.path)
     ms = {}
     try:
         for kind in STEPS:
-            cls = AttentionClass(kn.isa, heads, kv_heads, head_dim, block_size, dtype, kind)
+            cls = AttentionClass(
+                vllm.__version__, kn.isa, heads, kv_heads, head_dim, block_size, dtype, kind
+            )
             ms[kind] = cal.decide(cls, measure)
     except Exception as e:  # a vLLM whose CPU attention ops differ: the kernel, as before
         log.warning("vllm backend attention: not measured (%s); batchjob's kernel", e)

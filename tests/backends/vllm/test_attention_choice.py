@@ -109,7 +109,10 @@ def test_shapes_the_kernel_does_not_take_stay_vllms(ac, monkeypatch):
 
 def test_measuring_runs_one_thread_and_restores_torchs(ac):
     before = torch.get_num_threads()
-    d = ac.measure(ac.AttentionClass(ac.pa.kernel().isa, 8, 2, 64, 32, "float32", "decode"))
+    import vllm
+
+    cls = ac.AttentionClass(vllm.__version__, ac.pa.kernel().isa, 8, 2, 64, 32, "float32", "decode")
+    d = ac.measure(cls)
     assert d.kernel_ms > 0 and d.torch_ms > 0
     assert torch.get_num_threads() == before
 
