@@ -3,7 +3,9 @@
 Torch-free and I/O-free: ``batchjob.model.info`` reads the files once and calls
 ``parse_hf_config``. One parser for the whole Llama family; the differences between
 families are flags: q/k/v bias (Qwen2; Llama/Qwen3 ``attention_bias``), per-head q/k
-RMSNorm (Qwen3), sliding window (Mistral, Qwen with ``use_sliding_window``). Both the legacy
+RMSNorm (Qwen3), sliding window (Mistral, Qwen with ``use_sliding_window``), layers without
+RoPE (SmolLM3's ``no_rope_layers``), and Granite's four scalars (embedding, residual and
+attention multipliers, logits scaling). Both the legacy
 ``rope_theta`` + ``rope_scaling`` keys and the transformers-5 ``rope_parameters`` dict are
 understood. Anything the native engine cannot run raises ``ModelError`` here, so that
 ``batchjob plan`` refuses the same model folders as ``batchjob run``.
@@ -23,7 +25,11 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "GraniteForCausalLM",
+    "SmolLM3ForCausalLM",
 )
+# architectures whose config.json keys attention_bias / mlp_bias put biases on o_proj / the MLP
+_O_AND_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,6 +67,20 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None  # the checkpoint's dtype name ("bfloat16"), if given
+    rope_layers: tuple[bool, ...] | None = None  # per layer: RoPE applied (None: every layer)
+    embedding_multiplier: float = 1.0  # Granite: the embedding output scaled by it
+    residual_multiplier: float = 1.0  # Granite: each layer's attention and MLP outputs
+    attention_multiplier: float | None = None  # Granite: the softmax scale (None: D^-0.5)
+    logits_scaling: float = 1.0  # Granite: the logits divided by it
+
+    @property
+    def attention_scale(self) -> float:
+        """The scale of q.k in attention's softmax."""
+        m = self.attention_multiplier
+        return self.head_dim**-0.5 if m is None else m
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]
 
     @property
     def max_seq_len(self) -> int:
@@ -136,6 +156,40 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
     if cfg.get("use_sliding_window") or "sliding_attention" in layer_types:
         return int(window)
     return None  # Qwen2/Qwen3 carry a window size but only use it when enabled
+
+
+def _rope_layers(
+    arch: str, cfg: dict[str, Any], num_layers: int, source: Path
+) -> tuple[bool, ...] | None:
+    """SmolLM3's ``no_rope_layers`` (1: the layer applies RoPE, 0: it does not; HF's default
+    without the list: every ``no_rope_layer_interval``-th layer without) as a tuple of bools;
+    None for the other families (RoPE in every layer)."""
+    if arch != "SmolLM3ForCausalLM":
+        return None
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = int(_optional(cfg, "no_rope_layer_interval", 4))
+        if every <= 0:
+            raise ModelError(f"{source}: no_rope_layer_interval is {every}; it must be positive")
+        flags = [int((i + 1) % every != 0) for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers:
+        raise ModelError(f"{source}: no_rope_layers must list one 0/1 per layer ({num_layers})")
+    return tuple(bool(f) for f in flags)
+
+
+def _granite_scalars(arch: str, cfg: dict[str, Any], source: Path) -> dict[str, Any]:
+    """Granite's multipliers as ``ModelConfig`` fields ({} for the other families)."""
+    if arch != "GraniteForCausalLM":
+        return {}
+    keys = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+    try:
+        out: dict[str, Any] = {k: float(_optional(cfg, k, 1.0)) for k in keys}
+        out["attention_multiplier"] = float(_optional(cfg, "attention_multiplier", 1.0))
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{source}: a Granite multiplier is not a number: {e}") from e
+    if out["logits_scaling"] == 0:
+        raise ModelError(f"{source}: logits_scaling is 0 (the logits are divided by it)")
+    return out
 
 
 def parse_hf_config(
@@ -223,13 +277,15 @@ def parse_hf_config(
         max_position=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qwen2 or (attention_bias and arch != "MistralForCausalLM"),
-        o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
-        mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+        o_bias=attention_bias and arch in (*_O_AND_MLP_BIAS, "Qwen3ForCausalLM"),
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and arch in _O_AND_MLP_BIAS,
         qk_norm=arch == "Qwen3ForCausalLM",
         sliding_window=_sliding_window(arch, cfg),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        rope_layers=_rope_layers(arch, cfg, num_layers, source),
+        **_granite_scalars(arch, cfg, source),
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3")
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 _SYLLABLES = [c + v for c in "bdklmnrstv" for v in "aeiou"] + [v + c for v in "aeiou" for c in "nr"]
 
@@ -62,10 +62,28 @@ def _config(family: str, **kw):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "granite": transformers.GraniteConfig,
+        "smollm3": transformers.SmolLM3Config,
     }[family]
     if kw.get("head_dim") is None:
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+    kw |= FAMILY_SETTINGS.get(family, {})
     return cls(**kw)
+
+
+# what sets a family apart, at values a missed one changes outputs with: Granite's scalars
+# (its checkpoints: embedding 12, residual 0.22, attention 1/128 or 1/64, logits 8-16);
+# SmolLM3 without RoPE in every second layer (its checkpoints: every fourth)
+FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
+    "granite": {
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.2,
+        "logits_scaling": 2.0,
+        "attention_bias": True,
+    },
+    "smollm3": {"no_rope_layer_interval": 2},
+}
 
 
 def write_random_weights(folder: str | Path, config: dict, seed: int = 0) -> Path:

@@ -106,6 +106,12 @@ def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer
         ({"head_dim": -16}, "head_dim is -16; it must be a positive"),
         ({"hidden_size": 66}, "hidden_size 66 is not a multiple of num_attention_heads 4"),
         ({"head_dim": "wide"}, "a size is not an integer"),
+        ({"architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1]}, "one 0/1 per layer"),
+        ({"architectures": ["GraniteForCausalLM"], "logits_scaling": 0}, "logits_scaling is 0"),
+        (
+            {"architectures": ["GraniteForCausalLM"], "residual_multiplier": "half"},
+            "a Granite multiplier is not a number",
+        ),
     ],
 )
 def test_config_the_engine_cannot_run(folder: Path, edit: dict, needle: str) -> None:
@@ -113,6 +119,25 @@ def test_config_the_engine_cannot_run(folder: Path, edit: dict, needle: str) -> 
     with pytest.raises(ModelError, match=r"config\.json") as e:
         read_model_info(folder)
     assert needle in str(e.value) and e.value.exit_code == EXIT_MODEL
+
+
+def test_family_settings(folder: Path) -> None:
+    """SmolLM3 without ``no_rope_layers``: HF's default, every fourth layer without RoPE;
+    Granite's multipliers as given, its attention scale the multiplier, not D^-0.5."""
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    _edit_config(folder, architectures=["SmolLM3ForCausalLM"], num_hidden_layers=8)
+    cfg = read_model_info(folder).config
+    assert cfg.rope_layers == (True, True, True, False) * 2
+    assert [cfg.uses_rope(i) for i in (3, 4)] == [False, True]
+    _edit_config(
+        folder, architectures=["GraniteForCausalLM"], num_hidden_layers=layers,
+        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0,
+    )  # fmt: skip
+    cfg = read_model_info(folder).config
+    assert cfg.rope_layers is None and cfg.attention_scale == 0.0078125
+    assert (cfg.residual_multiplier, cfg.logits_scaling, cfg.embedding_multiplier) == (
+        0.22, 8.0, 1.0,
+    )  # fmt: skip
 
 
 def test_weights_headers(folder: Path) -> None:

@@ -50,7 +50,7 @@ def shared_prompts(vocab: int, seed: int) -> TokenizedPrompts:
     return TokenizedPrompts.from_lists([seqs[i] for i in order], max_tokens=MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"])
 def family_model(request, tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param), family=request.param)
     model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")
@@ -182,18 +182,20 @@ LOGPROB_TOL = {"bfloat16": 0.08, "float16": 0.015}
 
 
 @pytest.mark.parametrize(
-    "device,dtype",
+    "device,dtype,family",
     [
-        ("cpu", "bfloat16"),
-        ("cpu", "float16"),
-        pytest.param("cuda", "bfloat16", marks=CUDA_ONLY),
-        pytest.param("cuda", "float16", marks=CUDA_ONLY),
+        ("cpu", "bfloat16", "llama"),
+        ("cpu", "bfloat16", "granite"),  # its multipliers on the C glue's bf16 paths
+        ("cpu", "bfloat16", "smollm3"),
+        ("cpu", "float16", "llama"),
+        pytest.param("cuda", "bfloat16", "llama", marks=CUDA_ONLY),
+        pytest.param("cuda", "float16", "llama", marks=CUDA_ONLY),
     ],
 )
-def test_low_precision_greedy_within_tolerance_of_hf(tmp_path, device, dtype):
+def test_low_precision_greedy_within_tolerance_of_hf(tmp_path, device, dtype, family):
     """bf16/fp16 engine (the default attention of the device: C kernel on CPU, Triton on
     CUDA) vs HF float32, step by step, on shared-prefix prompts through the plan."""
-    folder = make_tiny_model(tmp_path / "m", family="llama")
+    folder = make_tiny_model(tmp_path / "m", family=family)
     model, info = load_model(folder, dtype=dtype, device=device, attention="auto")
     prompts = shared_prompts(info.vocab_size, seed=3)
     engine = Engine(

@@ -16,7 +16,8 @@ from batchjob.testing.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-VARIANTS = ["llama", "mistral", "qwen2", "qwen3", "llama-tied-llama3rope", "qwen2-linear-rope"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"]
+VARIANTS = [*FAMILIES, "llama-tied-llama3rope", "qwen2-linear-rope"]
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine"] * 20
 
 
@@ -24,7 +25,7 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     out = {}
-    for seed, family in enumerate(["llama", "mistral", "qwen2", "qwen3"]):
+    for seed, family in enumerate(FAMILIES):
         out[family] = make_tiny_model(
             root / family, family=family, vocab_size=300, layers=2, seed=seed, corpus=CORPUS
         )
@@ -66,10 +67,12 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def _hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
-    )
-    return out[0, len(ids) :].tolist()
+    """HF's argmax, a full forward per step: EOS is a token like any other (``generate``'s
+    ``min_new_tokens`` would mask it, where the engine under test picks it)."""
+    x = torch.tensor([ids])
+    for _ in range(n):
+        x = torch.cat([x, hf(x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return x[0, len(ids) :].tolist()
 
 
 @dataclass
@@ -143,7 +146,7 @@ def test_single_sequence_chunked_prefill_and_decode(tiny_models, variant):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2", "granite", "smollm3"])
 def test_shared_prefix_members_decode_together(tiny_models, variant):
     folder = tiny_models[variant]
     model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")

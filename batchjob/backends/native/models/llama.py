@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat ragged batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3) over a flat ragged
+batch of tokens.
 
 No batch dimension and no padding: ``T`` tokens of many sequences go through every layer
 together; attention is the only place that knows about sequences, through
@@ -69,8 +70,9 @@ def silu_mul_(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rope: bool = True) -> None:
         super().__init__()
+        self.rope = rope  # False: a layer without positional rotation (SmolLM3's NoPE layers)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -78,7 +80,7 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         out = self.q_size + 2 * self.kv_size
         self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
@@ -93,7 +95,8 @@ class Attention(nn.Module):
         qkv_out: torch.Tensor | None = None,  # [T, q + 2 kv]: where q, k, v are kept
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D], k and v [T, Hkv, D]: views of one qkv tensor (``qkv_out`` if given,
-        which CUDA graphs need), q and k normalised (Qwen3) and rotated in place."""
+        which CUDA graphs need), q and k normalised (Qwen3) and rotated (but in NoPE layers)
+        in place."""
         qkv = self.qkv(x)  # [T, q + 2 kv]
         if qkv_out is not None:
             qkv = qkv_out.copy_(qkv)
@@ -101,9 +104,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # written back in place
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
-        qk_end = self.q_size + self.kv_size
-        qk = qkv[:, :qk_end].view(len(qkv), self.num_heads + self.num_kv_heads, self.head_dim)
-        apply_rope_(qk, cos, sin)  # q and k rotated together, in place
+        if self.rope:
+            qk_end = self.q_size + self.kv_size
+            qk = qkv[:, :qk_end].view(len(qkv), self.num_heads + self.num_kv_heads, self.head_dim)
+            apply_rope_(qk, cos, sin)  # q and k rotated together, in place
         return q, k, v
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,12 +154,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype)
+        self.attn = Attention(cfg, dtype, rope=cfg.uses_rope(index))
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch's output as the residual stream adds it (Granite scales it first, in
+        the model's dtype as HF does)."""
+        m = self.residual_multiplier
+        return branch if m == 1.0 else branch.mul_(m)
 
     def pre_attention(self, h, cos, sin, qkv_out=None, residual_delta=None):
         """q, k, v of the normalised residual stream h [T, hidden] (``Attention.project``);
@@ -171,7 +182,8 @@ class DecoderLayer(nn.Module):
         """h [T, hidden] (the residual stream) updated in place with attention's output o
         [T, q_size]; returns the MLP's output, which the caller adds to h: the next layer's
         ``pre_attention`` in its norm's pass, or ``h.add_`` after the last layer."""
-        return self.mlp(add_rms_norm_(h, self.attn.o_proj(o), self.post_norm))
+        attn_out = self._scaled(self.attn.o_proj(o))
+        return self._scaled(self.mlp(add_rms_norm_(h, attn_out, self.post_norm)))
 
     def forward(self, h, cos, sin, layer_cache, meta, backend, residual_delta=None):
         """The MLP output still to be added to h (``post_attention``)."""
@@ -190,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
         # _weight skips the random init (normal_ on meta would import torch._dynamo: ~8 s)
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None
@@ -242,7 +254,9 @@ class LlamaForCausalLM(nn.Module):
         and RoPE's cos, sin [T, 1, D/2]; ``bound``: every position is below it (0: the table
         already holds every position)."""
         cos, sin = self.rope.lookup(positions, self.inv_freq, bound)
-        return self.embed_tokens(input_ids), cos, sin
+        h = self.embed_tokens(input_ids)
+        m = self.cfg.embedding_multiplier  # Granite's; 1 elsewhere
+        return (h if m == 1.0 else h.mul_(m)), cos, sin
 
     def logits(self, h: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
         """float32 [K, vocab] of the rows ``logits_index`` of the last layer's h; with
@@ -252,7 +266,9 @@ class LlamaForCausalLM(nn.Module):
             y = self.logits_linear(x)
         else:
             y = F.linear(x, self.logits_weight())  # [K, vocab]
-        return y.float() if self.logits_buffer is None else self.logits_buffer.to_float(y)
+        out = y.float() if self.logits_buffer is None else self.logits_buffer.to_float(y)
+        s = self.cfg.logits_scaling  # Granite's; 1 elsewhere (divided in float32)
+        return out if s == 1.0 else out.div_(s)
 
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the untied head's, else the embedding's."""
