@@ -4,8 +4,9 @@ Torch-free and I/O-free: ``batchjob.model.info`` reads the files once and calls
 ``parse_hf_config``. One parser for the whole Llama family; the differences between
 families are flags: q/k/v bias (Qwen2; Llama/Qwen3 ``attention_bias``), per-head q/k
 RMSNorm (Qwen3), sliding window (Mistral, Qwen with ``use_sliding_window``), layers without
-RoPE (SmolLM3's ``no_rope_layers``), and Granite's four scalars (embedding, residual and
-attention multipliers, logits scaling). Both the legacy
+RoPE (SmolLM3's ``no_rope_layers``), Granite's four scalars (embedding, residual and
+attention multipliers, logits scaling), and OLMo2's norms on the branch outputs instead of
+their inputs, with q/k RMSNorm over the whole projection. Both the legacy
 ``rope_theta`` + ``rope_scaling`` keys and the transformers-5 ``rope_parameters`` dict are
 understood. Anything the native engine cannot run raises ``ModelError`` here, so that
 ``batchjob plan`` refuses the same model folders as ``batchjob run``.
@@ -27,9 +28,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM",
 )
-# architectures whose config.json keys attention_bias / mlp_bias put biases on o_proj / the MLP
-_O_AND_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+# where config.json's attention_bias puts no bias on o_proj (Qwen2: on q, k, v; Mistral: none),
+# and the families whose mlp_bias puts biases on the MLP
+_NO_O_BIAS = ("MistralForCausalLM", "Qwen2ForCausalLM")
+_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -62,7 +66,7 @@ class ModelConfig:
     qkv_bias: bool  # bias on q/k/v projections
     o_bias: bool  # bias on the output projection
     mlp_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    qk_norm: bool  # RMSNorm on q and k before RoPE: over head_dim (Qwen3), or all (OLMo2)
     sliding_window: int | None  # attention window; None = full attention
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -72,6 +76,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # Granite: each layer's attention and MLP outputs
     attention_multiplier: float | None = None  # Granite: the softmax scale (None: D^-0.5)
     logits_scaling: float = 1.0  # Granite: the logits divided by it
+    # OLMo2: no norm before attention and MLP, one on each branch's output before its
+    # residual add; q/k norms over the whole projection; norms scale in float32 then round
+    branch_norms: bool = False
 
     @property
     def attention_scale(self) -> float:
@@ -277,14 +284,15 @@ def parse_hf_config(
         max_position=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qwen2 or (attention_bias and arch != "MistralForCausalLM"),
-        o_bias=attention_bias and arch in (*_O_AND_MLP_BIAS, "Qwen3ForCausalLM"),
-        mlp_bias=bool(cfg.get("mlp_bias", False)) and arch in _O_AND_MLP_BIAS,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        o_bias=attention_bias and arch not in _NO_O_BIAS,
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and arch in _MLP_BIAS,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
         sliding_window=_sliding_window(arch, cfg),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         rope_layers=_rope_layers(arch, cfg, num_layers, source),
+        branch_norms=arch == "Olmo2ForCausalLM",
         **_granite_scalars(arch, cfg, source),
     )
 

@@ -50,7 +50,9 @@ def shared_prompts(vocab: int, seed: int) -> TokenizedPrompts:
     return TokenizedPrompts.from_lists([seqs[i] for i in order], max_tokens=MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"])
+@pytest.fixture(
+    scope="module", params=["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2"]
+)
 def family_model(request, tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param), family=request.param)
     model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")
@@ -187,6 +189,7 @@ LOGPROB_TOL = {"bfloat16": 0.08, "float16": 0.015}
         ("cpu", "bfloat16", "llama"),
         ("cpu", "bfloat16", "granite"),  # its multipliers on the C glue's bf16 paths
         ("cpu", "bfloat16", "smollm3"),
+        ("cpu", "bfloat16", "olmo2"),  # norms on the branch outputs, scaled in float32
         ("cpu", "float16", "llama"),
         pytest.param("cuda", "bfloat16", "llama", marks=CUDA_ONLY),
         pytest.param("cuda", "float16", "llama", marks=CUDA_ONLY),

@@ -139,3 +139,25 @@ def test_mlp_residual_fused_into_next_input_norm_equals_adding_it_first(
 
     monkeypatch.setattr(DecoderLayer, "forward", add_first)
     assert torch.equal(fused, logits())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_scaled_in_float_equals_olmo2s(dtype: torch.dtype) -> None:
+    """OLMo2's RMSNorm scales by the weight in float32 and rounds once; bf16 differs from
+    Llama's order (normalised x rounded first) in the last bit, and ours follows each."""
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+
+    from batchjob.backends.native.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(33, 256, generator=g) * 3).to(dtype)
+    w = (1 + 0.3 * torch.randn(256, generator=g)).to(dtype)
+    ref = olmo2.Olmo2RMSNorm(256, eps=1e-6).to(dtype)
+    ours = RMSNorm(256, 1e-6, dtype, scale_in_float=True)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+        ours.weight.copy_(w)
+        want = ref(x)
+    assert torch.equal(ours(x), want)
+    if dtype == torch.bfloat16:  # the two orders really differ: the flag is needed
+        assert not torch.equal(hf_rms_norm(x, w, 1e-6), want)

@@ -16,7 +16,7 @@ from batchjob.testing.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2"]
 VARIANTS = [*FAMILIES, "llama-tied-llama3rope", "qwen2-linear-rope"]
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine"] * 20
 
@@ -146,7 +146,7 @@ def test_single_sequence_chunked_prefill_and_decode(tiny_models, variant):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2", "granite", "smollm3"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2", "granite", "smollm3", "olmo2"])
 def test_shared_prefix_members_decode_together(tiny_models, variant):
     folder = tiny_models[variant]
     model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3) over a flat ragged
-batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2) over a flat
+ragged batch of tokens.
 
 No batch dimension and no padding: ``T`` tokens of many sequences go through every layer
 together; attention is the only place that knows about sequences, through
@@ -32,12 +32,19 @@ from batchjob.errors import ModelError
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, scale_in_float: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
+        # OLMo2's order: scale by the weight in float32, then round once (Llama's rounds the
+        # normalised x first); the same in float32
+        self.scale_in_float = scale_in_float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale_in_float and x.dtype != torch.float32:
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.weight * xf).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -84,8 +91,12 @@ class Attention(nn.Module):
         out = self.q_size + 2 * self.kv_size
         self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # q/k norms: per head (Qwen3), or over the whole projection (OLMo2)
+        self.qk_norm_whole = cfg.branch_norms
+        q_dim, k_dim = (self.q_size, self.kv_size) if cfg.branch_norms else (cfg.head_dim,) * 2
+        eps, in_float = cfg.rms_norm_eps, cfg.branch_norms
+        self.q_norm = RMSNorm(q_dim, eps, dtype, in_float) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps, dtype, in_float) if cfg.qk_norm else None
 
     def project(
         self,
@@ -101,11 +112,16 @@ class Attention(nn.Module):
         if qkv_out is not None:
             qkv = qkv_out.copy_(qkv)
         q, k, v = self.split(qkv)
+        qk_end = self.q_size + self.kv_size
         if self.q_norm is not None and self.k_norm is not None:  # written back in place
-            q.copy_(self.q_norm(q))
-            k.copy_(self.k_norm(k))
+            if self.qk_norm_whole:
+                q_all, k_all = qkv[:, : self.q_size], qkv[:, self.q_size : qk_end]
+                q_all.copy_(self.q_norm(q_all))
+                k_all.copy_(self.k_norm(k_all))
+            else:
+                q.copy_(self.q_norm(q))
+                k.copy_(self.k_norm(k))
         if self.rope:
-            qk_end = self.q_size + self.kv_size
             qk = qkv[:, :qk_end].view(len(qkv), self.num_heads + self.num_kv_heads, self.head_dim)
             apply_rope_(qk, cos, sin)  # q and k rotated together, in place
         return q, k, v
@@ -156,9 +172,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        hidden, eps, branch = cfg.hidden_size, cfg.rms_norm_eps, cfg.branch_norms
+        # Llama: input_norm before attention, post_norm before the MLP. OLMo2 (branch): no
+        # input_norm; post_norm on attention's output, post_ff_norm on the MLP's
+        self.input_norm = None if branch else RMSNorm(hidden, eps, dtype)
         self.attn = Attention(cfg, dtype, rope=cfg.uses_rope(index))
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_norm = RMSNorm(hidden, eps, dtype, scale_in_float=branch)
+        self.post_ff_norm = RMSNorm(hidden, eps, dtype, scale_in_float=True) if branch else None
         self.mlp = MLP(cfg, dtype)
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
 
@@ -172,7 +192,9 @@ class DecoderLayer(nn.Module):
         """q, k, v of the normalised residual stream h [T, hidden] (``Attention.project``);
         with ``residual_delta`` (the previous layer's MLP output) h += it first, in the
         norm's pass (vLLM's fused_add_rms_norm at a layer's input)."""
-        if residual_delta is None:
+        if self.input_norm is None:  # OLMo2: attention reads the residual stream itself
+            x = h if residual_delta is None else h.add_(residual_delta)
+        elif residual_delta is None:
             x = self.input_norm(h)
         else:
             x = add_rms_norm_(h, residual_delta, self.input_norm)
@@ -183,6 +205,9 @@ class DecoderLayer(nn.Module):
         [T, q_size]; returns the MLP's output, which the caller adds to h: the next layer's
         ``pre_attention`` in its norm's pass, or ``h.add_`` after the last layer."""
         attn_out = self._scaled(self.attn.o_proj(o))
+        if self.post_ff_norm is not None:  # OLMo2: each branch normalised, then added
+            h.add_(self.post_norm(attn_out))
+            return self.post_ff_norm(self.mlp(h))
         return self._scaled(self.mlp(add_rms_norm_(h, attn_out, self.post_norm)))
 
     def forward(self, h, cos, sin, layer_cache, meta, backend, residual_delta=None):
@@ -203,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.branch_norms)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -301,6 +326,7 @@ class LlamaForCausalLM(nn.Module):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
             src[me + "input_norm.weight"] = [hf + "input_layernorm.weight"]
             src[me + "post_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+            src[me + "post_ff_norm.weight"] = [hf + "post_feedforward_layernorm.weight"]
             for kind in ("weight", "bias"):
                 qkv = [f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"]
                 src[f"{me}attn.qkv.{kind}"] = qkv
