@@ -33,14 +33,14 @@ source "$(dirname "$0")/lib/stage.sh"
 {
     date -u
     lscpu | grep -E 'Model name|^CPU\(s\)|CPU family|^Model:'
-    echo "flags: $(grep -m1 -o -w -E 'avx2|fma|avx512f|avx512_bf16|amx_bf16|amx_tile' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+    "$PY" -c "from batchjob.model.host_cpu import cpu_summary; print('cpu', cpu_summary())"
     "$PY" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
     "$PY" -c "from batchjob.kernels.cpu.build import load_kernel as k; n = k(); print('kernel build', n and n.isa)"
 } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
-DTYPE=bfloat16
-grep -q -w -E 'avx512_bf16|amx_bf16' /proc/cpuinfo || DTYPE=float32
+# what model.dtype = "auto" runs here (batchjob.model.host_cpu)
+DTYPE=$("$PY" -c "from batchjob.model.host_cpu import host_cpu as h; print('bfloat16' if h().has_fast_bf16 else 'float32')")
 if [ "$MODE" = check ]; then
     TAIL=6 stage kernel_tests "${TESTS_LIMIT:-900}" "$PY" -m pytest -q -p no:cacheprovider \
         tests/backends/native/test_attention_cpu_isa.py tests/backends/vllm/test_vllm_prefix_attention.py
