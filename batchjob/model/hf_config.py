@@ -6,7 +6,8 @@ families are flags: q/k/v bias (Qwen2; Llama/Qwen3 ``attention_bias``), per-head
 RMSNorm (Qwen3), sliding window (Mistral, Qwen with ``use_sliding_window``), layers without
 RoPE (SmolLM3's ``no_rope_layers``), Granite's four scalars (embedding, residual and
 attention multipliers, logits scaling), and OLMo2's norms on the branch outputs instead of
-their inputs, with q/k RMSNorm over the whole projection. Both the legacy
+their inputs, with q/k RMSNorm over the whole projection (OLMo3: the same, with sliding
+windows). Both the legacy
 ``rope_theta`` + ``rope_scaling`` keys and the transformers-5 ``rope_parameters`` dict are
 understood. Anything the native engine cannot run raises ``ModelError`` here, so that
 ``batchjob plan`` refuses the same model folders as ``batchjob run``.
@@ -29,7 +30,9 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
 )
+_OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # OLMo3: OLMo2's layers, sliding windows
 # where config.json's attention_bias puts no bias on o_proj (Qwen2: on q, k, v; Mistral: none),
 # and the families whose mlp_bias puts biases on the MLP
 _NO_O_BIAS = ("MistralForCausalLM", "Qwen2ForCausalLM")
@@ -110,12 +113,27 @@ def _optional(cfg: dict[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def _per_layer_type(params: dict[str, Any], source: Path) -> dict[str, Any]:
+    """transformers-5 ``rope_parameters`` keyed by layer type (``{"full_attention": {...},
+    "sliding_attention": {...}}``, OLMo3's) -> the one set they share; ModelError where they
+    differ (one RoPE for every layer is what the engine runs)."""
+    if not params or not all(isinstance(v, dict) for v in params.values()):
+        return params  # the flat form
+    distinct = {json.dumps(v, sort_keys=True) for v in params.values()}
+    if len(distinct) > 1:
+        raise ModelError(
+            f"{source}: rope_parameters differ by layer type ({', '.join(sorted(params))}); "
+            "the native engine runs one RoPE for every layer"
+        )
+    return dict(next(iter(params.values())))
+
+
 def _parse_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
     params = cfg.get("rope_parameters")
     legacy = cfg.get("rope_scaling")
     scaling: dict[str, Any] = {}
     if isinstance(params, dict):
-        scaling = dict(params)
+        scaling = _per_layer_type(dict(params), source)
     if isinstance(legacy, dict):
         scaling = {**legacy, **scaling}
     theta = float(scaling.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -286,13 +304,13 @@ def parse_hf_config(
         qkv_bias=qwen2 or (attention_bias and arch != "MistralForCausalLM"),
         o_bias=attention_bias and arch not in _NO_O_BIAS,
         mlp_bias=bool(cfg.get("mlp_bias", False)) and arch in _MLP_BIAS,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
+        qk_norm=arch in ("Qwen3ForCausalLM", *_OLMO),
         sliding_window=_sliding_window(arch, cfg),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         rope_layers=_rope_layers(arch, cfg, num_layers, source),
-        branch_norms=arch == "Olmo2ForCausalLM",
+        branch_norms=arch in _OLMO,
         **_granite_scalars(arch, cfg, source),
     )
 

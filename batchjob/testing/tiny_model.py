@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3")
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 _SYLLABLES = [c + v for c in "bdklmnrstv" for v in "aeiou"] + [v + c for v in "aeiou" for c in "nr"]
 
@@ -65,6 +65,7 @@ def _config(family: str, **kw):
         "granite": transformers.GraniteConfig,
         "smollm3": transformers.SmolLM3Config,
         "olmo2": transformers.Olmo2Config,
+        "olmo3": transformers.Olmo3Config,
     }[family]
     if kw.get("head_dim") is None:
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]

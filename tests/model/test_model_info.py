@@ -109,6 +109,15 @@ def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer
         ({"architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1]}, "one 0/1 per layer"),
         ({"architectures": ["GraniteForCausalLM"], "logits_scaling": 0}, "logits_scaling is 0"),
         (
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                    "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+                }
+            },
+            "rope_parameters differ by layer type",
+        ),
+        (
             {"architectures": ["GraniteForCausalLM"], "residual_multiplier": "half"},
             "a Granite multiplier is not a number",
         ),

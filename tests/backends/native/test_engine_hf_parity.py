@@ -51,7 +51,8 @@ def shared_prompts(vocab: int, seed: int) -> TokenizedPrompts:
 
 
 @pytest.fixture(
-    scope="module", params=["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2"]
+    scope="module",
+    params=["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3"],
 )
 def family_model(request, tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param), family=request.param)

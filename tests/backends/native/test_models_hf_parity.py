@@ -16,7 +16,7 @@ from batchjob.testing.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3"]
 VARIANTS = [*FAMILIES, "llama-tied-llama3rope", "qwen2-linear-rope"]
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine"] * 20
 

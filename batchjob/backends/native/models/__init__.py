@@ -1,5 +1,5 @@
-"""Llama-family models (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2) in torch,
-loaded from local checkpoints."""
+"""Llama-family models (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2, OLMo3) in
+torch, loaded from local checkpoints."""
 
 from __future__ import annotations
 

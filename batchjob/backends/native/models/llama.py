@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2) over a flat
-ragged batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2, OLMo3) over
+a flat ragged batch of tokens.
 
 No batch dimension and no padding: ``T`` tokens of many sequences go through every layer
 together; attention is the only place that knows about sequences, through
