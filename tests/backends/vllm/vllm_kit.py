@@ -30,12 +30,14 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (ma
 RESULT_COLUMNS = ["row_id", "output_token_ids", "finish_reason", "output_text", "status"]
 
 
-def build_model(folder: Path) -> Path:
-    """Tiny Llama, fp32; head_dim 32 (vLLM's CPU attention takes 32, 64, 80, ... only)."""
+def build_model(folder: Path, family: str = "llama") -> Path:
+    """Tiny ``family`` model (tiny_model.FAMILIES), fp32; head_dim 32 (vLLM's CPU attention
+    takes 32, 64, 80, ... only)."""
     corpus = [" ".join(WORDS[i : i + 16]) for i in range(0, len(WORDS), 16)]
     return make_tiny_model(
-        folder, vocab_size=2500, corpus=corpus, hidden=64, heads=2, kv_heads=2, head_dim=32
-    )
+        folder, family=family, vocab_size=2500, corpus=corpus, hidden=64, heads=2, kv_heads=2,
+        head_dim=32,
+    )  # fmt: skip
 
 
 def build_dataset(path: Path, seed: int = 5, scale: float = 0.02, max_tokens=(3, 17)) -> Path:
