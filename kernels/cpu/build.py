@@ -214,7 +214,8 @@ def _load(isa: str) -> CpuKernel | None:
     linear_pack.argtypes = [p, p, i64, i64]
     linear_pack.restype = None
     norm = lib.batchjob_rms_norm_bf16
-    norm.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    i32, f32 = ctypes.c_int, ctypes.c_float
+    norm.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, f32, i32, i32]
     norm.restype = ctypes.c_int
     lanes, rows = lib.batchjob_kernel_lanes(), lib.batchjob_kernel_max_rows()
     cols = lib.batchjob_linear_panel_cols()

@@ -141,23 +141,38 @@ def test_mlp_residual_fused_into_next_input_norm_equals_adding_it_first(
     assert torch.equal(fused, logits())
 
 
+@pytest.mark.parametrize("path", ["c", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_norm_scaled_in_float_equals_olmo2s(dtype: torch.dtype) -> None:
+def test_norm_scaled_in_float_equals_olmo2s(
+    dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """OLMo2's RMSNorm scales by the weight in float32 and rounds once; bf16 differs from
-    Llama's order (normalised x rounded first) in the last bit, and ours follows each."""
+    Llama's order (normalised x rounded first) in the last bit, and ours follows each: the
+    torch ops bit for bit, the C pass (glue.c) but where the mean's float32 summation order
+    tips a rounding (one bf16 step)."""
     olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
-
+    from batchjob.backends.native.models import cpu_glue
     from batchjob.backends.native.models.llama import RMSNorm
 
+    if path == "torch":
+        monkeypatch.setattr(cpu_glue, "_takes", lambda *ts: None)
+    elif dtype == torch.bfloat16 and cpu_glue.c_library() is None:
+        pytest.skip("no C compiler: the torch ops run")
     g = torch.Generator().manual_seed(5)
-    x = (torch.randn(33, 256, generator=g) * 3).to(dtype)
-    w = (1 + 0.3 * torch.randn(256, generator=g)).to(dtype)
-    ref = olmo2.Olmo2RMSNorm(256, eps=1e-6).to(dtype)
-    ours = RMSNorm(256, 1e-6, dtype, scale_in_float=True)
+    x = (torch.randn(300, 896, generator=g) * 3).to(dtype)
+    w = (1 + 0.3 * torch.randn(896, generator=g)).to(dtype)
+    ref = olmo2.Olmo2RMSNorm(896, eps=1e-6).to(dtype)
+    ours = RMSNorm(896, 1e-6, dtype, scale_in_float=True)
     with torch.no_grad():
         ref.weight.copy_(w)
         ours.weight.copy_(w)
         want = ref(x)
-    assert torch.equal(ours(x), want)
+    got = ours(x)
+    if path == "torch" or dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        assert (got == want).float().mean().item() >= 0.999
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()
     if dtype == torch.bfloat16:  # the two orders really differ: the flag is needed
-        assert not torch.equal(hf_rms_norm(x, w, 1e-6), want)
+        llama_order = hf_rms_norm(x, w, 1e-6)
+        assert (llama_order != want).float().mean().item() > 0.01

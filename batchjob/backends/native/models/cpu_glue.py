@@ -28,10 +28,12 @@ def _takes(*ts: torch.Tensor) -> CpuKernel | None:
 
 def rms_norm_bf16(
     x: torch.Tensor, weight: torch.Tensor, eps: float,
-    residual_delta: torch.Tensor | None = None,
+    residual_delta: torch.Tensor | None = None, scale_in_float: bool = False,
 ) -> torch.Tensor | None:  # fmt: skip
     """RMSNorm(x) * weight as a new [T, D] tensor, x [T, D]; with ``residual_delta``, x += it
-    in place first. None (nothing touched) where the C pass does not apply."""
+    in place first; ``scale_in_float``: the weight scales before the one rounding (OLMo2),
+    else after the normalised x is rounded (Llama). None (nothing touched) where the C pass
+    does not apply."""
     ts = (x, weight) if residual_delta is None else (x, weight, residual_delta)
     kn = _takes(*ts)
     if kn is None or x.dim() != 2 or not weight.is_contiguous() or weight.shape != x.shape[1:]:
@@ -45,6 +47,6 @@ def rms_norm_bf16(
     )
     rc = kn.rms_norm_bf16(
         x.data_ptr(), x.stride(0), dp or None, ds, weight.data_ptr(), out.data_ptr(),
-        out.stride(0), t, d, eps, torch.get_num_threads(),
+        out.stride(0), t, d, eps, int(scale_in_float), torch.get_num_threads(),
     )  # fmt: skip
     return out if rc == 0 else None

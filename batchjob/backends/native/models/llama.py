@@ -42,6 +42,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale_in_float and x.dtype != torch.float32:
+            out = cpu_glue.rms_norm_bf16(x, self.weight, self.eps, scale_in_float=True)
+            if out is not None:
+                return out  # one pass in C (2-D bf16 on the CPU)
             xf = x.float()
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (self.weight * xf).to(x.dtype)
