@@ -7,10 +7,10 @@ RMSNorm (Qwen3), sliding window (Mistral, Qwen with ``use_sliding_window``), lay
 RoPE (SmolLM3's ``no_rope_layers``), Granite's four scalars (embedding, residual and
 attention multipliers, logits scaling), and OLMo2's norms on the branch outputs instead of
 their inputs, with q/k RMSNorm over the whole projection (OLMo3: the same, with sliding
-windows). Both the legacy
-``rope_theta`` + ``rope_scaling`` keys and the transformers-5 ``rope_parameters`` dict are
-understood. Anything the native engine cannot run raises ``ModelError`` here, so that
-``batchjob plan`` refuses the same model folders as ``batchjob run``.
+windows). Both the legacy ``rope_theta`` + ``rope_scaling`` keys and the transformers-5
+``rope_parameters`` dict (flat, or keyed by layer type) are understood. Anything the native
+engine cannot run raises ``ModelError`` here, so that ``batchjob plan`` refuses the same
+model folders as ``batchjob run``.
 """
 
 from __future__ import annotations
@@ -206,10 +206,9 @@ def _granite_scalars(arch: str, cfg: dict[str, Any], source: Path) -> dict[str, 
     """Granite's multipliers as ``ModelConfig`` fields ({} for the other families)."""
     if arch != "GraniteForCausalLM":
         return {}
-    keys = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
     try:
         out: dict[str, Any] = {k: float(_optional(cfg, k, 1.0)) for k in keys}
-        out["attention_multiplier"] = float(_optional(cfg, "attention_multiplier", 1.0))
     except (TypeError, ValueError) as e:
         raise ModelError(f"{source}: a Granite multiplier is not a number: {e}") from e
     if out["logits_scaling"] == 0:

@@ -41,26 +41,23 @@ class RMSNorm(nn.Module):
         self.scale_in_float = scale_in_float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale_in_float and x.dtype != torch.float32:
-            out = cpu_glue.rms_norm_bf16(x, self.weight, self.eps, scale_in_float=True)
-            if out is not None:
-                return out  # one pass in C (2-D bf16 on the CPU)
-            xf = x.float()
-            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (self.weight * xf).to(x.dtype)
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.scale_in_float)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in float32, round to x's dtype, then scale by ``weight``."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float: bool = False
+) -> torch.Tensor:
+    """HF's RMSNorm: normalise in float32, round to x's dtype, then scale by ``weight``;
+    ``scale_in_float`` (OLMo2's): scale in float32, then round once."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, bit-equal in float32
-    out = cpu_glue.rms_norm_bf16(x, weight, eps) if x.dim() == 2 else None
-    if out is not None:
-        return out  # one pass in C (bf16 on the CPU)
+    if x.dim() == 2:  # one pass in C (bf16 on the CPU), where it applies
+        out = cpu_glue.rms_norm_bf16(x, weight, eps, scale_in_float=scale_in_float)
+        if out is not None:
+            return out
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return (weight * xf).to(x.dtype) if scale_in_float else weight * xf.to(x.dtype)
 
 
 def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
