@@ -7,7 +7,9 @@ RMSNorm (Qwen3), sliding window (Mistral, Qwen with ``use_sliding_window``), lay
 RoPE (SmolLM3's ``no_rope_layers``), Granite's four scalars (embedding, residual and
 attention multipliers, logits scaling), and OLMo2's norms on the branch outputs instead of
 their inputs, with q/k RMSNorm over the whole projection (OLMo3: the same, with sliding
-windows). Both the legacy ``rope_theta`` + ``rope_scaling`` keys and the transformers-5
+windows), and Phi3's RoPE over part of each head (``partial_rotary_factor``) with longrope's
+short and long factor sets (its fused qkv and gate_up tensors are the loader's concern). Both
+the legacy ``rope_theta`` + ``rope_scaling`` keys and the transformers-5
 ``rope_parameters`` dict (flat, or keyed by layer type) are understood. Anything the native
 engine cannot run raises ``ModelError`` here, so that ``batchjob plan`` refuses the same
 model folders as ``batchjob run``.
@@ -16,6 +18,7 @@ model folders as ``batchjob run``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +34,18 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 _OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # OLMo3: OLMo2's layers, sliding windows
 # where config.json's attention_bias puts no bias on o_proj (Qwen2: on q, k, v; Mistral: none),
 # and the families whose mlp_bias puts biases on the MLP
 _NO_O_BIAS = ("MistralForCausalLM", "Qwen2ForCausalLM")
 _MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# the families whose config.json sliding_window always applies (the others: when enabled)
+_WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
+# the families that rotate only the first partial_rotary_factor of each head (HF slices)
+_PARTIAL_ROTARY = ("Phi3ForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,12 @@ class RopeConfig:
     factor: float = 1.0  # linear, llama3
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position: int = 8192  # llama3
+    original_max_position: int = 8192  # llama3, longrope
+    # longrope (Phi-3.5, Phi-4-mini): per-frequency divisors, the short set for contexts up to
+    # original_max_position, the long one beyond; cos and sin scaled by attention_factor
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,18 @@ class ModelConfig:
     # OLMo2: no norm before attention and MLP, one on each branch's output before its
     # residual add; q/k norms over the whole projection; norms scale in float32 then round
     branch_norms: bool = False
+    rotary_dim: int = 0  # the leading dims of each head RoPE rotates (0: all; Phi3's partial)
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many of a head's dims RoPE rotates (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
+
+    def long_rope(self, max_model_len: int) -> bool:
+        """longrope's long factors: for contexts beyond the original one (vLLM's rule, by
+        the context the engine is set up for; HF decides per forward by its length)."""
+        rope = self.rope
+        return rope.rope_type == "longrope" and max_model_len > rope.original_max_position
 
     @property
     def attention_scale(self) -> float:
@@ -128,7 +153,9 @@ def _per_layer_type(params: dict[str, Any], source: Path) -> dict[str, Any]:
     return dict(next(iter(params.values())))
 
 
-def _parse_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
+def _rope_scaling(cfg: dict[str, Any], source: Path) -> dict[str, Any]:
+    """The rope settings as one dict: transformers-5 ``rope_parameters`` over the legacy
+    ``rope_scaling``."""
     params = cfg.get("rope_parameters")
     legacy = cfg.get("rope_scaling")
     scaling: dict[str, Any] = {}
@@ -136,18 +163,38 @@ def _parse_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
         scaling = _per_layer_type(dict(params), source)
     if isinstance(legacy, dict):
         scaling = {**legacy, **scaling}
+    return scaling
+
+
+def _partial_rotary_factor(cfg: dict[str, Any], source: Path) -> float:
+    """``partial_rotary_factor`` from the rope settings or the top level (Phi-4-mini's)."""
+    value = _rope_scaling(cfg, source).get("partial_rotary_factor")
+    value = _optional(cfg, "partial_rotary_factor", 1.0) if value is None else value
+    try:
+        factor = float(value)
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{source}: partial_rotary_factor is not a number: {value!r}") from e
+    if not 0 < factor <= 1:
+        raise ModelError(f"{source}: partial_rotary_factor is {factor}; it must be in (0, 1]")
+    return factor
+
+
+def _parse_rope(cfg: dict[str, Any], source: Path, arch: str = "") -> RopeConfig:
+    scaling = _rope_scaling(cfg, source)
     theta = float(scaling.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi3's legacy names (transformers' Phi3Config maps them)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelError(
             f"{source}: rope scaling type {rope_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelError(f"{source}: partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         return RopeConfig(theta=theta, rope_type="default")
     try:
+        if rope_type == "longrope":
+            return _longrope(cfg, scaling, theta, source)
         factor = float(scaling["factor"])
         if rope_type == "linear":
             return RopeConfig(theta=theta, rope_type="linear", factor=factor)
@@ -163,10 +210,43 @@ def _parse_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
         raise ModelError(f"{source}: rope scaling {rope_type!r} lacks key {e.args[0]!r}") from e
 
 
-def _lenient_rope(cfg: dict[str, Any], source: Path) -> RopeConfig:
+def _longrope(
+    cfg: dict[str, Any], scaling: dict[str, Any], theta: float, source: Path
+) -> RopeConfig:
+    """LongRoPE as transformers computes it: the original context from the top level (Phi3
+    keeps it there) or the rope settings, else max_position_embeddings; the cos/sin scale
+    ``attention_factor``, by default sqrt(1 + ln(s) / ln(original)) with s the context's
+    growth (``factor``, else max_position_embeddings / original), 1 where s <= 1."""
+    max_position = int(cfg.get("max_position_embeddings", 2048))
+    original = cfg.get("original_max_position_embeddings")
+    original = int(scaling.get("original_max_position_embeddings", max_position)
+                   if original is None else original)  # fmt: skip
+    if original <= 1:
+        raise ModelError(f"{source}: original_max_position_embeddings is {original}")
+    short, long = scaling["short_factor"], scaling["long_factor"]
+    if not (isinstance(short, list) and isinstance(long, list) and len(short) == len(long)):
+        raise ModelError(f"{source}: longrope's short_factor and long_factor must be lists "
+                         "of one length")  # fmt: skip
+    growth = float(_optional(scaling, "factor", max_position / original))
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None and growth <= 1:
+        attention_factor = 1.0
+    elif attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(growth) / math.log(original))
+    return RopeConfig(
+        theta=theta,
+        rope_type="longrope",
+        original_max_position=original,
+        short_factor=tuple(float(f) for f in short),
+        long_factor=tuple(float(f) for f in long),
+        attention_factor=float(attention_factor),
+    )
+
+
+def _lenient_rope(cfg: dict[str, Any], source: Path, arch: str) -> RopeConfig:
     """The rope settings where batchjob only needs sizes (vLLM computes rope itself)."""
     try:
-        return _parse_rope(cfg, source)
+        return _parse_rope(cfg, source, arch)
     except ModelError:
         return RopeConfig(theta=float(cfg.get("rope_theta", 10000.0)), rope_type="default")
 
@@ -175,7 +255,7 @@ def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
     window = cfg.get("sliding_window")
     if window is None:
         return None
-    if arch == "MistralForCausalLM":
+    if arch in _WINDOWED:
         return int(window)
     layer_types = cfg.get("layer_types") or []
     if cfg.get("use_sliding_window") or "sliding_attention" in layer_types:
@@ -200,6 +280,32 @@ def _rope_layers(
     if not isinstance(flags, list) or len(flags) != num_layers:
         raise ModelError(f"{source}: no_rope_layers must list one 0/1 per layer ({num_layers})")
     return tuple(bool(f) for f in flags)
+
+
+def _rotary_dim(
+    arch: str, cfg: dict[str, Any], head_dim: int, rope: RopeConfig, source: Path
+) -> int:
+    """The dims of a head RoPE rotates where that is not all of them (0 where it is):
+    ``int(head_dim * partial_rotary_factor)``, as transformers rounds it; longrope's factor
+    lists must have one entry per rotated pair."""
+    factor = _partial_rotary_factor(cfg, source)
+    dims = int(head_dim * factor)
+    if factor != 1.0 and arch not in _PARTIAL_ROTARY:
+        raise ModelError(
+            f"{source}: partial_rotary_factor {factor} is not supported for {arch} "
+            f"(the native engine rotates part of a head for {', '.join(_PARTIAL_ROTARY)})"
+        )
+    if dims < 2 or dims % 2:
+        raise ModelError(
+            f"{source}: partial_rotary_factor {factor} rotates {dims} of {head_dim} head dims; "
+            "RoPE needs an even number, at least 2"
+        )
+    if rope.rope_type == "longrope" and len(rope.short_factor) != dims // 2:
+        raise ModelError(
+            f"{source}: longrope's short_factor has {len(rope.short_factor)} entries; "
+            f"{dims} rotated dims need {dims // 2}"
+        )
+    return 0 if dims == head_dim else dims
 
 
 def _granite_scalars(arch: str, cfg: dict[str, Any], source: Path) -> dict[str, Any]:
@@ -280,6 +386,8 @@ def parse_hf_config(
             f"{source}: num_attention_heads {heads} not a multiple of kv heads {kv_heads}"
         )
 
+    rope = _parse_rope(cfg, source, arch) if native else _lenient_rope(cfg, source, arch)
+    rotary_dim = _rotary_dim(arch, cfg, head_dim, rope, source) if native else 0
     attention_bias = bool(cfg.get("attention_bias", False))
     qwen2 = arch == "Qwen2ForCausalLM"
     eos = _as_id_list(cfg.get("eos_token_id"))
@@ -297,7 +405,7 @@ def parse_hf_config(
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_parse_rope(cfg, source) if native else _lenient_rope(cfg, source),
+        rope=rope,
         max_position=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qwen2 or (attention_bias and arch != "MistralForCausalLM"),
@@ -310,6 +418,7 @@ def parse_hf_config(
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         rope_layers=_rope_layers(arch, cfg, num_layers, source),
         branch_norms=arch in _OLMO,
+        rotary_dim=rotary_dim,
         **_granite_scalars(arch, cfg, source),
     )
 

@@ -18,9 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # its fused layers
 _PARENT = {
     m: "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-    for m in TARGETS
+    for m in (*TARGETS, *PHI3_TARGETS)
 }
 
 

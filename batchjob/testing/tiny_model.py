@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3")
+FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3", "phi3",
+)  # fmt: skip
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 _SYLLABLES = [c + v for c in "bdklmnrstv" for v in "aeiou"] + [v + c for v in "aeiou" for c in "nr"]
 
@@ -66,6 +68,7 @@ def _config(family: str, **kw):
         "smollm3": transformers.SmolLM3Config,
         "olmo2": transformers.Olmo2Config,
         "olmo3": transformers.Olmo3Config,
+        "phi3": transformers.Phi3Config,
     }[family]
     if kw.get("head_dim") is None:
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
@@ -75,7 +78,8 @@ def _config(family: str, **kw):
 
 # what sets a family apart, at values a missed one changes outputs with: Granite's scalars
 # (its checkpoints: embedding 12, residual 0.22, attention 1/128 or 1/64, logits 8-16);
-# SmolLM3 without RoPE in every second layer (its checkpoints: every fourth)
+# SmolLM3 without RoPE in every second layer (its checkpoints: every fourth); Phi3 rotating
+# half of each head (Phi-4-mini: three quarters)
 FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "granite": {
         "embedding_multiplier": 3.0,
@@ -85,6 +89,7 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
         "attention_bias": True,
     },
     "smollm3": {"no_rope_layer_interval": 2},
+    "phi3": {"partial_rotary_factor": 0.5},
 }
 
 

@@ -14,15 +14,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from batchjob.backends.native.models.loader import load_model
 from batchjob.backends.native.models.lora import attach_lora
 from batchjob.config import load_job
 from batchjob.errors import ConfigError
+from batchjob.kernels.reference import SeqSpec, build_metadata
 from batchjob.plan import plan_job
 from batchjob.runner.pipeline import run as run_job
 from batchjob.runner.prepare import prepare
-from batchjob.testing.lora_adapter import make_lora_adapter, merge_lora
+from batchjob.testing.lora_adapter import PHI3_TARGETS, make_lora_adapter, merge_lora
+from batchjob.testing.tiny_model import make_tiny_model
 from tests.e2e.jobkit import ROOT, cli, killed_run, write_job
 
 
@@ -225,3 +228,25 @@ def test_native_refuses_what_it_cannot_apply(tmp_path, run_model, adapters) -> N
     model, _ = load_model(run_model, dtype="float32", device="cpu")
     with pytest.raises(ConfigError, match=r"model\.adapters\.d: use_dora = True"):
         attach_lora(model, [("a", adapters["a"]), ("d", dora)])
+
+
+def test_phi3_fused_modules_equal_merged_weights(tmp_path) -> None:
+    """Phi3's adapters target its fused qkv_proj and gate_up_proj (PEFT's names for it): the
+    delta covers the whole fused output, and the forward equals the merged model's."""
+    base = make_tiny_model(tmp_path / "phi3", family="phi3")
+    adapter = make_lora_adapter(tmp_path / "lora", base, targets=PHI3_TARGETS)
+    merged = merge_lora(base, adapter, tmp_path / "merged")
+    ids = torch.tensor([5, 17, 42, 9, 33, 8, 61, 12, 7])
+    t = len(ids)
+    meta = build_metadata([SeqSpec(t, t, -1, (0, 1, 2))], 4, [])
+
+    def logits(folder: Path, lora: bool) -> torch.Tensor:
+        model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")
+        if lora:
+            attach_lora(model, [("a", adapter)]).bind(((0, torch.arange(t)),))
+        cache = torch.zeros(info.kv_cache_shape(4, 4))
+        return model(ids, torch.arange(t), cache, meta, torch.arange(t))
+
+    with_adapter, want = logits(base, True), logits(merged, False)
+    torch.testing.assert_close(with_adapter, want, atol=1e-4, rtol=1e-4)
+    assert (with_adapter - logits(base, False)).abs().max() > 0.1  # the adapter matters

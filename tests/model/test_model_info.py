@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,10 @@ def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer
     assert a != read_model_info(tmp_path / "a", "bfloat16", "cpu")
 
 
+PHI3 = {"architectures": ["Phi3ForCausalLM"]}
+LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+
+
 @pytest.mark.parametrize(
     "edit,needle",
     [
@@ -121,6 +126,23 @@ def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer
             {"architectures": ["GraniteForCausalLM"], "residual_multiplier": "half"},
             "a Granite multiplier is not a number",
         ),
+        # HF's Llama rotates whole heads: a partial factor there is a config it cannot run
+        ({"partial_rotary_factor": 0.5}, "0.5 is not supported for LlamaForCausalLM"),
+        (PHI3 | {"partial_rotary_factor": 1.5}, "it must be in (0, 1]"),
+        (PHI3 | {"partial_rotary_factor": 0.0625}, "rotates 1 of 16 head dims"),
+        (
+            PHI3 | {"rope_scaling": LONGROPE | {"short_factor": [1.0] * 3, "long_factor": [2.0]}},
+            "lists of one length",
+        ),
+        (
+            PHI3
+            | {"rope_scaling": LONGROPE | {"short_factor": [1.0] * 3, "long_factor": [2.0] * 3}},
+            "short_factor has 3 entries; 16 rotated dims need 8",
+        ),
+        (
+            PHI3 | {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8}},
+            "lacks key 'long_factor'",
+        ),
     ],
 )
 def test_config_the_engine_cannot_run(folder: Path, edit: dict, needle: str) -> None:
@@ -147,6 +169,28 @@ def test_family_settings(folder: Path) -> None:
     assert (cfg.residual_multiplier, cfg.logits_scaling, cfg.embedding_multiplier) == (
         0.22, 8.0, 1.0,
     )  # fmt: skip
+
+
+def test_phi3_settings(folder: Path) -> None:
+    """Phi-4-mini's layout: partial rotary at the top level, longrope under its legacy name
+    "su", the original context at the top level, a sliding window (a length cap); the long
+    factors for a context beyond the original one (vLLM's rule), the attention factor
+    transformers derives from the context's growth."""
+    _edit_config(
+        folder, **PHI3, partial_rotary_factor=0.75, sliding_window=2047,
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6},
+    )  # fmt: skip
+    info = read_model_info(folder)
+    cfg = info.config
+    assert (cfg.head_dim, cfg.rotary_dims) == (16, 12)
+    assert (cfg.rope.rope_type, cfg.rope.original_max_position) == ("longrope", 4096)
+    assert cfg.rope.attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    assert info.max_model_len == cfg.max_seq_len == 2047
+    assert [cfg.long_rope(n) for n in (4096, 4097)] == [False, True]
+    _edit_config(folder, partial_rotary_factor=None, sliding_window=None, rope_scaling=None)
+    cfg = read_model_info(folder).config
+    assert (cfg.rotary_dims, cfg.rope.rope_type, cfg.long_rope(1 << 20)) == (16, "default", False)
 
 
 def test_weights_headers(folder: Path) -> None:

@@ -52,7 +52,7 @@ def shared_prompts(vocab: int, seed: int) -> TokenizedPrompts:
 
 @pytest.fixture(
     scope="module",
-    params=["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3"],
+    params=["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3", "phi3"],
 )
 def family_model(request, tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param), family=request.param)
@@ -191,6 +191,7 @@ LOGPROB_TOL = {"bfloat16": 0.08, "float16": 0.015}
         ("cpu", "bfloat16", "granite"),  # its multipliers on the C glue's bf16 paths
         ("cpu", "bfloat16", "smollm3"),
         ("cpu", "bfloat16", "olmo2"),  # norms on the branch outputs, scaled in float32
+        ("cpu", "bfloat16", "phi3"),  # RoPE on part of each head, in the C pass
         ("cpu", "float16", "llama"),
         pytest.param("cuda", "bfloat16", "llama", marks=CUDA_ONLY),
         pytest.param("cuda", "float16", "llama", marks=CUDA_ONLY),

@@ -12,12 +12,17 @@ import torch
 
 from batchjob.backends.native.models import load_model
 from batchjob.kernels.reference import SeqSpec, build_metadata
+from batchjob.model.info import read_model_info
 from batchjob.testing.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3"]
-VARIANTS = [*FAMILIES, "llama-tied-llama3rope", "qwen2-linear-rope"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3", "phi3"]
+# longrope on Phi3's partial rotary: with the long factors (the test's 11-token prompt is past
+# the original context of 8, as every forward of HF's is) and with the short ones (a
+# max_model_len within the original 64: HF's forwards, at most 35 tokens, use the short too)
+LONGROPE = {"phi3-longrope-long": (8, None), "phi3-longrope-short": (64, 64)}
+VARIANTS = [*FAMILIES, "llama-tied-llama3rope", "qwen2-linear-rope", *LONGROPE]
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine"] * 20
 
 
@@ -43,7 +48,25 @@ def tiny_models(tmp_path_factory):
     shutil.copytree(out["qwen2"], root / "qwen2-linear")
     out["qwen2-linear-rope"] = root / "qwen2-linear"
     _edit_config(out["qwen2-linear-rope"], rope_scaling={"type": "linear", "factor": 4.0})
+    rng = random.Random(3)
+    for name, (original, _) in LONGROPE.items():
+        shutil.copytree(out["phi3"], root / name)
+        out[name] = root / name
+        _edit_config(
+            out[name], original_max_position_embeddings=original, max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1 + rng.random() for _ in range(4)],  # 8 of 16 dims rotated
+                "long_factor": [2 + 8 * rng.random() for _ in range(4)],
+            },
+        )  # fmt: skip
     return out
+
+
+def _load(folder, variant: str):
+    """The variant's model as the native engine loads it for a job (its max_model_len)."""
+    max_model_len = LONGROPE.get(variant, (0, None))[1]
+    return load_model(read_model_info(folder, "float32", "cpu", max_model_len), attention="torch")
 
 
 def _edit_config(folder, **changes) -> None:
@@ -127,7 +150,7 @@ def _greedy_decode(engine: MiniEngine, seqs: list[Seq], first: list[torch.Tensor
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_single_sequence_chunked_prefill_and_decode(tiny_models, variant):
     folder = tiny_models[variant]
-    model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")
+    model, info = _load(folder, variant)
     hf = _hf(folder)
     prompt = random.Random(1).choices(range(3, info.vocab_size), k=11)
     engine = MiniEngine(model, info, block_size=4)
@@ -146,7 +169,9 @@ def test_single_sequence_chunked_prefill_and_decode(tiny_models, variant):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen2", "granite", "smollm3", "olmo2"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "qwen3", "qwen2", "granite", "smollm3", "olmo2", "phi3"]
+)
 def test_shared_prefix_members_decode_together(tiny_models, variant):
     folder = tiny_models[variant]
     model, info = load_model(folder, dtype="float32", device="cpu", attention="torch")

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2, OLMo3) over
-a flat ragged batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2, OLMo3, Phi3)
+over a flat ragged batch of tokens.
 
 No batch dimension and no padding: ``T`` tokens of many sequences go through every layer
 together; attention is the only place that knows about sequences, through
@@ -88,6 +88,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attention_scale
+        self.rotary_dims = cfg.rotary_dims  # < head_dim: Phi3's partial rotary
         out = self.q_size + 2 * self.kv_size
         self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
@@ -123,6 +124,8 @@ class Attention(nn.Module):
                 k.copy_(self.k_norm(k))
         if self.rope:
             qk = qkv[:, :qk_end].view(len(qkv), self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.rotary_dims < self.head_dim:  # the rest of each head passes through
+                qk = qk[..., : self.rotary_dims]
             apply_rope_(qk, cos, sin)  # q and k rotated together, in place
         return q, k, v
 
@@ -221,7 +224,10 @@ class LlamaForCausalLM(nn.Module):
 
     inv_freq: torch.Tensor  # a registered buffer (nn.Module types buffers as Tensor | Module)
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, attn_backend=None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, attn_backend=None, long_rope: bool = False
+    ) -> None:
+        """``long_rope``: longrope's long factors (``ModelConfig.long_rope``)."""
         super().__init__()
         self.cfg = cfg
         # _weight skips the random init (normal_ on meta would import torch._dynamo: ~8 s)
@@ -234,9 +240,11 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         )
-        inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)  # on CPU even under a meta context
+        # on CPU even under a meta context
+        inv_freq = inv_frequencies(cfg.rope, cfg.rotary_dims, long_rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # float32 [D/2]
-        self.rope = RopeTable(dtype)  # cos/sin per position, filled on first use
+        # cos/sin per position, filled on first use
+        self.rope = RopeTable(dtype, scale=cfg.rope.attention_factor)
         self.attn_backend = attn_backend  # write_kv/attend provider, see engine.attention
         # the logits projection as a module (cpu_linear.PackedLinear), else F.linear below
         self.logits_linear: nn.Module | None = None
@@ -322,16 +330,20 @@ class LlamaForCausalLM(nn.Module):
         }
         if self.lm_head is not None:
             src["lm_head.weight"] = ["lm_head.weight"]
+        # Phi3's checkpoints fuse q/k/v and gate/up too
+        phi3 = self.cfg.architecture == "Phi3ForCausalLM"
+        qkv_names: tuple[str, ...] = ("qkv",) if phi3 else ("q", "k", "v")
+        gate_up_names: tuple[str, ...] = ("gate_up",) if phi3 else ("gate", "up")
         for i in range(self.cfg.num_layers):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
             src[me + "input_norm.weight"] = [hf + "input_layernorm.weight"]
             src[me + "post_norm.weight"] = [hf + "post_attention_layernorm.weight"]
             src[me + "post_ff_norm.weight"] = [hf + "post_feedforward_layernorm.weight"]
             for kind in ("weight", "bias"):
-                qkv = [f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"]
+                qkv = [f"{hf}self_attn.{p}_proj.{kind}" for p in qkv_names]
                 src[f"{me}attn.qkv.{kind}"] = qkv
                 src[f"{me}attn.o_proj.{kind}"] = [f"{hf}self_attn.o_proj.{kind}"]
-                gate_up = [f"{hf}mlp.gate_proj.{kind}", f"{hf}mlp.up_proj.{kind}"]
+                gate_up = [f"{hf}mlp.{p}_proj.{kind}" for p in gate_up_names]
                 src[f"{me}mlp.gate_up.{kind}"] = gate_up
                 src[f"{me}mlp.down.{kind}"] = [f"{hf}mlp.down_proj.{kind}"]
             src[me + "attn.q_norm.weight"] = [hf + "self_attn.q_norm.weight"]

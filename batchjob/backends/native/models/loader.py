@@ -9,6 +9,7 @@ one reader of the folder; its tensor-name -> file map comes from the safetensors
 
 from __future__ import annotations
 
+import logging
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from batchjob.config import EngineConfig
 from batchjob.errors import ModelError
 from batchjob.model.hf_config import SUPPORTED_ARCHITECTURES
 from batchjob.model.info import ModelInfo, read_model_info
+
+log = logging.getLogger(__name__)
 
 # every supported architecture is one class with config flags
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = dict.fromkeys(
@@ -99,8 +102,16 @@ def load_model(
         dt = str(dtype).removeprefix("torch.")
         info = read_model_info(model, dt, str(device))
     dev = info.torch_device
+    long_rope = info.config.long_rope(info.max_model_len)
+    if long_rope:  # vLLM's rule and warning: a context past the original takes the long set
+        original = info.config.rope.original_max_position
+        log.warning(
+            "longrope: the long factors for a context of %d tokens (the original is %d); "
+            "model.max_model_len <= %d runs the short ones, as for shorter sequences",
+            info.max_model_len, original, original,
+        )  # fmt: skip
     with torch.device("meta"):
-        net = MODEL_CLASSES[info.architecture](info.config, info.torch_dtype)
+        net = MODEL_CLASSES[info.architecture](info.config, info.torch_dtype, long_rope=long_rope)
     _load_weights(net, info)
     net.to(dev).eval()
     net.attn_backend = get_attention_backend(attention, dev)

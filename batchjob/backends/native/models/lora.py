@@ -1,7 +1,8 @@
 """LoRA adapters (``model.adapters``, PEFT format) on the native Llama-family model.
 
 ``attach_lora`` wraps every targeted linear layer in a ``LoraLinear``; the fused layers take
-each PEFT module on its output slice (q/k/v of ``attn.qkv``, gate/up of ``mlp.gate_up``).
+each PEFT module on its output slice (q/k/v of ``attn.qkv``, gate/up of ``mlp.gate_up``), or
+on all of it (Phi3's ``qkv_proj`` and ``gate_up_proj``).
 Per forward, ``LoraRouter.bind`` gets the batch's tokens of each adapter (``ModelBatch.
 lora_tokens``); each wrapped layer adds ``scale * (x A^T) B^T`` to those tokens' rows only
 (index_select, two small matmuls, index_add), so one forward serves several adapters and
@@ -26,14 +27,17 @@ from batchjob.errors import ConfigError
 
 # PEFT's key: base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.default].weight
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
-# PEFT module -> (the native layer, which slice of its output: q, k, v / gate, up / all)
+# PEFT module -> (the native layer, which slice of its output: q, k, v, all / gate, up, all /
+# all); Phi3's checkpoints, and so its adapters, have the fused qkv_proj and gate_up_proj
 _TARGETS = {
     "q_proj": ("attn.qkv", 0),
     "k_proj": ("attn.qkv", 1),
     "v_proj": ("attn.qkv", 2),
+    "qkv_proj": ("attn.qkv", 3),
     "o_proj": ("attn.o_proj", 0),
     "gate_proj": ("mlp.gate_up", 0),
     "up_proj": ("mlp.gate_up", 1),
+    "gate_up_proj": ("mlp.gate_up", 2),
     "down_proj": ("mlp.down", 0),
 }
 
@@ -103,9 +107,9 @@ def _slices(model: LlamaForCausalLM, layer: str) -> list[tuple[int, int]]:
     c = model.cfg
     q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     if layer == "attn.qkv":
-        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]
+        return [(0, q), (q, q + kv), (q + kv, q + 2 * kv), (0, q + 2 * kv)]
     if layer == "mlp.gate_up":
-        return [(0, inter), (inter, 2 * inter)]
+        return [(0, inter), (inter, 2 * inter), (0, 2 * inter)]
     return [(0, c.hidden_size)]
 
 

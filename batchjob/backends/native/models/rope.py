@@ -12,9 +12,13 @@ from batchjob.backends.native.models.cpu_glue import c_library  # any ISA build:
 _C_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """float32 [D/2] on CPU: inverse frequencies, with linear or llama3 scaling applied."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+def inv_frequencies(rope: RopeConfig, dims: int, long: bool = False) -> torch.Tensor:
+    """float32 [dims/2] on CPU: inverse frequencies of the ``dims`` rotated dims of a head,
+    with linear, llama3 or longrope scaling applied (``long``: longrope's long factors)."""
+    exponent = torch.arange(0, dims, 2, dtype=torch.int64, device="cpu").float() / dims
+    if rope.rope_type == "longrope":  # transformers' order: 1 / (factor * theta^e)
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, device="cpu")
+        return 1.0 / (factors * rope.theta**exponent)
     inv_freq = 1.0 / (rope.theta**exponent)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -52,11 +56,14 @@ class RopeTable:
     """cos/sin of every position up to the largest seen, cached in the model's dtype.
 
     Built from the same float32 products as ``rope_cos_sin`` (position * inv_freq), so a
-    row of the table is bit-equal to computing it per call; grows by doubling.
+    row of the table is bit-equal to computing it per call; grows by doubling. ``scale``
+    (longrope's attention factor) multiplies cos and sin in float32 before the rounding, as
+    transformers and vLLM do.
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, scale: float = 1.0) -> None:
         self.dtype = dtype
+        self.scale = scale
         self.cos = self.sin = torch.empty(0, 0, dtype=dtype, device="cpu")  # [P, D/2]
 
     def lookup(
@@ -80,12 +87,16 @@ class RopeTable:
             size = max(bound, 2 * self.cos.shape[0], 256)
             pos = torch.arange(size, dtype=torch.int64, device=inv_freq.device).float()
             freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2] float32
-            self.cos, self.sin = freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+            cos, sin = freqs.cos(), freqs.sin()
+            if self.scale != 1.0:
+                cos, sin = cos * self.scale, sin * self.scale
+            self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate x in place: x [T, H, D] (a strided view is fine, e.g. q and k of the fused
-    qkv output as one [T, H + Hkv, D] view); cos, sin: [T, 1, D/2] from ``RopeTable``.
+    qkv output as one [T, H + Hkv, D] view, or its leading D dims of each head where RoPE
+    rotates part of it); cos, sin: [T, 1, D/2] from ``RopeTable``.
 
     Bit-equal to ``apply_rope``: the first half is x1*cos - x2*sin (HF: x1*cos + (-x2)*sin),
     the second x2*cos + x1*sin, each product rounded before the sum (no fused multiply-add).
