@@ -22,7 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from batchjob.errors import ModelError
+from batchjob.errors import ConfigError, ModelError
 from batchjob.model.hf_config import ModelConfig, parse_hf_config
 from batchjob.model.host_cpu import CpuInfo, host_cpu
 
@@ -340,6 +340,14 @@ def read_model_info(
     gen_file = folder / "generation_config.json"
     gen = _read_json(gen_file) if gen_file.is_file() else None
     config = parse_hf_config(_read_json(cfg_file), gen, cfg_file, native=native)
+    window = config.sliding_window
+    if native and window is not None and max_model_len and max_model_len > window:
+        # else the first row past the window would stop the whole job mid-run
+        raise ConfigError(
+            f"model.max_model_len: {max_model_len} exceeds the sliding window of {cfg_file} "
+            f"({window}), which the native engine runs as a length cap (sliding-window "
+            f"attention is not implemented); set it <= {window}, or engine.backend = 'vllm'"
+        )
     tensors = read_tensor_files(folder)
     check_config_against_weights(config, tensors, cfg_file)
     dev = resolve_device(device)

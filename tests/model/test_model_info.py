@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from batchjob.errors import EXIT_MODEL, ModelError
+from batchjob.errors import EXIT_MODEL, ConfigError, ModelError
 from batchjob.model.info import (
     DTYPE_BYTES,
     auto_cpu_dtype,
@@ -77,6 +77,12 @@ def test_context_length(folder: Path) -> None:
     _edit_config(folder, architectures=["MistralForCausalLM"], sliding_window=64)
     info = read_model_info(folder)
     assert info.sliding_window == 64 and info.max_seq_len == info.max_model_len == 64
+    assert read_model_info(folder, max_model_len=64).max_model_len == 64
+    # past the window the native engine caps at: refused before the run (a row past it
+    # would stop the job mid-run); the vllm backend runs the window itself
+    with pytest.raises(ConfigError, match=r"model\.max_model_len: 65 exceeds the sliding window"):
+        read_model_info(folder, max_model_len=65)
+    assert read_model_info(folder, max_model_len=65, native=False).max_model_len == 65
 
 
 def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
