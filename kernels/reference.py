@@ -54,8 +54,10 @@ def naive_prefix_shared_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D] in q's dtype. See AttentionMetadata for the semantics."""
+    """q: [T, Hq, D] -> [T, Hq, D] in q's dtype. See AttentionMetadata for the semantics;
+    ``window``: a query sees only the keys of its last W positions, itself included."""
     out = torch.zeros_like(q)
     gqa = q.shape[1] // k_cache.shape[2]
     cu_q, kv_len, seq_group = meta.cu_q.tolist(), meta.kv_len.tolist(), meta.seq_group.tolist()
@@ -76,6 +78,9 @@ def naive_prefix_shared_attention(
         q_pos = n - (b - a) + torch.arange(b - a, device=q.device)  # own-KV position of queries
         own_ok = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # [L, N]
         allowed = torch.cat([own_ok.new_ones(b - a, p), own_ok], dim=1)  # [L, P + N]
+        if window is not None:  # absolute positions: prefix keys 0..P-1, then own ones
+            key_abs = torch.arange(p + n, device=q.device)[None, :]
+            allowed &= key_abs > (p + q_pos)[:, None] - window
         scores = torch.einsum("lhd,nhd->hln", qs, k) * scale  # [Hq, L, P + N]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
@@ -264,9 +269,10 @@ def build_batch(spec: BatchSpec, seed: int = 0, device: str | torch.device = "cp
     )
 
 
-def dense_reference(batch: PagedBatch) -> torch.Tensor:
+def dense_reference(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
     """float64 [T, Hq, D]: per sequence, SDPA over the dense prefix ++ own K/V the batch was
-    built from (never the paged cache), causal over own positions, the prefix all visible."""
+    built from (never the paged cache), causal over own positions, the prefix all visible;
+    with a sliding ``window``, only the keys of a query's last W positions."""
     spec, q = batch.spec, batch.q.double().cpu()
     out = torch.empty_like(q)
     gqa = spec.num_q_heads // spec.num_kv_heads
@@ -281,6 +287,8 @@ def dense_reference(batch: PagedBatch) -> torch.Tensor:
         q_pos = sq.kv_len - sq.q_len + torch.arange(sq.q_len)  # own position of each query
         key_pos = torch.arange(p + sq.kv_len) - p  # prefix keys get negative positions
         mask = key_pos[None, :] <= q_pos[:, None]  # [L, P + N]
+        if window is not None:
+            mask &= key_pos[None, :] > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(
             q[a : a + sq.q_len].transpose(0, 1)[None],  # [1, Hq, L, D]
             k.transpose(0, 1)[None],  # [1, Hkv, P + N, D]

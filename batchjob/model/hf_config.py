@@ -3,7 +3,8 @@
 Torch-free and I/O-free: ``batchjob.model.info`` reads the files once and calls
 ``parse_hf_config``. One parser for the whole Llama family; the differences between
 families are flags: q/k/v bias (Qwen2; Llama/Qwen3 ``attention_bias``), per-head q/k
-RMSNorm (Qwen3), sliding window (Mistral, Qwen with ``use_sliding_window``), layers without
+RMSNorm (Qwen3), sliding windows (Mistral, Phi3; Qwen with ``use_sliding_window``; per
+layer where ``layer_types`` says), layers without
 RoPE (SmolLM3's ``no_rope_layers``), Granite's four scalars (embedding, residual and
 attention multipliers, logits scaling), and OLMo2's norms on the branch outputs instead of
 their inputs, with q/k RMSNorm over the whole projection (OLMo3: the same, with sliding
@@ -83,7 +84,9 @@ class ModelConfig:
     o_bias: bool  # bias on the output projection
     mlp_bias: bool
     qk_norm: bool  # RMSNorm on q and k before RoPE: over head_dim (Qwen3), or all (OLMo2)
-    sliding_window: int | None  # attention window; None = full attention
+    # attention window (HF's: a query sees the keys of the last W positions, itself
+    # included); None = full attention
+    sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None  # the checkpoint's dtype name ("bfloat16"), if given
@@ -96,6 +99,7 @@ class ModelConfig:
     # residual add; q/k norms over the whole projection; norms scale in float32 then round
     branch_norms: bool = False
     rotary_dim: int = 0  # the leading dims of each head RoPE rotates (0: all; Phi3's partial)
+    window_layers: tuple[bool, ...] | None = None  # per layer: windowed (None: every layer)
 
     @property
     def rotary_dims(self) -> int:
@@ -119,9 +123,13 @@ class ModelConfig:
 
     @property
     def max_seq_len(self) -> int:
-        """max_position, capped by the sliding window (not implemented: a length cap)."""
-        w = self.sliding_window
-        return self.max_position if w is None else min(self.max_position, w)
+        """The longest prefix + prompt + output the model runs: max_position_embeddings."""
+        return self.max_position
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention; None: it sees every earlier key."""
+        w, per_layer = self.sliding_window, self.window_layers
+        return w if per_layer is None or per_layer[layer] else None
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -251,16 +259,47 @@ def _lenient_rope(cfg: dict[str, Any], source: Path, arch: str) -> RopeConfig:
         return RopeConfig(theta=float(cfg.get("rope_theta", 10000.0)), rope_type="default")
 
 
-def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
+def _sliding_window(arch: str, cfg: dict[str, Any], source: Path) -> int | None:
     window = cfg.get("sliding_window")
     if window is None:
         return None
-    if arch in _WINDOWED:
-        return int(window)
     layer_types = cfg.get("layer_types") or []
-    if cfg.get("use_sliding_window") or "sliding_attention" in layer_types:
-        return int(window)
-    return None  # Qwen2/Qwen3 carry a window size but only use it when enabled
+    applies = arch in _WINDOWED or cfg.get("use_sliding_window")
+    if not (applies or "sliding_attention" in layer_types):
+        return None  # Qwen2/Qwen3 carry a window size but only use it when enabled
+    try:
+        window = int(window)
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{source}: sliding_window is not an integer: {window!r}") from e
+    if window <= 0:
+        raise ModelError(f"{source}: sliding_window is {window}; it must be positive")
+    return window
+
+
+def _window_layers(
+    cfg: dict[str, Any], num_layers: int, window: int | None, source: Path
+) -> tuple[bool, ...] | None:
+    """Per layer: whether the sliding window applies, from ``layer_types`` (OLMo3's: three
+    layers in four; transformers writes it for Qwen2/Qwen3), or Qwen's ``max_window_layers``
+    rule where a config enables the window without the list (layers from that index on);
+    None: every layer (Mistral, Phi3), or no window."""
+    if window is None:
+        return None
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
+        first = int(cfg["max_window_layers"])
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelError(f"{source}: layer_types must list one type per layer ({num_layers})")
+    known = {"sliding_attention", "full_attention"}
+    if not set(types) <= known:
+        raise ModelError(
+            f"{source}: layer_types {sorted(set(types) - known)} are not supported "
+            "(sliding_attention, full_attention)"
+        )
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def _rope_layers(
@@ -387,6 +426,7 @@ def parse_hf_config(
         )
 
     rope = _parse_rope(cfg, source, arch) if native else _lenient_rope(cfg, source, arch)
+    window = _sliding_window(arch, cfg, source)
     rotary_dim = _rotary_dim(arch, cfg, head_dim, rope, source) if native else 0
     attention_bias = bool(cfg.get("attention_bias", False))
     qwen2 = arch == "Qwen2ForCausalLM"
@@ -412,7 +452,8 @@ def parse_hf_config(
         o_bias=attention_bias and arch not in _NO_O_BIAS,
         mlp_bias=bool(cfg.get("mlp_bias", False)) and arch in _MLP_BIAS,
         qk_norm=arch in ("Qwen3ForCausalLM", *_OLMO),
-        sliding_window=_sliding_window(arch, cfg),
+        sliding_window=window,
+        window_layers=_window_layers(cfg, num_layers, window, source),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from batchjob.errors import ConfigError, ModelError
+from batchjob.errors import ModelError
 from batchjob.model.hf_config import ModelConfig, parse_hf_config
 from batchjob.model.host_cpu import CpuInfo, host_cpu
 
@@ -64,8 +64,7 @@ class ModelInfo:
       job dtype, else ``auto`` = the checkpoint's dtype on CUDA and ``auto_cpu_dtype`` on CPU.
     - ``device``: resolved ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (``auto`` = cuda if available).
     - ``max_model_len``: longest prompt + output a request may have: the job's
-      ``model.max_model_len`` if set, else ``max_seq_len`` (max positions, capped by the
-      sliding window the native engine does not implement).
+      ``model.max_model_len`` if set, else ``max_seq_len`` (max positions).
     - ``kv_bytes_per_token``: K and V of one token over all layers, in ``dtype``.
     - ``weight_files``: the safetensors files; ``tensor_files``: tensor name -> its file.
 
@@ -98,7 +97,7 @@ class ModelInfo:
     checkpoint_dtype = _FromConfig(lambda c: c.torch_dtype)
 
     # -- derived --
-    # longest prefix + prompt + output this model runs correctly (window = a length cap)
+    # longest prefix + prompt + output this model runs: max_position_embeddings
     max_seq_len = _FromConfig(lambda c: c.max_seq_len)
 
     @property
@@ -340,14 +339,6 @@ def read_model_info(
     gen_file = folder / "generation_config.json"
     gen = _read_json(gen_file) if gen_file.is_file() else None
     config = parse_hf_config(_read_json(cfg_file), gen, cfg_file, native=native)
-    window = config.sliding_window
-    if native and window is not None and max_model_len and max_model_len > window:
-        # else the first row past the window would stop the whole job mid-run
-        raise ConfigError(
-            f"model.max_model_len: {max_model_len} exceeds the sliding window of {cfg_file} "
-            f"({window}), which the native engine runs as a length cap (sliding-window "
-            f"attention is not implemented); set it <= {window}, or engine.backend = 'vllm'"
-        )
     tensors = read_tensor_files(folder)
     check_config_against_weights(config, tensors, cfg_file)
     dev = resolve_device(device)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from batchjob.errors import EXIT_MODEL, ConfigError, ModelError
+from batchjob.errors import EXIT_MODEL, ModelError
 from batchjob.model.info import (
     DTYPE_BYTES,
     auto_cpu_dtype,
@@ -74,15 +74,30 @@ def test_kv_bytes_follow_the_resolved_dtype(folder: Path) -> None:
 
 def test_context_length(folder: Path) -> None:
     assert read_model_info(folder, max_model_len=100).max_model_len == 100  # the job's wins
+    max_position = json.loads((folder / "config.json").read_text())["max_position_embeddings"]
     _edit_config(folder, architectures=["MistralForCausalLM"], sliding_window=64)
-    info = read_model_info(folder)
-    assert info.sliding_window == 64 and info.max_seq_len == info.max_model_len == 64
-    assert read_model_info(folder, max_model_len=64).max_model_len == 64
-    # past the window the native engine caps at: refused before the run (a row past it
-    # would stop the job mid-run); the vllm backend runs the window itself
-    with pytest.raises(ConfigError, match=r"model\.max_model_len: 65 exceeds the sliding window"):
-        read_model_info(folder, max_model_len=65)
-    assert read_model_info(folder, max_model_len=65, native=False).max_model_len == 65
+    info = read_model_info(folder)  # the window limits what a query sees, not the length
+    assert info.sliding_window == 64 and info.max_seq_len == info.max_model_len == max_position
+    assert info.config.window_layers is None and info.config.layer_window(0) == 64
+
+
+def test_window_layers(folder: Path) -> None:
+    """Which layers a window applies to: layer_types (OLMo3's, transformers' Qwen2/Qwen3),
+    Qwen's max_window_layers rule without them, a disabled Qwen window none."""
+    _edit_config(
+        folder, architectures=["Olmo3ForCausalLM"], sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    cfg = read_model_info(folder).config
+    assert [cfg.layer_window(i) for i in (0, 1)] == [16, None]
+    _edit_config(
+        folder, architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+        max_window_layers=1, layer_types=None,
+    )  # fmt: skip
+    cfg = read_model_info(folder).config
+    assert [cfg.layer_window(i) for i in (0, 1)] == [None, 16]
+    _edit_config(folder, use_sliding_window=False)
+    assert read_model_info(folder).config.sliding_window is None
 
 
 def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
@@ -119,6 +134,12 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] 
         ({"head_dim": "wide"}, "a size is not an integer"),
         ({"architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1]}, "one 0/1 per layer"),
         ({"architectures": ["GraniteForCausalLM"], "logits_scaling": 0}, "logits_scaling is 0"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window is 0"),
+        (
+            {"sliding_window": 8, "layer_types": ["sliding_attention", "chunked_attention"]},
+            "layer_types ['chunked_attention'] are not supported",
+        ),
+        ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, "one type per layer"),
         (
             {
                 "rope_parameters": {
@@ -179,7 +200,7 @@ def test_family_settings(folder: Path) -> None:
 
 def test_phi3_settings(folder: Path) -> None:
     """Phi-4-mini's layout: partial rotary at the top level, longrope under its legacy name
-    "su", the original context at the top level, a sliding window (a length cap); the long
+    "su", the original context at the top level, a sliding window; the long
     factors for a context beyond the original one (vLLM's rule), the attention factor
     transformers derives from the context's growth."""
     _edit_config(
@@ -192,7 +213,7 @@ def test_phi3_settings(folder: Path) -> None:
     assert (cfg.head_dim, cfg.rotary_dims) == (16, 12)
     assert (cfg.rope.rope_type, cfg.rope.original_max_position) == ("longrope", 4096)
     assert cfg.rope.attention_factor == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
-    assert info.max_model_len == cfg.max_seq_len == 2047
+    assert cfg.sliding_window == 2047 and info.max_model_len == cfg.max_seq_len == 131072
     assert [cfg.long_rope(n) for n in (4096, 4097)] == [False, True]
     _edit_config(folder, partial_rotary_factor=None, sliding_window=None, rope_scaling=None)
     cfg = read_model_info(folder).config

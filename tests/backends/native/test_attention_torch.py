@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchjob.backends.native.attention.base import token_positions
 from batchjob.backends.native.attention.cpu import CpuAttention
 from batchjob.backends.native.attention.registry import get_attention_backend
 from batchjob.backends.native.attention.torch_path import TorchAttention, _attention
@@ -34,7 +35,12 @@ def case(seqs, groups, bs, hkv, ratio, d=8, seed=0, dtype=torch.float32, **tiles
     run_case(ref.build_batch(spec, seed), **tiles)
 
 
-def run_case(b: ref.PagedBatch, max_scores: int = 1 << 24, max_gather: int = 1 << 21) -> None:
+def run_case(
+    b: ref.PagedBatch,
+    max_scores: int = 1 << 24,
+    max_gather: int = 1 << 21,
+    window: int | None = None,
+) -> None:
     """History in a NaN cache, this step's K/V through write_kv, then attend: against the
     dense float64 reference (which never reads the cache)."""
     bs, slots = b.spec.block_size, b.meta.slot_mapping
@@ -43,11 +49,13 @@ def run_case(b: ref.PagedBatch, max_scores: int = 1 << 24, max_gather: int = 1 <
     v_cache[slots // bs, slots % bs] = float("nan")
     backend = TorchAttention(max_scores=max_scores, max_gather=max_gather)
     backend.write_kv(k_cache, v_cache, b.k_new, b.v_new, slots)
-    out = backend.attend(b.q, k_cache, v_cache, b.meta, b.scale)
-    again = backend.attend(b.q, k_cache, v_cache, b.meta, b.scale)  # cached plan (next layer)
+    out = backend.attend(b.q, k_cache, v_cache, b.meta, b.scale, window=window)
+    # cached plan (next layer)
+    again = backend.attend(b.q, k_cache, v_cache, b.meta, b.scale, window=window)
     assert out.shape == b.q.shape and out.dtype == b.spec.dtype
     tol = 1e-5 if b.spec.dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), ref.dense_reference(b), atol=tol, rtol=tol)
+    want = ref.dense_reference(b, window)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
     assert torch.equal(out, again)
 
 
@@ -184,6 +192,28 @@ def test_matches_shared_naive_reference(seed):
     expected = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     run_case(b)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sliding_window_matches_references(seed):
+    """A sliding window shorter than the batch's sequences (prefixes of up to 70 tokens, own
+    KV up to 40): keys before it hidden from decodes, prefill chunks and the group prefix,
+    whose earliest keys some members' queries no longer see at all; the paged naive
+    reference and the dense one agree."""
+    window = (1, 5, 17, 33, 64)[seed % 5]
+    spec = ref.random_spec(
+        seed, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=(4, 16)[seed % 2],
+        min_groups=1, prefill_prob=0.0 if seed % 4 < 2 else 0.5,
+    )  # fmt: skip
+    b = ref.build_batch(spec, seed=seed)
+    out = TorchAttention().attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale, window=window)
+    expected = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    full = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    hides = int(token_positions(b.meta).max()) >= window  # a query past the window
+    assert hides == (not torch.allclose(out, full, atol=1e-3))
+    run_case(b, window=window)
+    run_case(b, max_scores=64, max_gather=64, window=window)  # many calls and segments
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -136,13 +136,17 @@ def test_index_lists_missing_shard(models, tmp_path):
     _raises(dst, f"lists shard {shard.name}, which is missing")
 
 
-def test_sliding_window_is_a_length_cap(tmp_path):
+def test_sliding_window_hides_earlier_keys(tmp_path):
+    """Past the window, a position's logits depend on the last W tokens only: the logits of
+    the last token are the same whatever came before them."""
     folder = make_tiny_model(tmp_path / "mistral", family="mistral", vocab_size=280, seed=1)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["sliding_window"] = 8
+    cfg["sliding_window"] = 4
+    cfg["num_hidden_layers"] = 1  # one layer: the window is the whole receptive field
     (folder / "config.json").write_text(json.dumps(cfg))
     model, info = load_model(folder, device="cpu")
-    assert info.sliding_window == 8 and info.max_seq_len == 8
-    assert _logits(model, info, list(range(3, 11))).shape == (8, 280)  # 8 tokens: fits
-    with pytest.raises(ModelError, match="sliding window"):
-        _logits(model, info, list(range(3, 12)))
+    assert info.sliding_window == 4 and info.max_seq_len == cfg["max_position_embeddings"]
+    tail = [7, 8, 9, 10]
+    a, b = _logits(model, info, [3, 4, 5, *tail]), _logits(model, info, [30, 40, 50, *tail])
+    torch.testing.assert_close(a[-1], b[-1])
+    assert not torch.allclose(a[-2], b[-2])  # the window there still holds the head

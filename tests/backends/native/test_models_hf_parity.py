@@ -22,7 +22,15 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2",
 # the original context of 8, as every forward of HF's is) and with the short ones (a
 # max_model_len within the original 64: HF's forwards, at most 35 tokens, use the short too)
 LONGROPE = {"phi3-longrope-long": (8, None), "phi3-longrope-short": (64, 64)}
-VARIANTS = [*FAMILIES, "llama-tied-llama3rope", "qwen2-linear-rope", *LONGROPE]
+# sliding windows shorter than the test's sequences: every layer (Mistral), one of two (OLMo3)
+WINDOWED = {
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "olmo3-window": (
+        "olmo3",
+        {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+}
+VARIANTS = [*FAMILIES, "llama-tied-llama3rope", "qwen2-linear-rope", *LONGROPE, *WINDOWED]
 CORPUS = ["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine"] * 20
 
 
@@ -48,6 +56,10 @@ def tiny_models(tmp_path_factory):
     shutil.copytree(out["qwen2"], root / "qwen2-linear")
     out["qwen2-linear-rope"] = root / "qwen2-linear"
     _edit_config(out["qwen2-linear-rope"], rope_scaling={"type": "linear", "factor": 4.0})
+    for name, (family, changes) in WINDOWED.items():
+        shutil.copytree(out[family], root / name)
+        out[name] = root / name
+        _edit_config(out[name], **changes)
     rng = random.Random(3)
     for name, (original, _) in LONGROPE.items():
         shutil.copytree(out["phi3"], root / name)
@@ -170,7 +182,8 @@ def test_single_sequence_chunked_prefill_and_decode(tiny_models, variant):
 
 
 @pytest.mark.parametrize(
-    "variant", ["llama", "qwen3", "qwen2", "granite", "smollm3", "olmo2", "phi3"]
+    "variant",
+    ["llama", "qwen3", "qwen2", "granite", "smollm3", "olmo2", "phi3", *WINDOWED],
 )
 def test_shared_prefix_members_decode_together(tiny_models, variant):
     folder = tiny_models[variant]

@@ -1,8 +1,8 @@
 """The families the native engine runs beyond Llama's layout against vLLM's implementations
 of them (Granite's four multipliers; SmolLM3's layers without RoPE, OLMo2's and OLMo3's norms
 on the branch outputs, which vLLM 0.32 runs through its transformers backend; Phi3's fused
-checkpoint tensors, RoPE over part of each head and longrope): greedy float32 outputs equal
-token for token, through both backends on the same job."""
+checkpoint tensors, RoPE over part of each head and longrope; sliding windows): greedy
+float32 outputs equal token for token, through both backends on the same job."""
 
 from __future__ import annotations
 
@@ -36,6 +36,19 @@ def test_longrope_outputs_equal_vllms(max_model_len, dataset, tmp_path):
     }  # fmt: skip
     (model / "config.json").write_text(json.dumps(cfg))
     _assert_equal("phi3 longrope", model, dataset, tmp_path, max_model_len=str(max_model_len))
+
+
+@pytest.mark.parametrize(
+    "family,window",
+    [("mistral", {"sliding_window": 16}), ("olmo3", {"sliding_window": 16})],
+)
+def test_sliding_window_outputs_equal_vllms(family, window, dataset, tmp_path):
+    """A window shorter than the rows (case1's: 30-70 tokens and 3-17 out): in every layer
+    (Mistral), in three of four (OLMo3's layer_types: its default pattern)."""
+    model = build_model(tmp_path / family, family=family)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(cfg | window))
+    _assert_equal(f"{family} window", model, dataset, tmp_path)
 
 
 def _assert_equal(family, model, dataset, tmp_path, **extra: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from batchjob.backends.native.attention.meta import AttentionMetadata
@@ -32,7 +33,27 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,  # [T, H, D], q's dtype: written and returned
+        window: int | None = None,  # sliding window: a query sees the last W positions' keys
     ) -> torch.Tensor: ...  # [T, H, D], q's dtype
+
+
+def window_applies(meta: AttentionMetadata, window: int | None) -> bool:
+    """Whether a sliding window hides any key from any query of this batch (host ints only:
+    a sequence's positions are below its prefix + own KV)."""
+    return window is not None and meta.max_prefix_len + meta.max_kv_len > window
+
+
+def token_positions(meta: AttentionMetadata) -> np.ndarray:
+    """int64 [T]: each query token's absolute position (its group's prefix, then own KV)."""
+    cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
+    q_len = np.diff(cu_q)
+    kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
+    group = meta.seq_group.cpu().numpy().astype(np.int64)
+    p_len = meta.prefix_len.cpu().numpy().astype(np.int64)
+    offset = np.where(group >= 0, p_len[np.maximum(group, 0)] if len(p_len) else 0, 0)
+    first = offset + kv_len - q_len  # position of each sequence's first query token
+    seq = np.repeat(np.arange(len(q_len)), q_len)
+    return first[seq] + np.arange(int(cu_q[-1])) - cu_q[:-1][seq]
 
 
 class BatchMemo:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from batchjob.backends.native.attention import calibrate as calib
-from batchjob.backends.native.attention.base import BatchMemo, into
+from batchjob.backends.native.attention.base import BatchMemo, into, window_applies
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
@@ -340,9 +340,9 @@ class CpuAttention:
             meta, tuple(k_cache.shape[1:]), lambda: self.decision(q, k_cache, meta).use_kernel
         )
 
-    def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
-        if not self.uses_kernel(q, k_cache, v_cache, meta):
-            return self.fallback.attend(q, k_cache, v_cache, meta, scale, out)
+    def attend(self, q, k_cache, v_cache, meta, scale, out=None, window=None) -> torch.Tensor:
+        if window_applies(meta, window) or not self.uses_kernel(q, k_cache, v_cache, meta):
+            return self.fallback.attend(q, k_cache, v_cache, meta, scale, out, window)
         kn = self.kernel
         assert kn is not None
         _, h, d = q.shape

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchjob.backends.native.attention.base import BatchMemo, into
+from batchjob.backends.native.attention.base import (
+    BatchMemo,
+    into,
+    token_positions,
+    window_applies,
+)
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.plan.intmath import cdiv
 
@@ -53,6 +58,8 @@ class _Prefix:
     q_end: int
     off: int
     p: int
+    mask: torch.Tensor | None = None  # float32 [1, 1, n, p]: a sliding window's, else None
+    blind: torch.Tensor | None = None  # bool [n, 1, 1]: queries the window hides it all from
 
 
 @dataclass
@@ -103,12 +110,15 @@ class TorchAttention:
         k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
-    def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta, scale, out=None, window=None) -> torch.Tensor:
         t, h, d = q.shape
         _, bs, hkv, _ = k_cache.shape  # [num_blocks, bs, Hkv, D]
         r = h // hkv
         row = hkv * d
-        plan = self._plans.get(meta, (bs, h, row), lambda: self._segment_plan(meta, bs, h, row))
+        w = window if window_applies(meta, window) else None
+        plan = self._plans.get(
+            meta, (bs, h, row, w), lambda: self._segment_plan(meta, bs, h, row, w)
+        )
         qf = q.float().view(t, hkv, r, d)  # [T, Hkv, R, D]: head = kv_head * R + i
         acc = torch.empty(t, hkv, r, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(t, hkv, r, dtype=torch.float32, device=q.device)
@@ -141,15 +151,21 @@ class TorchAttention:
                 assert p_out is not None and p_lse is not None  # made when any seg.prefix
                 s, e, n = px.q_start, px.q_end, px.off + px.p
                 kp, vp = kg[px.off : n], vg[px.off : n]  # [P, Hkv, D]
-                p_out[s:e], p_lse[s:e] = _heads_attention(qf[s:e], kp, vp, None, False, scale)
+                p_out[s:e], p_lse[s:e] = _heads_attention(qf[s:e], kp, vp, px.mask, False, scale)
+                if px.blind is not None:  # no prefix key in their window: they weigh nothing
+                    p_out[s:e].masked_fill_(px.blind[..., None], 0.0)
+                    p_lse[s:e].masked_fill_(px.blind, -math.inf)
         if p_out is not None and p_lse is not None:
             _merge_into(acc, lse, p_out, p_lse)
         return into(out, acc.view(t, h, d).to(q.dtype))
 
     # ---- plan: index tensors that depend only on the metadata -----------------------------
 
-    def _segment_plan(self, meta: AttentionMetadata, bs: int, h: int, row: int) -> list[_Segment]:
-        """``row``: elements of one token's K (Hkv * D)."""
+    def _segment_plan(
+        self, meta: AttentionMetadata, bs: int, h: int, row: int, window: int | None = None
+    ) -> list[_Segment]:
+        """``row``: elements of one token's K (Hkv * D); ``window``: a sliding window that
+        hides keys in this batch (``window_applies``), else None."""
         dev = meta.kv_len.device
         cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
         q_len = np.diff(cu_q)
@@ -173,15 +189,19 @@ class TorchAttention:
             nk = cdiv(int(kv_len[seqs].max()), bs) * bs  # keys per seq: whole blocks
             step = max(1, min(self.max_scores // (h * nk), self.max_gather // (row * nk)))
             for i in range(0, len(seqs), step):
-                self._decodes(seqs[i : i + step], cu_q, kv_len, table, bs, dev, place)
+                self._decodes(seqs[i : i + step], cu_q, kv_len, table, bs, dev, place, window)
         for i in np.nonzero(q_len > 1)[0]:
             ql, kl = int(q_len[i]), int(kv_len[i])
             nblk = cdiv(kl, bs)
             seg, off = place(nblk)
             seg.blocks.append(table[i, :nblk])
             mask = None
-            if kl > ql:  # bottom-right causal: query j sees own positions <= kl - ql + j
-                vis = np.arange(kl)[None, :] <= (kl - ql + np.arange(ql))[:, None]
+            w = window if window is not None and kl > window else None
+            if kl > ql or w is not None:  # bottom-right causal: j sees positions <= kl - ql + j
+                last = (kl - ql + np.arange(ql))[:, None]  # [q_len, 1]
+                vis = np.arange(kl)[None, :] <= last
+                if w is not None:  # and, in a window, those above last - W
+                    vis &= np.arange(kl)[None, :] > last - w
                 m = np.where(vis, 0.0, -np.inf).astype(np.float32)[None, None]
                 mask = torch.from_numpy(m).to(dev)  # [1, 1, q_len, kv_len]
             seg.prefills.append(_Prefill(int(cu_q[i]), ql, off, kl, mask))
@@ -189,6 +209,8 @@ class TorchAttention:
         p_table = meta.prefix_block_table.cpu().numpy().astype(np.int64)
         g_start = meta.group_q_start.cpu().numpy().astype(np.int64)
         g_end = meta.group_q_end.cpu().numpy().astype(np.int64)
+        # a window's first visible position of each query token (prefix keys are positions 0..)
+        first_seen = None if window is None else token_positions(meta) - window + 1
         for gi in range(len(p_len)):
             p, s, e = int(p_len[gi]), int(g_start[gi]), int(g_end[gi])
             if p == 0 or e <= s:
@@ -197,7 +219,15 @@ class TorchAttention:
             seg, off = place(nblk)
             seg.blocks.append(p_table[gi, :nblk])
             step = max(1, self.max_scores // (h * p))
-            seg.prefix += [_Prefix(r0, min(e, r0 + step), off, p) for r0 in range(s, e, step)]
+            for r0 in range(s, e, step):
+                r1 = min(e, r0 + step)
+                mask = blind = None
+                if first_seen is not None and first_seen[r0:r1].max() > 0:
+                    lo = first_seen[r0:r1, None]  # [n, 1]
+                    m = np.where(np.arange(p)[None, :] >= lo, 0.0, -np.inf).astype(np.float32)
+                    mask = torch.from_numpy(m[None, None]).to(dev)  # [1, 1, n, p]
+                    blind = torch.from_numpy(lo[:, :, None] >= p).to(dev)  # [n, 1, 1]
+                seg.prefix.append(_Prefix(r0, r1, off, p, mask, blind))
         for seg in segs:
             seg.blocks_t = torch.from_numpy(np.concatenate(seg.blocks)).to(dev)
             if seg.pad:
@@ -205,7 +235,7 @@ class TorchAttention:
         return segs
 
     @staticmethod
-    def _decodes(seqs, cu_q, kv_len, table, bs, dev, place) -> None:
+    def _decodes(seqs, cu_q, kv_len, table, bs, dev, place, window=None) -> None:
         kl = kv_len[seqs][:, None]  # [B, 1]
         used = cdiv(kl, bs)  # [B, 1]: blocks holding each seq's KV
         nblk = int(used.max())
@@ -214,10 +244,14 @@ class TorchAttention:
         seg, off = place(blocks.size)
         seg.blocks.append(blocks.reshape(-1))
         past = np.arange(nblk * bs)[None, :] >= kl  # [B, K]: keys past kv_len
+        hidden = past
+        if window is not None:  # and keys before the window (the query is at kl - 1)
+            hidden = past | (np.arange(nblk * bs)[None, :] < kl - window)
         mask = None
         if bool(past.any()):
             seg.pad.append(off + np.flatnonzero(past))
-            m = np.where(past, -np.inf, 0.0).astype(np.float32)[:, None, None, :]  # [B,1,1,K]
+        if bool(hidden.any()):
+            m = np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None, None, :]  # [B,1,1,K]
             mask = torch.from_numpy(m).to(dev)
         tokens = torch.from_numpy(cu_q[seqs]).to(dev)
         seg.decodes.append(_Decodes(tokens, off, nblk * bs, mask))

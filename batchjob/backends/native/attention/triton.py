@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from batchjob.backends.native.attention.base import BatchMemo
+from batchjob.backends.native.attention.base import BatchMemo, window_applies
+from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels.triton.wrappers import (
     VARIANTS,
     Workspace,
@@ -37,6 +38,7 @@ class TritonAttention:
         self._workspace = Workspace()
         self._plan = BatchMemo()
         self._kv_checked: tuple = ()  # (signature, slot_mapping) of the last checked write
+        self._windowed = TorchAttention()  # batches a sliding window hides keys in
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping) -> None:
         """k, v: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping;
@@ -48,7 +50,9 @@ class TritonAttention:
             self._kv_checked = (sig, slot_mapping)
         write_kv(k_cache, v_cache, k, v, slot_mapping, checked=True)
 
-    def attend(self, q, k_cache, v_cache, meta, scale, out=None) -> torch.Tensor:
+    def attend(self, q, k_cache, v_cache, meta, scale, out=None, window=None) -> torch.Tensor:
+        if window_applies(meta, window):  # the kernels have no window: torch's dense path
+            return self._windowed.attend(q, k_cache, v_cache, meta, scale, out, window)
         key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), scale)
         variant = choose_variant(meta) if self.variant == "auto" else self.variant
         plan = self._plan.get(

@@ -130,7 +130,6 @@ class PiecewiseForward:
         bound = meta.max_prefix_len + meta.max_kv_len
         if bucket is None or model.attn_backend is None or bound > self.max_position:
             return model(input_ids, positions, kv_cache, meta, logits_index)
-        model._check_window(meta)
         self._reserve_rope()
         pieces = self._pieces.get(bucket) or self._build(bucket)
         s = self.static

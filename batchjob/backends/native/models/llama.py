@@ -28,7 +28,6 @@ from batchjob.backends.native.models import cpu_glue
 from batchjob.backends.native.models.config import ModelConfig
 from batchjob.backends.native.models.logits_buffer import LogitsBuffer
 from batchjob.backends.native.models.rope import RopeTable, apply_rope_, inv_frequencies
-from batchjob.errors import ModelError
 
 
 class RMSNorm(nn.Module):
@@ -77,9 +76,12 @@ def silu_mul_(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rope: bool = True) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, rope: bool = True, window: int | None = None
+    ) -> None:
         super().__init__()
         self.rope = rope  # False: a layer without positional rotation (SmolLM3's NoPE layers)
+        self.window = window  # sliding window (a query sees the last W positions), or None
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -153,7 +155,8 @@ class Attention(nn.Module):
         k_cache, v_cache = layer_cache[0], layer_cache[1]
         backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         o_out = None if out is None else out.view(t, self.num_heads, self.head_dim)
-        o = backend.attend(q, k_cache, v_cache, meta, self.scale, out=o_out)  # [T, H, D]
+        w = self.window
+        o = backend.attend(q, k_cache, v_cache, meta, self.scale, out=o_out, window=w)  # [T,H,D]
         return o.reshape(t, self.q_size)
 
 
@@ -179,7 +182,7 @@ class DecoderLayer(nn.Module):
         # Llama: input_norm before attention, post_norm before the MLP. OLMo2 (branch): no
         # input_norm; post_norm on attention's output, post_ff_norm on the MLP's
         self.input_norm = None if branch else RMSNorm(hidden, eps, dtype)
-        self.attn = Attention(cfg, dtype, rope=cfg.uses_rope(index))
+        self.attn = Attention(cfg, dtype, rope=cfg.uses_rope(index), window=cfg.layer_window(index))
         self.post_norm = RMSNorm(hidden, eps, dtype, scale_in_float=branch)
         self.post_ff_norm = RMSNorm(hidden, eps, dtype, scale_in_float=True) if branch else None
         self.mlp = MLP(cfg, dtype)
@@ -272,7 +275,6 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]: the last layer's residual stream, before the final norm
         if self.attn_backend is None:
             raise RuntimeError("model.attn_backend is not set")
-        self._check_window(meta)
         # every position < its group's prefix + its own KV (build_batch checks it)
         h, cos, sin = self.embed(input_ids, positions, meta.max_prefix_len + meta.max_kv_len)
         delta = None  # a layer's MLP output, added to h in the next layer's input norm
@@ -306,21 +308,6 @@ class LlamaForCausalLM(nn.Module):
     def logits_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the untied head's, else the embedding's."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def _check_window(self, meta: AttentionMetadata) -> None:
-        """Sliding-window attention is not implemented: refuse sequences longer than it."""
-        window = self.cfg.sliding_window
-        if window is None or meta.max_kv_len + meta.max_prefix_len <= window:
-            return
-        total = meta.kv_len.long().clone()  # [S]
-        grouped = meta.seq_group >= 0
-        total[grouped] += meta.prefix_len.long()[meta.seq_group[grouped].long()]
-        longest = int(total.max())
-        if longest > window:
-            raise ModelError(
-                f"a sequence of {longest} tokens exceeds the model's sliding window ({window}); "
-                "sliding-window attention is not implemented, so prompt + output must fit in it"
-            )
 
     def checkpoint_sources(self) -> dict[str, list[str]]:
         """Parameter name -> checkpoint tensor names, concatenated along dim 0 when several."""
