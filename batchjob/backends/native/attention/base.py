@@ -43,15 +43,21 @@ def window_applies(meta: AttentionMetadata, window: int | None) -> bool:
     return window is not None and meta.max_prefix_len + meta.max_kv_len > window
 
 
-def token_positions(meta: AttentionMetadata) -> np.ndarray:
-    """int64 [T]: each query token's absolute position (its group's prefix, then own KV)."""
+def seq_arrays(meta: AttentionMetadata) -> tuple[np.ndarray, ...]:
+    """int64 host copies per sequence: cu_q [S + 1], q_len, kv_len, and the length of the
+    group prefix before its own KV (0 outside a group), each [S]."""
     cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
-    q_len = np.diff(cu_q)
     kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
     group = meta.seq_group.cpu().numpy().astype(np.int64)
     p_len = meta.prefix_len.cpu().numpy().astype(np.int64)
-    offset = np.where(group >= 0, p_len[np.maximum(group, 0)] if len(p_len) else 0, 0)
-    first = offset + kv_len - q_len  # position of each sequence's first query token
+    prefix = np.where(group >= 0, p_len[np.maximum(group, 0)] if len(p_len) else 0, 0)
+    return cu_q, np.diff(cu_q), kv_len, prefix
+
+
+def token_positions(meta: AttentionMetadata) -> np.ndarray:
+    """int64 [T]: each query token's absolute position (its group's prefix, then own KV)."""
+    cu_q, q_len, kv_len, prefix = seq_arrays(meta)
+    first = prefix + kv_len - q_len  # position of each sequence's first query token
     seq = np.repeat(np.arange(len(q_len)), q_len)
     return first[seq] + np.arange(int(cu_q[-1])) - cu_q[:-1][seq]
 

@@ -37,6 +37,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import torch
 
+from batchjob.backends.native.attention.base import seq_arrays
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.kernels import reference as ref
 from batchjob.kernels.cpu.build import cache_dir, cpu_model
@@ -95,12 +96,7 @@ def mode() -> str:
 
 def batch_kind(meta: AttentionMetadata) -> str:
     """The kind whose query-key pairs dominate the batch."""
-    cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
-    q_len = np.diff(cu_q)
-    kv_len = meta.kv_len.cpu().numpy().astype(np.int64)
-    group = meta.seq_group.cpu().numpy().astype(np.int64)
-    p_len = meta.prefix_len.cpu().numpy().astype(np.int64)
-    prefix = np.where(group >= 0, p_len[np.maximum(group, 0)] if len(p_len) else 0, 0)
+    _, q_len, kv_len, prefix = seq_arrays(meta)
     dec = q_len == 1
     pairs = {
         "decode": float(((kv_len + prefix) * dec).sum()),
