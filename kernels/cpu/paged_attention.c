@@ -14,8 +14,10 @@
    A work unit is `nq` consecutive query tokens x the R query heads of one KV head against
    one key sequence (a block-table row of `nkeys` keys): the own KV of a sequence (causal)
    or a group's shared prefix (no mask, all the group's queries in one matrix-matrix tile).
-   Query i of the unit sees key k iff k <= causal + i. Flash-style online softmax in the
-   log2 domain, float32 throughout. Own partials go to `out`, prefix partials to `pout`, and
+   Query i of the unit sees key k iff lo + i <= k <= causal + i (lo: a sliding window's first
+   visible key for query 0; without one, a negative number past any key count); a query that
+   sees no key of a prefix unit gets a zero partial of log-sum-exp -inf. Flash-style online
+   softmax in the log2 domain, float32 throughout. Own partials go to `out`, prefix partials to `pout`, and
    a final pass merges them by log-sum-exp into `out`.
 
    Layout: q [T, H, D] float32; k/v cache [num_blocks, BS, Hkv, D] (or any strides with a
@@ -99,7 +101,7 @@ typedef float vf __attribute__((vector_size(4 * L)));
 typedef float vfu __attribute__((vector_size(4 * L), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(4 * L)));
 
-enum { U_Q0, U_NQ, U_NKEYS, U_BLK, U_CAUSAL, U_DST, U_KVH, U_FIELDS };
+enum { U_Q0, U_NQ, U_NKEYS, U_BLK, U_CAUSAL, U_DST, U_KVH, U_LO, U_FIELDS };
 
 typedef struct {
     const void *q; /* float32, or bfloat16 (uint16) when q_bf16 */
@@ -422,10 +424,12 @@ typedef struct {
 } tile_t;
 
 /* The lanewise max of n key-major score vectors (s + j * RP), key j counted in lanes with
-   j < lim unless `all`; four running maxima (one was a chain of dependent vmaxps: 3% of a bf16
+   first <= j < lim unless `all`; four running maxima (one was a chain of dependent vmaxps: 3% of a bf16
    prefill unit's cycles, AMD Zen 4). Padding lanes hold finite scores of zero queries. */
-INLINE vf span_max(const float *s, int RP, int n, vi lim, int all) {
-#define KEY(j) (all ? ld(s + (j) * RP) : select_v(lim > (j), ld(s + (j) * RP), splat(-INFINITY)))
+INLINE vf span_max(const float *s, int RP, int n, vi first, vi lim, int all) {
+#define KEY(j)                                                                                \
+    (all ? ld(s + (j) * RP)                                                                   \
+         : select_v((lim > (j)) & (first <= (j)), ld(s + (j) * RP), splat(-INFINITY)))
     vf m0 = splat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     int j = 0;
     for (; j + 4 <= n; j += 4) {
@@ -440,18 +444,21 @@ INLINE vf span_max(const float *s, int RP, int n, vi lim, int all) {
 }
 
 INLINE void softmax_km(tile_t w, int rows, int NV, int64_t R, int64_t D, int64_t causal,
-                       int64_t kb, int n, const float scl) { /* scl: scores' scale, or 1 */
+                       int64_t win_lo, int64_t kb, int n,
+                       const float scl) { /* scl: scores' scale, or 1 */
     const int RP = NV * L;
     for (int v = 0; v < NV; v++) {
-        vi lim; /* row r sees span keys j < lim[r] (0 for padding rows) */
+        vi first, lim; /* row r sees span keys first[r] <= j < lim[r] (none: padding rows) */
         for (int i = 0; i < L; i++) {
             const int r = v * L + i;
             int64_t x = r < rows ? causal + r / R - kb + 1 : 0;
+            int64_t f = win_lo + r / R - kb;
             lim[i] = (int32_t)(x < 0 ? 0 : (x > n ? n : x));
+            first[i] = (int32_t)(f < 0 ? 0 : (f > n ? n : f));
         }
         int all = 1; /* every real row of this vector sees all n keys: no masks */
-        for (int i = 0; i < L && v * L + i < rows; i++) all &= lim[i] == n;
-        const vf mx = span_max(w.s + v * L, RP, n, lim, all);
+        for (int i = 0; i < L && v * L + i < rows; i++) all &= lim[i] == n && first[i] == 0;
+        const vf mx = span_max(w.s + v * L, RP, n, first, lim, all);
         const vf mold = ld(w.m + v * L);
         const vf mnew = vmax(mx * scl, mold); /* scl > 0: the max commutes with it */
         const vi none = mnew == splat(-INFINITY); /* no key seen yet: keep zeros */
@@ -467,7 +474,8 @@ INLINE void softmax_km(tile_t w, int rows, int NV, int64_t R, int64_t D, int64_t
         else
             for (int j = 0; j < n; j++) {
                 float *sj = w.s + j * RP + v * L;
-                const vf p = select_v(lim > j, exp2v(ld(sj) * scl - mnew), splat(0));
+                const vf p =
+                    select_v((lim > j) & (first <= j), exp2v(ld(sj) * scl - mnew), splat(0));
                 st(sj, p);
                 sum += p;
             }
@@ -484,24 +492,27 @@ INLINE void softmax_km(tile_t w, int rows, int NV, int64_t R, int64_t D, int64_t
 /* Online softmax over one span of n keys (starting at key kb): scores -> probabilities,
    running max/sum updated, accumulators rescaled once per row. */
 INLINE void softmax_span(scratch_t *w, int rows, int rh, int64_t R, int64_t D, int64_t causal,
-                         int64_t kb, int n) {
+                         int64_t win_lo, int64_t kb, int n) {
     const vi lane = lanes();
     for (int r = 0; r < rows; r++) {
         float *s = w->s + r * SC;
-        int64_t lim = causal + (r % rh) / R - kb + 1; /* visible keys of this span: j < lim */
+        int64_t lim = causal + (r % rh) / R - kb + 1; /* visible keys of this span: */
+        int64_t first = win_lo + (r % rh) / R - kb;   /* first <= j < lim */
         if (lim > n) lim = n;
-        if (lim <= 0) { /* nothing visible here (nor later): adds nothing */
+        if (first < 0) first = 0;
+        if (lim <= first) { /* nothing visible here: adds nothing */
             memset(s, 0, sizeof(float) * ((n + CH - 1) / CH) * CH);
             continue;
         }
         vf vm = splat(-INFINITY);
         for (int j = 0; j < lim; j += L)
-            vm = vmax(vm, select_v(lane < (int32_t)(lim - j), ld(s + j), splat(-INFINITY)));
+            vm = vmax(vm, select_v((lane < (int32_t)(lim - j)) & (lane >= (int32_t)(first - j)),
+                                   ld(s + j), splat(-INFINITY)));
         const float mx = hmax(vm), mold = w->m[r];
         const float mnew = mx > mold ? mx : mold;
         vf sum = splat(0);
         for (int j = 0; j < n; j += L) {
-            const vi vis = lane < (int32_t)(lim - j);
+            const vi vis = (lane < (int32_t)(lim - j)) & (lane >= (int32_t)(first - j));
             const vf pj = select_v(vis, exp2v(ld(s + j) - mnew), splat(0));
             st(s + j, pj);
             sum += pj;
@@ -739,6 +750,10 @@ INLINE void prefetch_share(const char *p, int64_t bytes, int part, int parts) {
         __builtin_prefetch(p + l * 64, 0, 3);
 }
 
+/* The first key a unit's walk reads: the chunk holding its window's first visible key (chunks
+   start at multiples of CH, so none straddles a block), else 0. */
+INLINE int64_t key_start(int64_t win_lo) { return win_lo > 0 ? win_lo / CH * CH : 0; }
+
 /* A unit's normalised rows (nh heads of rh rows from KV head h0; a head's m, l are hs apart)
    and their log-sum-exp, to out (own KV) or pout (a group's prefix). */
 INLINE void finish_unit(const args_t *a, const int64_t *u, const scratch_t *w, int rows, int rh,
@@ -750,9 +765,9 @@ INLINE void finish_unit(const args_t *a, const int64_t *u, const scratch_t *w, i
         const int64_t hh = r / rh, rl = r % rh;
         const int64_t row = tok_row(a, q0 + rl / R) * H + (h0 + hh) * R + rl % R;
         const int ml = (int)(hh * hs + rl);
-        const float inv = 1.0f / w->l[ml];
+        const float l = w->l[ml], inv = l > 0.0f ? 1.0f / l : 0.0f; /* 0: a window hid all */
         for (int64_t d = 0; d < D; d++) out[row * D + d] = w->o[r * D + d] * inv;
-        lse[row] = (w->m[ml] + log2f(w->l[ml])) * (float)M_LN2;
+        lse[row] = l > 0.0f ? (w->m[ml] + log2f(l)) * (float)M_LN2 : -INFINITY;
     }
 }
 
@@ -768,7 +783,7 @@ INLINE int tile_nv(int rows) { return rows <= L ? 1 : rows <= 2 * L ? 2 : rows <
 INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D,
                        const int BF) {
     const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->ks;
-    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
+    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], win_lo = u[U_LO];
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
     const int rh = (int)(nq * R), rows = (int)(nh * rh); /* rows per head, in all */
     const int few = rh < (BF ? FEW_ROWS : FEW_ROWS_F32(D)); /* row-major; else key-major */
@@ -840,7 +855,7 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
 /* head hh's key-major tile */
 #define TILE(hh) ((tile_t){w->s + (hh) * SC * RP, w->m + (hh) * RP, w->l + (hh) * RP,         \
                            w->o + (hh) * rh * D})
-    for (int64_t kb = 0; kb < kend; kb += SC) {
+    for (int64_t kb = key_start(win_lo); kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
         /* Two walks over the span's chunks: K (scores), then V (weighted sum) after softmax;
            unrolled, so each walk is compiled with its own work. */
@@ -848,10 +863,10 @@ INLINE void run_unit_d(const args_t *a, const int64_t *u, scratch_t *w, const in
         for (int pass_v = 0; pass_v < 2; pass_v++) {
             const void *cache = pass_v ? a->v : a->k;
             if (pass_v && few)
-                softmax_span(w, rows, rh, R, D, causal, kb, n);
+                softmax_span(w, rows, rh, R, D, causal, win_lo, kb, n);
             else if (pass_v)
                 for (int64_t hh = 0; hh < nh; hh++)
-                    softmax_km(TILE(hh), rh, NV, R, D, causal, kb, n, 1.0f);
+                    softmax_km(TILE(hh), rh, NV, R, D, causal, win_lo, kb, n, 1.0f);
             for (int c = 0; c < n; c += CH) {
                 const int nv = n - c < CH ? n - c : CH;
                 const int64_t at = KV_AT(kb + c);
@@ -1088,7 +1103,7 @@ INLINE void pack_p_pairs(uint32_t *pp, const float *s, int RP, int M, int n) {
    w->qtk, its scores in w->s, m and l RP apart; per span, its V and P pairs in w->vv, w->pp. */
 INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
     const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->ks;
-    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL];
+    const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], win_lo = u[U_LO];
     const int64_t h0 = u[U_KVH] < 0 ? 0 : u[U_KVH], nh = u[U_KVH] < 0 ? a->Hkv : 1;
     const int rh = (int)(nq * R), M = (rh + 15) / 16, RP = M * 16;
     uint32_t *qv = (uint32_t *)w->qtk; /* head hh's pairs at hh * (D / 2) * RP */
@@ -1114,7 +1129,7 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
             prefetch_rows((const char *)((base) + KV_AT(key)),                                \
                           kend - (key) < CH ? (int)(kend - (key)) : CH, ks * 2);              \
     } while (0)
-    for (int64_t kb = 0; kb < kend; kb += SC) {
+    for (int64_t kb = key_start(win_lo); kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC, np = (n + 1) / 2;
         for (int c = 0; c < n; c += CH) {
             const int nv = n - c < CH ? n - c : CH;
@@ -1131,7 +1146,7 @@ INLINE void run_unit_dp(const args_t *a, const int64_t *u, scratch_t *w, const i
         for (int64_t hh = 0; hh < nh; hh++) {
             float *o = w->o + hh * rh * D;
             softmax_km((tile_t){w->s + hh * SC * RP, w->m + hh * RP, w->l + hh * RP, o}, rh, M,
-                       R, D, causal, kb, n, a->qscale);
+                       R, D, causal, win_lo, kb, n, a->qscale);
             for (int jp = 0; jp < np; jp++) { /* V in key pairs; a key past n zero */
                 if (2 * jp + 17 < n) /* 8 pairs ahead (one pair: one chunk): rows Hkv * D apart */
                     prefetch_head(vc + KV_AT(kb + 2 * jp + 16) + hh * a->hstr, 2, D * 2, ks * 2);
@@ -1298,6 +1313,7 @@ INLINE void amx_pv(scratch_t *w, int M, int64_t D, int n) {
 INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const int64_t D) {
     const int64_t H = a->H, R = a->H / a->Hkv, BS = a->BS, ks = a->ks;
     const int64_t q0 = u[U_Q0], nq = u[U_NQ], causal = u[U_CAUSAL], h0 = u[U_KVH];
+    const int64_t win_lo = u[U_LO];
     const int rows = (int)(nq * R), M = (rows + 15) / 16, RP = M * 16;
     for (int r = 0; r < RP; r++) { /* queries as bf16 pairs of dims, transposed; pad rows 0 */
         float qb_[MAX_D];
@@ -1314,14 +1330,15 @@ INLINE void run_unit_amx(const args_t *a, const int64_t *u, scratch_t *w, const 
     const uint16_t *kc = a->k, *vc = a->v;
 #define KV_AT(key) ((int64_t)blocks[(key) / BS] * a->bstr + ((key) % BS) * ks + h0 * a->hstr)
     amx_configure();
-    for (int64_t kb = 0; kb < kend; kb += SC) {
+    for (int64_t kb = key_start(win_lo); kb < kend; kb += SC) {
         const int n = kend - kb < SC ? (int)(kend - kb) : SC;
         for (int c = 0; c < n; c += CH) {
             if (c + CH < n) /* the next chunk's K rows */
                 prefetch_rows((const char *)(kc + KV_AT(kb + c + CH)), CH, ks * 2);
             amx_scores(w, w->s + c * RP, RP, M, D, kc + KV_AT(kb + c), ks);
         }
-        softmax_km((tile_t){w->s, w->m, w->l, w->o}, rows, M, R, D, causal, kb, n, a->qscale);
+        softmax_km((tile_t){w->s, w->m, w->l, w->o}, rows, M, R, D, causal, win_lo, kb, n,
+                   a->qscale);
         const uint16_t *vrow = vc; /* a 16-key chunk's first V row: chunks never straddle a
                                       block, so one block-table lookup per chunk */
         for (int j = 0; j < (n + 31) / 32 * 16; j++) { /* V in key pairs; keys past n zero */

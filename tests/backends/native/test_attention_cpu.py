@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from batchjob.backends.native.attention.base import seq_arrays, token_positions
 from batchjob.backends.native.attention.cpu import MAX_ROWS, CpuAttention, build_units
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels import reference as ref
@@ -48,18 +50,28 @@ def test_big_group_and_long_causal_prefill():
     _check(spec, 7)
 
 
-def test_units_cover_every_query_row_once():
+@pytest.mark.parametrize("window", [None, 9])
+def test_units_cover_every_query_row_once(window):
+    """Own units cover every query row once; prefix units at most once, and, with a window,
+    exactly the rows whose window still holds a prefix key."""
     spec = ref.random_spec(5, num_q_heads=8, num_kv_heads=8, max_chunk=100, prefill_prob=0.7)
     b = ref.build_batch(spec, seed=5)
-    units, _ = build_units(b.meta, 8, 8)
+    units, _ = build_units(b.meta, 8, 8, window=window)
     assert (units[:, 1] <= MAX_ROWS).all()
     # decodes: all heads at once; prefill tiles of 64 rows a head: per head
     assert (units[:, 6] == -1).any() and (units[:, 6] >= 0).any()
     own = torch.zeros(b.q.shape[0], 8, dtype=torch.long)
-    for q0, nq, _, _, _, dst, kvh in units.tolist():
-        if dst == 0:
-            own[q0 : q0 + nq, kvh if kvh >= 0 else slice(None)] += 1
+    pre = torch.zeros(b.q.shape[0], 8, dtype=torch.long)
+    for q0, nq, _, _, _, dst, kvh, _ in units.tolist():
+        (pre if dst else own)[q0 : q0 + nq, kvh if kvh >= 0 else slice(None)] += 1
     assert (own == 1).all()
+    cu_q, _, _, prefix = seq_arrays(b.meta)
+    seq = np.repeat(np.arange(len(prefix)), np.diff(cu_q))
+    sees = prefix[seq] > 0  # a group member's token
+    if window is not None:  # and its window still holds a prefix key
+        sees &= token_positions(b.meta) - window + 1 < prefix[seq]
+        assert sees.any() and (prefix[seq] > 0).sum() > sees.sum()
+    assert (pre == torch.from_numpy(sees)[:, None].long()).all()
 
 
 def test_unsupported_inputs_fall_back_to_torch():

@@ -411,3 +411,30 @@ def test_bf16_queries_read_in_place_equal_the_widened_copy(isa, head_dim, with_o
     assert got.dtype == torch.bfloat16 and (out is None or got.data_ptr() == out.data_ptr())
     widened = backend.attend(q.float(), b.k_cache, b.v_cache, b.meta, b.scale)
     assert torch.equal(got, widened.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("case", range(4))
+def test_isa_path_sliding_window(isa, dtype, case):
+    """A sliding window on every path of the kernel: decode rows, key-major prefill tiles
+    (bf16: vdpbf16ps / AMX), all-head and one-head units, over prefixes of up to 150 keys
+    whose earliest keys the window hides from some members and all keys from others (their
+    prefix units dropped or, within a tile, a zero partial), windows of one key (the query
+    alone) to more than a span. The kernel runs it: no fallback to the torch path."""
+    window = (1, 13, 40, 100)[case]
+    spec = ref.random_spec(
+        60 + case, num_q_heads=(2, 8, 4, 8)[case], num_kv_heads=2, head_dim=(32, 64, 128, 64)[case],
+        block_size=(16, 32)[case % 2], min_groups=1, max_prefix=150, max_own=120, max_chunk=70,
+        prefill_prob=0.0 if case == 0 else 0.6, dtype=dtype,
+    )  # fmt: skip
+    b = ref.build_batch(spec, seed=case)
+    backend = CpuAttention(isa, calibrate=False)
+    assert backend.uses_kernel(b.q, b.k_cache, b.v_cache, b.meta)
+    backend.fallback = None  # type: ignore[assignment]  # a fallback would raise
+    out = backend.attend(b.q, b.k_cache, b.v_cache, b.meta, b.scale, window=window)
+    want = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, window)
+    tol = 3e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    full = ref.naive_prefix_shared_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    assert not torch.allclose(want.float(), full.float(), atol=0.05)  # the window hides keys

@@ -63,18 +63,20 @@ def token_positions(meta: AttentionMetadata) -> np.ndarray:
 
 
 class BatchMemo:
-    """The work a backend derives from one batch's metadata, built once and reused by every
-    layer (the same ``AttentionMetadata`` object) until the next batch."""
+    """The work a backend derives from one batch's metadata, built once per key (layers with
+    and without a sliding window differ) and reused by every layer (the same
+    ``AttentionMetadata`` object) until the next batch."""
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
-        self._key: tuple = ()
-        self._value: object = None
+        self._values: dict[tuple, object] = {}
 
     def get(self, meta: AttentionMetadata, key: tuple, build: Callable[[], T]) -> T:
-        if self._meta is not meta or self._key != key:
-            self._meta, self._key, self._value = meta, key, build()
-        return self._value  # type: ignore[return-value]
+        if self._meta is not meta:
+            self._meta, self._values = meta, {}
+        if key not in self._values:
+            self._values[key] = build()
+        return self._values[key]  # type: ignore[return-value]
 
 
 def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

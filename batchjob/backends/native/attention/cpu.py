@@ -5,7 +5,8 @@
 rows (tokens x the query heads of one KV head) against one key sequence, either a
 sequence's own KV (causal) or its group's shared prefix (all the group's queries at once).
 Unlike the torch path it never copies KV out of the cache: a decode step reads each shared
-prefix once per group and each own KV once.
+prefix once per group and each own KV once. A sliding window is a unit's first visible key
+(LO): the kernel starts its walk at that key's chunk and masks the rest.
 
 The kernel is built per ISA (kernels/cpu/build.py: amx, avx512bf16, avx512, avx2, generic; ``isa``
 or ``$BATCHJOB_CPU_ISA`` forces a narrower one). Per shape class (head dim, GQA ratio, decode /
@@ -27,7 +28,12 @@ import numpy as np
 import torch
 
 from batchjob.backends.native.attention import calibrate as calib
-from batchjob.backends.native.attention.base import BatchMemo, into, window_applies
+from batchjob.backends.native.attention.base import (
+    BatchMemo,
+    into,
+    token_positions,
+    window_applies,
+)
 from batchjob.backends.native.attention.meta import AttentionMetadata
 from batchjob.backends.native.attention.torch_path import TorchAttention
 from batchjob.kernels.cpu.build import CpuKernel, load_kernel
@@ -40,7 +46,9 @@ WHOLE_ROWS = 8
 MAX_WHOLE_ROWS = 256  # an all-head unit's scratch rows (the kernel's MAX_WROWS)
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # unit fields, in the kernel's order
-Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH = range(7)
+Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH, LO = range(8)
+FIELDS = 8
+NO_LO = -(1 << 40)  # LO of a unit without a sliding window: below any key
 
 
 def _tiles(starts: np.ndarray, lens: np.ndarray, tile: int):
@@ -75,8 +83,10 @@ def build_units(
     threads: int = 1,
     whole_tiles: bool = True,
     max_whole: int = MAX_WHOLE_ROWS,
+    window: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(units int64 [U, 7], blocks int32): the kernel's work for one batch, costliest first.
+    """(units int64 [U, FIELDS], blocks int32): the kernel's work for one batch, costliest
+    first.
 
     A unit's KVH is one KV head, or -1 for all of them: a tile whose rows of all KV heads fit
     one unit (``head_rows``, ``MAX_WHOLE_ROWS``) reads each KV block as one contiguous stream,
@@ -84,7 +94,12 @@ def build_units(
     decoding rows (0.65-0.85x the time of per-head units on such decode shapes, AVX2). Unless
     the unit would hold more than a ``threads``-th of the batch's work: then per head, so the
     threads stay balanced. ``whole_tiles`` False: key-major tiles per head (AMX runs those);
-    ``max_whole``: the build's all-head scratch rows (older kernels: their ``max_rows``)."""
+    ``max_whole``: the build's all-head scratch rows (older kernels: their ``max_rows``).
+
+    ``window``: a sliding window (a query sees the keys of its last W positions). Own units
+    get their first visible key (LO); a group's prefix unit stays one tile of all its members'
+    queries while none of them is past the window, else each member's queries get their own
+    prefix units (LO from their positions), and those the window hides the prefix from none."""
     r = h // hkv
     tile = tile_tokens(max_rows, h, hkv)
     cu_q = meta.cu_q.cpu().numpy().astype(np.int64)
@@ -96,28 +111,43 @@ def build_units(
     p_len = meta.prefix_len.cpu().numpy().astype(np.int64)
 
     own, q0, nq, off = _tiles(cu_q[:-1], q_len, tile)
-    own_u = np.stack(
-        [q0, nq, kv_len[own], own * table.shape[1], kv_len[own] - q_len[own] + off, 0 * own]
-    )
+    causal = kv_len[own] - q_len[own] + off
+    lo = 0 * own + NO_LO if window is None else causal - window + 1
+    own_u = np.stack([q0, nq, kv_len[own], own * table.shape[1], causal, 0 * own, 0 * own, lo])
     parts = [own_u]
     g = np.nonzero((p_len > 0) & (e > s))[0]
+    split = np.zeros(len(p_len), dtype=bool)  # groups whose members' prefix units are their own
+    if len(g) and window is not None:
+        pos = token_positions(meta)
+        split[g] = [pos[s[i] : e[i]].max() >= window for i in g]
+    g = g[~split[g]]
     if len(g):
         gi, q0, nq, _ = _tiles(s[g].astype(np.int64), (e[g] - s[g]).astype(np.int64), tile)
         grp = g[gi]
         base = table.size + grp * p_table.shape[1]
-        parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1]))
-    u = np.concatenate(parts, axis=1).T  # [n, 6]
+        lo = 0 * grp + NO_LO
+        parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1, 0 * grp, lo]))
+    if split.any():  # each member's own tiles against the prefix: LO by absolute position
+        group = meta.seq_group.cpu().numpy().astype(np.int64)[own]
+        t = np.nonzero((group >= 0) & split[np.maximum(group, 0)])[0]
+        grp, q0, nq = group[t], own_u[Q0, t], own_u[NQ, t]
+        lo = pos[q0] - window + 1
+        keep = lo < p_len[grp]  # the rest see no prefix key: no partial (lse stays -inf)
+        grp, q0, nq, lo = grp[keep], q0[keep], nq[keep], lo[keep]
+        base = table.size + grp * p_table.shape[1]
+        parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1, 0 * grp, lo]))
+    u = np.concatenate(parts, axis=1).T  # [n, FIELDS], KVH set below
     # tiles whose rows of all KV heads fit one unit take them all: whole blocks stream
     rows = u[:, NQ] * r
     whole = (hkv * head_rows(rows, lanes) <= max_whole) & (whole_tiles | (rows < WHOLE_ROWS))
-    work = u[:, NQ] * np.minimum(u[:, NKEYS], u[:, CAUSAL] + u[:, NQ])  # query-key pairs a head
+    first = np.maximum(u[:, LO], 0)  # a window's first visible key
+    keys = np.maximum(np.minimum(u[:, NKEYS], u[:, CAUSAL] + u[:, NQ]) - first, 1)
+    work = u[:, NQ] * keys  # query-key pairs a head (at most)
     whole &= work * threads <= work.sum()  # no unit over a thread's share (x hkv both sides)
     # head-major: equal-cost units of one KV head run back to back, its KV stays in L2
     per_head = np.tile(u[~whole], (hkv, 1))
-    units = np.empty((int(whole.sum()) + len(per_head), 7), dtype=np.int64)
-    units[: len(per_head), :6] = per_head
+    units = np.concatenate([per_head, u[whole]])
     units[: len(per_head), KVH] = np.repeat(np.arange(hkv), int((~whole).sum()))
-    units[len(per_head) :, :6] = u[whole]
     units[len(per_head) :, KVH] = -1
     cost = np.concatenate([np.tile(work[~whole], hkv), work[whole] * hkv])
     units = units[_overlap_order(cost, units[:, NQ] * r < WHOLE_ROWS)]
@@ -150,8 +180,11 @@ def _work(
     threads: int = 1,
     whole_tiles: bool = True,
     max_whole: int = MAX_WHOLE_ROWS,
+    window: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, bool]:
-    units, blocks = build_units(meta, h, hkv, max_rows, lanes, threads, whole_tiles, max_whole)
+    units, blocks = build_units(
+        meta, h, hkv, max_rows, lanes, threads, whole_tiles, max_whole, window
+    )
     return units, blocks, bool(units[:, DST].any())
 
 
@@ -341,8 +374,9 @@ class CpuAttention:
         )
 
     def attend(self, q, k_cache, v_cache, meta, scale, out=None, window=None) -> torch.Tensor:
-        if window_applies(meta, window) or not self.uses_kernel(q, k_cache, v_cache, meta):
+        if not self.uses_kernel(q, k_cache, v_cache, meta):
             return self.fallback.attend(q, k_cache, v_cache, meta, scale, out, window)
+        w = window if window_applies(meta, window) else None
         kn = self.kernel
         assert kn is not None
         _, h, d = q.shape
@@ -352,8 +386,8 @@ class CpuAttention:
         whole = whole_tiles(kn, bf16)
         units, blocks, has_prefix = self._work.get(
             meta,
-            (h, hkv, kn.max_rows, threads, whole),
-            lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole),
+            (h, hkv, kn.max_rows, threads, whole, w),
+            lambda: _work(meta, h, hkv, kn.max_rows, kn.lanes, threads, whole, window=w),
         )
         native = (bs * hkv * d, hkv * d, d)  # [num_blocks, BS, Hkv, D]
         # bf16 queries are read in place (a view of the qkv output) and the result written as
