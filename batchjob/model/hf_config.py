@@ -8,10 +8,12 @@ layer where ``layer_types`` says), layers without
 RoPE (SmolLM3's ``no_rope_layers``), Granite's four scalars (embedding, residual and
 attention multipliers, logits scaling), and OLMo2's norms on the branch outputs instead of
 their inputs, with q/k RMSNorm over the whole projection (OLMo3: the same, with sliding
-windows), and Phi3's RoPE over part of each head (``partial_rotary_factor``) with longrope's
-short and long factor sets (its fused qkv and gate_up tensors are the loader's concern). Both
-the legacy ``rope_theta`` + ``rope_scaling`` keys and the transformers-5
-``rope_parameters`` dict (flat, or keyed by layer type) are understood. Anything the native
+windows), Phi3's RoPE over part of each head (``partial_rotary_factor``) with longrope's
+short and long factor sets (its fused qkv and gate_up tensors are the loader's concern), and
+Gemma3's norms around both branches scaling by 1 + weight, tanh-GELU, a RoPE per layer type
+and the embedding scaled by sqrt(hidden). Both the legacy ``rope_theta`` + ``rope_scaling``
+keys and the transformers-5 ``rope_parameters`` dict (flat, or keyed by layer type) are
+understood. Anything the native
 engine cannot run raises ``ModelError`` here, so that ``batchjob plan`` refuses the same
 model folders as ``batchjob run``.
 """
@@ -36,17 +38,27 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # its language model (text prompts)
 )
+_GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 _OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")  # OLMo3: OLMo2's layers, sliding windows
 # where config.json's attention_bias puts no bias on o_proj (Qwen2: on q, k, v; Mistral: none),
 # and the families whose mlp_bias puts biases on the MLP
 _NO_O_BIAS = ("MistralForCausalLM", "Qwen2ForCausalLM")
 _MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 # the families whose config.json sliding_window always applies (the others: when enabled)
-_WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
+_WINDOWED = (
+    "MistralForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+)
 # the families that rotate only the first partial_rotary_factor of each head (HF slices)
 _PARTIAL_ROTARY = ("Phi3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# the MLP's activation (config.json hidden_act / Gemma's hidden_activation) -> its name here
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,14 @@ class ModelConfig:
     branch_norms: bool = False
     rotary_dim: int = 0  # the leading dims of each head RoPE rotates (0: all; Phi3's partial)
     window_layers: tuple[bool, ...] | None = None  # per layer: windowed (None: every layer)
+    sliding_rope: RopeConfig | None = None  # the windowed layers' RoPE, where it differs
+    activation: str = "silu"  # a value of ACTIVATIONS: the gate's, times up
+    # Gemma3: a norm before each branch too (with branch_norms), every norm scaling by
+    # 1 + weight (in float32: norm_offset 1), the embedding scale rounded to the model's dtype
+    input_norms: bool = True
+    norm_offset: float = 0.0
+    embedding_scale_in_dtype: bool = False
+    qk_norm_whole: bool = False  # q/k RMSNorm over the whole projection (OLMo2), not per head
 
     @property
     def rotary_dims(self) -> int:
@@ -125,6 +145,11 @@ class ModelConfig:
     def max_seq_len(self) -> int:
         """The longest prefix + prompt + output the model runs: max_position_embeddings."""
         return self.max_position
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE of ``layer``: Gemma3's windowed layers have their own."""
+        local = self.sliding_rope is not None and self.layer_window(layer) is not None
+        return self.sliding_rope if local and self.sliding_rope is not None else self.rope
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of ``layer``'s attention; None: it sees every earlier key."""
@@ -174,9 +199,10 @@ def _rope_scaling(cfg: dict[str, Any], source: Path) -> dict[str, Any]:
     return scaling
 
 
-def _partial_rotary_factor(cfg: dict[str, Any], source: Path) -> float:
+def _partial_rotary_factor(cfg: dict[str, Any], source: Path, arch: str) -> float:
     """``partial_rotary_factor`` from the rope settings or the top level (Phi-4-mini's)."""
-    value = _rope_scaling(cfg, source).get("partial_rotary_factor")
+    settings = _gemma3_rope_settings(cfg)[0] if arch in _GEMMA3 else _rope_scaling(cfg, source)
+    value = settings.get("partial_rotary_factor")
     value = _optional(cfg, "partial_rotary_factor", 1.0) if value is None else value
     try:
         factor = float(value)
@@ -188,7 +214,28 @@ def _partial_rotary_factor(cfg: dict[str, Any], source: Path) -> float:
 
 
 def _parse_rope(cfg: dict[str, Any], source: Path, arch: str = "") -> RopeConfig:
-    scaling = _rope_scaling(cfg, source)
+    if arch in _GEMMA3:
+        return _rope_of(_gemma3_rope_settings(cfg)[0], cfg, source, arch)
+    return _rope_of(_rope_scaling(cfg, source), cfg, source, arch)
+
+
+def _gemma3_rope_settings(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma3's RoPE settings of its full and its sliding-window layers, as transformers'
+    Gemma3TextConfig reads them: ``rope_parameters`` keyed by layer type, or the legacy
+    ``rope_theta`` (full, default 1e6) with ``rope_scaling``, and ``rope_local_base_freq``
+    (sliding, default 10,000)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:
+        full, local = dict(cfg.get("rope_scaling") or {}), {}
+    full = {"rope_theta": _optional(cfg, "rope_theta", 1_000_000.0), **full}
+    local = {"rope_theta": _optional(cfg, "rope_local_base_freq", 10_000.0), **local}
+    return full, local
+
+
+def _rope_of(scaling: dict[str, Any], cfg: dict[str, Any], source: Path, arch: str) -> RopeConfig:
+    """One rope settings dict (``rope_type`` / ``type``, ``rope_theta``, the type's keys)."""
     theta = float(scaling.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
@@ -260,7 +307,8 @@ def _lenient_rope(cfg: dict[str, Any], source: Path, arch: str) -> RopeConfig:
 
 
 def _sliding_window(arch: str, cfg: dict[str, Any], source: Path) -> int | None:
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096 if arch in _GEMMA3 else None)  # transformers'
+    # default where Gemma3's config.json leaves it out
     if window is None:
         return None
     layer_types = cfg.get("layer_types") or []
@@ -277,7 +325,7 @@ def _sliding_window(arch: str, cfg: dict[str, Any], source: Path) -> int | None:
 
 
 def _window_layers(
-    cfg: dict[str, Any], num_layers: int, window: int | None, source: Path
+    arch: str, cfg: dict[str, Any], num_layers: int, window: int | None, source: Path
 ) -> tuple[bool, ...] | None:
     """Per layer: whether the sliding window applies, from ``layer_types`` (OLMo3's: three
     layers in four; transformers writes it for Qwen2/Qwen3), or Qwen's ``max_window_layers``
@@ -286,6 +334,11 @@ def _window_layers(
     if window is None:
         return None
     types = cfg.get("layer_types")
+    if types is None and arch in _GEMMA3:  # its legacy key, else transformers' default
+        every = int(_optional(cfg, "sliding_window_pattern", 6))
+        types = [
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)
+        ]
     if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:
         first = int(cfg["max_window_layers"])
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
@@ -327,7 +380,7 @@ def _rotary_dim(
     """The dims of a head RoPE rotates where that is not all of them (0 where it is):
     ``int(head_dim * partial_rotary_factor)``, as transformers rounds it; longrope's factor
     lists must have one entry per rotated pair."""
-    factor = _partial_rotary_factor(cfg, source)
+    factor = _partial_rotary_factor(cfg, source, arch)
     dims = int(head_dim * factor)
     if factor != 1.0 and arch not in _PARTIAL_ROTARY:
         raise ModelError(
@@ -345,6 +398,32 @@ def _rotary_dim(
             f"{dims} rotated dims need {dims // 2}"
         )
     return 0 if dims == head_dim else dims
+
+
+def _check_gemma3(cfg: dict[str, Any], source: Path) -> None:
+    """What of Gemma3's config the native engine does not run: refused, naming the key."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ModelError(f"{source}: {key} is not supported by the native engine")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelError(f"{source}: use_bidirectional_attention is not supported")
+
+
+def _gemma3_settings(cfg: dict[str, Any], hidden: int, source: Path) -> dict[str, Any]:
+    """Gemma3's ``ModelConfig`` fields: the sliding layers' RoPE, norms of 1 + weight, the
+    embedding scaled by sqrt(hidden) rounded to the model's dtype, the softmax scale
+    query_pre_attn_scalar^-0.5."""
+    local = _rope_of(_gemma3_rope_settings(cfg)[1], cfg, source, "Gemma3ForCausalLM")
+    scalar = float(_optional(cfg, "query_pre_attn_scalar", 256))
+    if scalar <= 0:
+        raise ModelError(f"{source}: query_pre_attn_scalar is {scalar}; it must be positive")
+    return {
+        "sliding_rope": local,
+        "norm_offset": 1.0,
+        "embedding_multiplier": hidden**0.5,
+        "embedding_scale_in_dtype": True,
+        "attention_multiplier": scalar**-0.5,
+    }
 
 
 def _granite_scalars(arch: str, cfg: dict[str, Any], source: Path) -> dict[str, Any]:
@@ -389,8 +468,13 @@ def parse_hf_config(
             'by the native engine (full-precision weights only); engine.backend = "vllm" '
             "loads it as its config.json declares"
         )
-    if native and cfg.get("hidden_act", "silu") != "silu":
-        raise ModelError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if native and act not in ACTIVATIONS:
+        raise ModelError(
+            f"{source}: hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})"
+        )
+    if native and arch in _GEMMA3:
+        _check_gemma3(cfg, source)
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -447,20 +531,24 @@ def parse_hf_config(
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=rope,
         max_position=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(_optional(cfg, "tie_word_embeddings", arch in _GEMMA3)),
         qkv_bias=qwen2 or (attention_bias and arch != "MistralForCausalLM"),
         o_bias=attention_bias and arch not in _NO_O_BIAS,
         mlp_bias=bool(cfg.get("mlp_bias", False)) and arch in _MLP_BIAS,
-        qk_norm=arch in ("Qwen3ForCausalLM", *_OLMO),
+        qk_norm=arch in ("Qwen3ForCausalLM", *_OLMO, *_GEMMA3),
+        qk_norm_whole=arch in _OLMO,
         sliding_window=window,
-        window_layers=_window_layers(cfg, num_layers, window, source),
+        window_layers=_window_layers(arch, cfg, num_layers, window, source),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         rope_layers=_rope_layers(arch, cfg, num_layers, source),
-        branch_norms=arch in _OLMO,
+        branch_norms=arch in (*_OLMO, *_GEMMA3),
+        input_norms=arch not in _OLMO,
         rotary_dim=rotary_dim,
+        activation=ACTIVATIONS.get(act, "silu"),
         **_granite_scalars(arch, cfg, source),
+        **(_gemma3_settings(cfg, hidden, source) if arch in _GEMMA3 and native else {}),
     )
 
 

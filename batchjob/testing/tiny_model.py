@@ -17,6 +17,7 @@ import torch
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3", "phi3",
+    "gemma3",
 )  # fmt: skip
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 _SYLLABLES = [c + v for c in "bdklmnrstv" for v in "aeiou"] + [v + c for v in "aeiou" for c in "nr"]
@@ -69,6 +70,7 @@ def _config(family: str, **kw):
         "olmo2": transformers.Olmo2Config,
         "olmo3": transformers.Olmo3Config,
         "phi3": transformers.Phi3Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }[family]
     if kw.get("head_dim") is None:
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
@@ -79,7 +81,8 @@ def _config(family: str, **kw):
 # what sets a family apart, at values a missed one changes outputs with: Granite's scalars
 # (its checkpoints: embedding 12, residual 0.22, attention 1/128 or 1/64, logits 8-16);
 # SmolLM3 without RoPE in every second layer (its checkpoints: every fourth); Phi3 rotating
-# half of each head (Phi-4-mini: three quarters)
+# half of each head (Phi-4-mini: three quarters); Gemma3 with a window of 16 in one layer of
+# two (its checkpoints: 512 in five of six), each layer type with its own RoPE
 FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "granite": {
         "embedding_multiplier": 3.0,
@@ -90,6 +93,11 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     },
     "smollm3": {"no_rope_layer_interval": 2},
     "phi3": {"partial_rotary_factor": 0.5},
+    "gemma3": {
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24,
+    },
 }
 
 
@@ -181,6 +189,8 @@ def make_tiny_model(
         pad_token_id=pad_id,
     )
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    if family == "gemma3":
+        config.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms init to 1: perturb them so a missed norm changes outputs

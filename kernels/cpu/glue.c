@@ -35,9 +35,10 @@ static inline uint16_t g_f_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : r); /* a blend */
 }
 
-static void norm_row(uint16_t *restrict x, const uint16_t *restrict d,
-                     const uint16_t *restrict w, uint16_t *restrict y, int64_t D, float eps,
-                     int scale_in_float, float *restrict buf) {
+static void norm_row(uint16_t *restrict x, const uint16_t *restrict d, const void *restrict wp,
+                     uint16_t *restrict y, int64_t D, float eps, int scale_in_float,
+                     float *restrict buf) {
+    const uint16_t *w = (const uint16_t *)wp;
     float acc[16] = {0};
     int64_t j = 0;
     if (d) {
@@ -55,6 +56,11 @@ static void norm_row(uint16_t *restrict x, const uint16_t *restrict d,
     for (; j < D; j++) ss += buf[j] * buf[j];
     for (int i = 0; i < 16; i++) ss += acc[i];
     const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    if (scale_in_float == 2) { /* Gemma's: a float32 weight (1 + w), one rounding */
+        const float *wf = (const float *)wp;
+        for (j = 0; j < D; j++) y[j] = g_f_to_bf16(wf[j] * (buf[j] * inv));
+        return;
+    }
     if (scale_in_float) { /* OLMo2's order: y = bf16(w * x * inv), one rounding */
         for (j = 0; j < D; j++) y[j] = g_f_to_bf16(g_bf16_to_f(w[j]) * (buf[j] * inv));
         return;
@@ -69,11 +75,11 @@ static void norm_row(uint16_t *restrict x, const uint16_t *restrict d,
 
 /* y[t] = RMSNorm(x[t]) * w for T rows of D bf16 (row strides xs, ys in elements); with d
    (stride ds) first x[t] += d[t] in place: the residual stream updated, then normalised.
-   scale_in_float: w scales the float32 normalised row before its one rounding (OLMo2's
-   order) instead of after it is rounded (HF Llama's). Returns 0, or -1 (nothing written)
-   when D > GLUE_MAX_D. */
+   scale_in_float: w scales the float32 normalised row before its one rounding (1: OLMo2's
+   order, w bf16; 2: Gemma's, w float32) instead of after it is rounded (0: HF Llama's).
+   Returns 0, or -1 (nothing written) when D > GLUE_MAX_D. */
 int batchjob_rms_norm_bf16(uint16_t *x, int64_t xs, const uint16_t *d, int64_t ds,
-                           const uint16_t *w, uint16_t *y, int64_t ys, int64_t T, int64_t D,
+                           const void *w, uint16_t *y, int64_t ys, int64_t T, int64_t D,
                            float eps, int scale_in_float, int threads) {
     if (D > GLUE_MAX_D) return -1;
     const int nt = (T * D >= GLUE_PAR_MIN && threads > 1) ? threads : 1;

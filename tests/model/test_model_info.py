@@ -108,6 +108,7 @@ def test_equality_ignores_the_location(tmp_path: Path, tiny_tokenizer: Tokenizer
 
 
 PHI3 = {"architectures": ["Phi3ForCausalLM"]}
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh"}
 LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
 
 
@@ -116,7 +117,6 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] 
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
         ({"architectures": None, "model_type": "bert"}, "unsupported architecture 'bert'"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling type 'yarn'"),
         ({"num_key_value_heads": 3}, "not a multiple of kv heads 3"),
         ({"vocab_size": None}, "a size is not an integer"),
@@ -153,6 +153,9 @@ LONGROPE = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] 
             {"architectures": ["GraniteForCausalLM"], "residual_multiplier": "half"},
             "a Granite multiplier is not a number",
         ),
+        (GEMMA3 | {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        (GEMMA3 | {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
         # HF's Llama rotates whole heads: a partial factor there is a config it cannot run
         ({"partial_rotary_factor": 0.5}, "0.5 is not supported for LlamaForCausalLM"),
         (PHI3 | {"partial_rotary_factor": 1.5}, "it must be in (0, 1]"),
@@ -218,6 +221,33 @@ def test_phi3_settings(folder: Path) -> None:
     _edit_config(folder, partial_rotary_factor=None, sliding_window=None, rope_scaling=None)
     cfg = read_model_info(folder).config
     assert (cfg.rotary_dims, cfg.rope.rope_type, cfg.long_rope(1 << 20)) == (16, "default", False)
+
+
+def test_gemma3_settings(folder: Path) -> None:
+    """gemma-3-1b-it's config.json (legacy keys): a window of 512 in five layers of six,
+    rope_theta for the full layers, rope_local_base_freq for the windowed ones, the
+    softmax scale from query_pre_attn_scalar, tied embeddings by default; the 4B+ configs
+    nest it in text_config under Gemma3ForConditionalGeneration, with linear scaling on the
+    full layers' RoPE."""
+    _edit_config(
+        folder, **GEMMA3, num_hidden_layers=12, sliding_window=512, sliding_window_pattern=6,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+        tie_word_embeddings=None, rope_scaling=None, rope_parameters=None,
+    )  # fmt: skip
+    cfg = read_model_info(folder).config
+    assert cfg.activation == "gelu_tanh" and cfg.tie_word_embeddings
+    assert [cfg.layer_window(i) for i in (4, 5, 6, 11)] == [512, None, 512, None]
+    assert cfg.layer_rope(5).theta == 1_000_000.0 and cfg.layer_rope(4).theta == 10_000.0
+    assert (cfg.attention_scale, cfg.norm_offset, cfg.embedding_multiplier) == (1 / 16, 1.0, 8.0)
+    assert cfg.branch_norms and cfg.input_norms and cfg.qk_norm and not cfg.qk_norm_whole
+    text = json.loads((folder / "config.json").read_text())
+    text |= {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    nested = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}
+    (folder / "config.json").write_text(json.dumps(nested))
+    cfg = read_model_info(folder).config
+    assert cfg.architecture == "Gemma3ForConditionalGeneration"
+    assert (cfg.layer_rope(5).rope_type, cfg.layer_rope(5).factor) == ("linear", 8.0)
+    assert cfg.layer_rope(4).rope_type == "default"
 
 
 def test_weights_headers(folder: Path) -> None:

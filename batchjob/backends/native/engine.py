@@ -89,6 +89,8 @@ def graphed_forward(
     limit = cfg.cuda_graph_max_tokens or 0
     if info.torch_device.type != "cuda" or limit == 0 or not isinstance(model, LlamaForCausalLM):
         return model
+    if model.sliding_rope is not None:  # pieces carry one RoPE table: Gemma3's layers two
+        return model
     from batchjob.backends.native.models.cuda_graphs import PiecewiseForward
 
     # a position is below its sequence's length: the model's limit and the whole KV cache's

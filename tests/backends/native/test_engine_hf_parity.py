@@ -15,7 +15,7 @@ from batchjob.backends.native.engine import Engine
 from batchjob.backends.native.models.loader import load_model
 from batchjob.config import EngineConfig, SamplingConfig, SchedulerConfig
 from batchjob.plan.build import build_plan
-from batchjob.testing.tiny_model import make_tiny_model
+from batchjob.testing.tiny_model import FAMILIES, make_tiny_model
 from batchjob.tokenize.prompts import TokenizedPrompts
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +52,7 @@ def shared_prompts(vocab: int, seed: int) -> TokenizedPrompts:
 
 @pytest.fixture(
     scope="module",
-    params=["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3", "phi3"],
+    params=FAMILIES,
 )
 def family_model(request, tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param), family=request.param)
@@ -192,6 +192,7 @@ LOGPROB_TOL = {"bfloat16": 0.08, "float16": 0.015}
         ("cpu", "bfloat16", "smollm3"),
         ("cpu", "bfloat16", "olmo2"),  # norms on the branch outputs, scaled in float32
         ("cpu", "bfloat16", "phi3"),  # RoPE on part of each head, in the C pass
+        ("cpu", "bfloat16", "gemma3"),  # norms of 1 + w (float32) in C, GELU in oneDNN
         ("cpu", "float16", "llama"),
         pytest.param("cuda", "bfloat16", "llama", marks=CUDA_ONLY),
         pytest.param("cuda", "float16", "llama", marks=CUDA_ONLY),

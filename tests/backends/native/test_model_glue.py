@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from batchjob.backends.native.models import rope as rope_module
-from batchjob.backends.native.models.llama import rms_norm, silu_mul_
+from batchjob.backends.native.models.llama import act_mul_, rms_norm
 from batchjob.backends.native.models.rope import (
     RopeTable,
     apply_rope,
@@ -72,12 +72,12 @@ def test_rms_norm_equals_hf(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_in_place_equals_out_of_place(dtype: torch.dtype) -> None:
+def test_act_mul_in_place_equals_out_of_place(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     gate_up = torch.randn(20, 2 * 48, generator=g).to(dtype)
     view = gate_up.clone()
     want = F.silu(view[:, :48]) * view[:, 48:]  # the split-view formula it replaces
-    out = silu_mul_(gate_up, 48)
+    out = act_mul_(gate_up, 48)
     assert out.data_ptr() == gate_up.data_ptr()  # written into the gate half
     assert torch.equal(out, want)
     # HF runs silu on a contiguous gate: torch's strided and contiguous loops may differ
@@ -141,6 +141,16 @@ def test_mlp_residual_fused_into_next_input_norm_equals_adding_it_first(
     assert torch.equal(fused, logits())
 
 
+def _norm_path(path: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch``: the norms run torch's ops; ``c``: glue.c where it applies (bf16)."""
+    from batchjob.backends.native.models import cpu_glue
+
+    if path == "torch":
+        monkeypatch.setattr(cpu_glue, "_takes", lambda *ts: None)
+    elif dtype == torch.bfloat16 and cpu_glue.c_library() is None:
+        pytest.skip("no C compiler: the torch ops run")
+
+
 @pytest.mark.parametrize("path", ["c", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_scaled_in_float_equals_olmo2s(
@@ -151,13 +161,9 @@ def test_norm_scaled_in_float_equals_olmo2s(
     torch ops bit for bit, the C pass (glue.c) but where the mean's float32 summation order
     tips a rounding (one bf16 step)."""
     olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
-    from batchjob.backends.native.models import cpu_glue
     from batchjob.backends.native.models.llama import RMSNorm
 
-    if path == "torch":
-        monkeypatch.setattr(cpu_glue, "_takes", lambda *ts: None)
-    elif dtype == torch.bfloat16 and cpu_glue.c_library() is None:
-        pytest.skip("no C compiler: the torch ops run")
+    _norm_path(path, dtype, monkeypatch)
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(300, 896, generator=g) * 3).to(dtype)
     w = (1 + 0.3 * torch.randn(896, generator=g)).to(dtype)
@@ -176,3 +182,43 @@ def test_norm_scaled_in_float_equals_olmo2s(
     if dtype == torch.bfloat16:  # the two orders really differ: the flag is needed
         llama_order = hf_rms_norm(x, w, 1e-6)
         assert (llama_order != want).float().mean().item() > 0.01
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_of_one_plus_weight_equals_gemma3s(
+    dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma3's RMSNorm scales by 1 + weight in float32 and rounds once: the weight folded
+    into a float32 1 + w at load (fold_offset), then the torch ops bit for bit, the C pass
+    (glue.c with a float32 weight) but where the mean's summation order tips a rounding;
+    with the residual add fused in front, as a layer runs it."""
+    gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    from batchjob.backends.native.models.llama import RMSNorm, add_rms_norm_
+
+    _norm_path(path, dtype, monkeypatch)
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(300, 640, generator=g) * 3).to(dtype)
+    d = torch.randn(300, 640, generator=g).to(dtype)
+    w = (0.3 * torch.randn(640, generator=g)).to(dtype)  # Gemma's weights sit around 0
+    ref = gemma3.Gemma3RMSNorm(640, eps=1e-6).to(dtype)
+    ours = RMSNorm(640, 1e-6, dtype, scale_in_float=True, offset=1.0)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+        ours.weight.copy_(w)
+        want = ref(x + d)
+    ours.fold_offset()
+    assert ours.weight.dtype == torch.float32 and ours.offset == 0.0
+    h = x.clone()
+    got = add_rms_norm_(h, d, ours)
+    assert torch.equal(h, x + d)  # the residual stream updated in place
+    if path == "torch" or dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        assert (got == want).float().mean().item() >= 0.999
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()
+    if dtype == torch.bfloat16:  # 1 + w rounded to bf16 first would differ
+        rounded = RMSNorm(640, 1e-6, dtype, scale_in_float=True)
+        with torch.no_grad():
+            rounded.weight.copy_(1 + w)
+        assert (rounded(x + d) != want).float().mean().item() > 0.01

@@ -150,3 +150,29 @@ def test_sliding_window_hides_earlier_keys(tmp_path):
     a, b = _logits(model, info, [3, 4, 5, *tail]), _logits(model, info, [30, 40, 50, *tail])
     torch.testing.assert_close(a[-1], b[-1])
     assert not torch.allclose(a[-2], b[-2])  # the window there still holds the head
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_multimodal_checkpoint_runs_its_language_model(tmp_path, prefix):
+    """Gemma3's 4B+ checkpoints (Gemma3ForConditionalGeneration): the text model's numbers in
+    text_config, its tensors under a language-model prefix (the Hub's files, transformers'
+    saves), the vision tower's beside them; the same logits as the text-only checkpoint."""
+    text = make_tiny_model(tmp_path / "text", family="gemma3", vocab_size=280, seed=2)
+    mm = tmp_path / "mm"
+    shutil.copytree(text, mm)
+    weights = load_file(str(text / "model.safetensors"))
+    head = "language_model." if prefix.startswith("language_model") else ""  # the Hub's files
+    moved = {
+        (prefix + k.removeprefix("model.") if k.startswith("model.") else head + k): v
+        for k, v in weights.items()
+    }
+    moved["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3)
+    (mm / "model.safetensors").unlink()
+    save_file(moved, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((text / "config.json").read_text())
+    nested = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": cfg}
+    (mm / "config.json").write_text(json.dumps(nested))
+    ids = list(range(3, 11))
+    want = _logits(*load_model(text, device="cpu", dtype="float32"), ids)
+    got = _logits(*load_model(mm, device="cpu", dtype="float32"), ids)
+    assert torch.equal(got, want)

@@ -17,7 +17,9 @@ from batchjob.testing.tiny_model import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3", "phi3"]
+FAMILIES = [
+    "llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "olmo2", "olmo3", "phi3", "gemma3",
+]  # fmt: skip
 # longrope on Phi3's partial rotary: with the long factors (the test's 11-token prompt is past
 # the original context of 8, as every forward of HF's is) and with the short ones (a
 # max_model_len within the original 64: HF's forwards, at most 35 tokens, use the short too)
@@ -183,7 +185,7 @@ def test_single_sequence_chunked_prefill_and_decode(tiny_models, variant):
 
 @pytest.mark.parametrize(
     "variant",
-    ["llama", "qwen3", "qwen2", "granite", "smollm3", "olmo2", "phi3", *WINDOWED],
+    ["llama", "qwen3", "qwen2", "granite", "smollm3", "olmo2", "phi3", "gemma3", *WINDOWED],
 )
 def test_shared_prefix_members_decode_together(tiny_models, variant):
     folder = tiny_models[variant]

@@ -53,9 +53,10 @@ def test_use_onednn_linear_swaps_bf16_layers_and_the_tied_head() -> None:
     torch.testing.assert_close(m.logits_linear(x), F.linear(x, m.embed.weight), rtol=0, atol=0)
 
 
-def test_fused_silu_mul_is_within_bf16_rounding_of_the_two_step_mlp() -> None:
-    from batchjob.backends.native.models.llama import silu_mul_
-    from batchjob.backends.native.models.onednn_linear import OneDnnSiluMul
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fused_act_mul_is_within_bf16_rounding_of_the_two_step_mlp(activation) -> None:
+    from batchjob.backends.native.models.llama import act_mul_
+    from batchjob.backends.native.models.onednn_linear import OneDnnActMul
 
     g = torch.Generator().manual_seed(3)
     inter = 48
@@ -63,7 +64,7 @@ def test_fused_silu_mul_is_within_bf16_rounding_of_the_two_step_mlp() -> None:
     gate_up.weight.data = (torch.randn(2 * inter, 32, generator=g) * 0.3).bfloat16()
     gate_up.bias.data = torch.randn(2 * inter, generator=g).bfloat16()
     x = torch.randn(70, 32, generator=g).bfloat16()
-    want = silu_mul_(F.linear(x, gate_up.weight, gate_up.bias), inter).float()
-    got = OneDnnSiluMul(gate_up, inter)(x).float()
+    want = act_mul_(F.linear(x, gate_up.weight, gate_up.bias), inter, activation).float()
+    got = OneDnnActMul(gate_up, inter, activation)(x).float()
     # bf16 keeps 8 bits: the fused epilogue rounds once where HF rounds three times
     assert ((got - want).abs() <= want.abs() * 2**-6 + 2**-9).all()

@@ -1,7 +1,8 @@
 """The families the native engine runs beyond Llama's layout against vLLM's implementations
 of them (Granite's four multipliers; SmolLM3's layers without RoPE, OLMo2's and OLMo3's norms
 on the branch outputs, which vLLM 0.32 runs through its transformers backend; Phi3's fused
-checkpoint tensors, RoPE over part of each head and longrope; sliding windows): greedy
+checkpoint tensors, RoPE over part of each head and longrope; sliding windows; Gemma3's
+norms of 1 + w around both branches, GELU, a RoPE per layer type): greedy
 float32 outputs equal token for token, through both backends on the same job."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tests.backends.vllm.vllm_kit import both_results, build_model, needs_vllm
 pytestmark = [needs_vllm, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("family", ["granite", "smollm3", "olmo2", "olmo3", "phi3"])
+@pytest.mark.parametrize("family", ["granite", "smollm3", "olmo2", "olmo3", "phi3", "gemma3"])
 def test_family_outputs_equal_vllms(family, dataset, tmp_path):
     model = build_model(tmp_path / family, family=family)
     _assert_equal(family, model, dataset, tmp_path)

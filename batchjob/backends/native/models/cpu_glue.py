@@ -31,12 +31,18 @@ def rms_norm_bf16(
     residual_delta: torch.Tensor | None = None, scale_in_float: bool = False,
 ) -> torch.Tensor | None:  # fmt: skip
     """RMSNorm(x) * weight as a new [T, D] tensor, x [T, D]; with ``residual_delta``, x += it
-    in place first; ``scale_in_float``: the weight scales before the one rounding (OLMo2),
-    else after the normalised x is rounded (Llama). None (nothing touched) where the C pass
-    does not apply."""
-    ts = (x, weight) if residual_delta is None else (x, weight, residual_delta)
+    in place first; ``scale_in_float``: the weight scales before the one rounding (OLMo2; a
+    float32 weight: Gemma's 1 + w), else after the normalised x is rounded (Llama). None
+    (nothing touched) where the C pass does not apply."""
+    ts = (x,) if residual_delta is None else (x, residual_delta)
     kn = _takes(*ts)
     if kn is None or x.dim() != 2 or not weight.is_contiguous() or weight.shape != x.shape[1:]:
+        return None
+    # a float32 weight (Gemma's 1 + w) scales before the rounding: mode 2
+    mode = 2 if weight.dtype == torch.float32 else int(scale_in_float)
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if weight.dtype == torch.float32 and not scale_in_float:
         return None
     if residual_delta is not None and residual_delta.shape != x.shape:
         return None
@@ -47,6 +53,6 @@ def rms_norm_bf16(
     )
     rc = kn.rms_norm_bf16(
         x.data_ptr(), x.stride(0), dp or None, ds, weight.data_ptr(), out.data_ptr(),
-        out.stride(0), t, d, eps, int(scale_in_float), torch.get_num_threads(),
+        out.stride(0), t, d, eps, mode, torch.get_num_threads(),
     )  # fmt: skip
     return out if rc == 0 else None

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2, OLMo3, Phi3)
-over a flat ragged batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Granite, SmolLM3, OLMo2, OLMo3, Phi3,
+Gemma3) over a flat ragged batch of tokens.
 
 No batch dimension and no padding: ``T`` tokens of many sequences go through every layer
 together; attention is the only place that knows about sequences, through
@@ -31,13 +31,28 @@ from batchjob.backends.native.models.rope import RopeTable, apply_rope_, inv_fre
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, scale_in_float: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        dtype: torch.dtype,
+        scale_in_float: bool = False,
+        offset: float = 0.0,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
         # OLMo2's order: scale by the weight in float32, then round once (Llama's rounds the
         # normalised x first); the same in float32
         self.scale_in_float = scale_in_float
+        # Gemma's: the scale is offset + weight, in float32 (fold_offset, once loaded)
+        self.offset = offset
+
+    def fold_offset(self) -> None:
+        """The checkpoint's weight w -> float32 offset + w, the scale the norm applies."""
+        if self.offset:
+            self.weight = nn.Parameter(self.weight.float() + self.offset, requires_grad=False)
+            self.offset = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.scale_in_float)
@@ -47,7 +62,8 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float: bool = False
 ) -> torch.Tensor:
     """HF's RMSNorm: normalise in float32, round to x's dtype, then scale by ``weight``;
-    ``scale_in_float`` (OLMo2's): scale in float32, then round once."""
+    ``scale_in_float`` (OLMo2's, Gemma's with a float32 weight): scale in float32, then
+    round once."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, bit-equal in float32
     if x.dim() == 2:  # one pass in C (bf16 on the CPU), where it applies
@@ -62,16 +78,21 @@ def rms_norm(
 def add_rms_norm_(h: torch.Tensor, delta: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     """h += delta in place (the residual stream), then ``norm(h)``; one pass in C for bf16 on
     the CPU (vLLM's fused_add_rms_norm), else the two torch steps."""
-    out = cpu_glue.rms_norm_bf16(h, norm.weight, norm.eps, residual_delta=delta)
+    out = cpu_glue.rms_norm_bf16(
+        h, norm.weight, norm.eps, residual_delta=delta, scale_in_float=norm.scale_in_float
+    )
     if out is not None:
         return out
     return norm(h.add_(delta))
 
 
-def silu_mul_(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """silu(gate) * up written into the gate half of ``gate_up`` [T, 2I]; returns that half
-    (a [T, I] view with row stride 2I, which the next matmul reads in place)."""
+def act_mul_(gate_up: torch.Tensor, inter: int, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up written into the gate half of ``gate_up`` [T, 2I] (act: SiLU, or
+    Gemma's tanh-approximated GELU); returns that half (a [T, I] view with row stride 2I,
+    which the next matmul reads in place)."""
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    if activation == "gelu_tanh":
+        return gate.copy_(F.gelu(gate, approximate="tanh")).mul_(up)
     return F.silu(gate, inplace=True).mul_(up)
 
 
@@ -94,12 +115,12 @@ class Attention(nn.Module):
         out = self.q_size + 2 * self.kv_size
         self.qkv = nn.Linear(cfg.hidden_size, out, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
-        # q/k norms: per head (Qwen3), or over the whole projection (OLMo2)
-        self.qk_norm_whole = cfg.branch_norms
-        q_dim, k_dim = (self.q_size, self.kv_size) if cfg.branch_norms else (cfg.head_dim,) * 2
-        eps, in_float = cfg.rms_norm_eps, cfg.branch_norms
-        self.q_norm = RMSNorm(q_dim, eps, dtype, in_float) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, eps, dtype, in_float) if cfg.qk_norm else None
+        # q/k norms: per head (Qwen3, Gemma3), or over the whole projection (OLMo2)
+        self.qk_norm_whole = cfg.qk_norm_whole
+        q_dim, k_dim = (self.q_size, self.kv_size) if cfg.qk_norm_whole else (cfg.head_dim,) * 2
+        eps, in_float, off = cfg.rms_norm_eps, cfg.branch_norms, cfg.norm_offset
+        self.q_norm = RMSNorm(q_dim, eps, dtype, in_float, off) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps, dtype, in_float, off) if cfg.qk_norm else None
 
     def project(
         self,
@@ -164,27 +185,35 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
+        self.activation = cfg.activation
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias, dtype=dtype)
         self.down = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
-        # x -> silu(gate) * up in one module (onednn_linear.OneDnnSiluMul on bf16 CPUs)
+        # x -> act(gate) * up in one module (onednn_linear.OneDnnActMul on bf16 CPUs)
         self.fused_gate_up: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None and x.dim() == 2:
             return self.down(self.fused_gate_up(x))
-        return self.down(silu_mul_(self.gate_up(x), self.inter))
+        return self.down(act_mul_(self.gate_up(x), self.inter, self.activation))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         hidden, eps, branch = cfg.hidden_size, cfg.rms_norm_eps, cfg.branch_norms
-        # Llama: input_norm before attention, post_norm before the MLP. OLMo2 (branch): no
-        # input_norm; post_norm on attention's output, post_ff_norm on the MLP's
-        self.input_norm = None if branch else RMSNorm(hidden, eps, dtype)
+        off = cfg.norm_offset
+
+        def norm() -> RMSNorm:  # branch norms scale in float32 (OLMo2, Gemma3)
+            return RMSNorm(hidden, eps, dtype, scale_in_float=branch, offset=off)
+
+        # Llama: input_norm before attention, post_norm before the MLP. Branch norms: post_norm
+        # on attention's output, post_ff_norm on the MLP's; OLMo2 without input norms, Gemma3
+        # with both (input_norm, pre_ff_norm)
+        self.input_norm = norm() if cfg.input_norms else None
         self.attn = Attention(cfg, dtype, rope=cfg.uses_rope(index), window=cfg.layer_window(index))
-        self.post_norm = RMSNorm(hidden, eps, dtype, scale_in_float=branch)
-        self.post_ff_norm = RMSNorm(hidden, eps, dtype, scale_in_float=True) if branch else None
+        self.post_norm = norm()
+        self.pre_ff_norm = norm() if branch and cfg.input_norms else None
+        self.post_ff_norm = norm() if branch else None
         self.mlp = MLP(cfg, dtype)
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1 elsewhere
 
@@ -211,6 +240,9 @@ class DecoderLayer(nn.Module):
         [T, q_size]; returns the MLP's output, which the caller adds to h: the next layer's
         ``pre_attention`` in its norm's pass, or ``h.add_`` after the last layer."""
         attn_out = self._scaled(self.attn.o_proj(o))
+        if self.post_ff_norm is not None and self.pre_ff_norm is not None:  # Gemma3
+            x = add_rms_norm_(h, self.post_norm(attn_out), self.pre_ff_norm)
+            return self.post_ff_norm(self.mlp(x))
         if self.post_ff_norm is not None:  # OLMo2: each branch normalised, then added
             h.add_(self.post_norm(attn_out))
             return self.post_ff_norm(self.mlp(h))
@@ -226,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
     """One class for all supported families; ``cfg`` flags select the differences."""
 
     inv_freq: torch.Tensor  # a registered buffer (nn.Module types buffers as Tensor | Module)
+    sliding_inv_freq: torch.Tensor | None  # Gemma3's windowed layers' (a buffer), else None
 
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype, attn_backend=None, long_rope: bool = False
@@ -237,7 +270,9 @@ class LlamaForCausalLM(nn.Module):
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.branch_norms)
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.branch_norms, cfg.norm_offset
+        )
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -248,6 +283,16 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # float32 [D/2]
         # cos/sin per position, filled on first use
         self.rope = RopeTable(dtype, scale=cfg.rope.attention_factor)
+        # Gemma3's windowed layers: a RoPE of their own (``DecoderLayer.rope_table`` 1)
+        self.sliding_rope: RopeTable | None = None
+        local = (
+            None if cfg.sliding_rope is None else inv_frequencies(cfg.sliding_rope, cfg.rotary_dims)
+        )
+        self.register_buffer("sliding_inv_freq", local, persistent=False)  # float32 [D/2] | None
+        if cfg.sliding_rope is not None:
+            self.sliding_rope = RopeTable(dtype, scale=cfg.sliding_rope.attention_factor)
+        # per layer: the table of its RoPE (0: ``rope``, 1: ``sliding_rope``)
+        self.layer_tables = [int(cfg.layer_rope(i) is not cfg.rope) for i in range(cfg.num_layers)]
         self.attn_backend = attn_backend  # write_kv/attend provider, see engine.attention
         # the logits projection as a module (cpu_linear.PackedLinear), else F.linear below
         self.logits_linear: nn.Module | None = None
@@ -276,11 +321,22 @@ class LlamaForCausalLM(nn.Module):
         if self.attn_backend is None:
             raise RuntimeError("model.attn_backend is not set")
         # every position < its group's prefix + its own KV (build_batch checks it)
-        h, cos, sin = self.embed(input_ids, positions, meta.max_prefix_len + meta.max_kv_len)
+        bound = meta.max_prefix_len + meta.max_kv_len
+        h, cos, sin = self.embed(input_ids, positions, bound)
+        tables = [(cos, sin)]
+        if self.sliding_rope is not None and self.sliding_inv_freq is not None:
+            tables.append(self.sliding_rope.lookup(positions, self.sliding_inv_freq, bound))
         delta = None  # a layer's MLP output, added to h in the next layer's input norm
         for i, layer in enumerate(self.layers):
-            delta = layer(h, cos, sin, kv_cache[i], meta, self.attn_backend, delta)
+            c, s = tables[self.layer_tables[i]]
+            delta = layer(h, c, s, kv_cache[i], meta, self.attn_backend, delta)
         return h if delta is None else h.add_(delta)
+
+    def fold_norm_offsets(self) -> None:
+        """Gemma3's norms scale by 1 + weight: folded into float32 weights once loaded."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fold_offset()
 
     def embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor, bound: int = 0
@@ -290,7 +346,9 @@ class LlamaForCausalLM(nn.Module):
         already holds every position)."""
         cos, sin = self.rope.lookup(positions, self.inv_freq, bound)
         h = self.embed_tokens(input_ids)
-        m = self.cfg.embedding_multiplier  # Granite's; 1 elsewhere
+        m = self.cfg.embedding_multiplier  # Granite's, Gemma3's sqrt(hidden); 1 elsewhere
+        if m != 1.0 and self.cfg.embedding_scale_in_dtype:  # Gemma3: rounded to the dtype
+            m = float(torch.tensor(m, dtype=h.dtype))
         return (h if m == 1.0 else h.mul_(m)), cos, sin
 
     def logits(self, h: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
@@ -325,6 +383,7 @@ class LlamaForCausalLM(nn.Module):
             hf, me = f"model.layers.{i}.", f"layers.{i}."
             src[me + "input_norm.weight"] = [hf + "input_layernorm.weight"]
             src[me + "post_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+            src[me + "pre_ff_norm.weight"] = [hf + "pre_feedforward_layernorm.weight"]
             src[me + "post_ff_norm.weight"] = [hf + "post_feedforward_layernorm.weight"]
             for kind in ("weight", "bias"):
                 qkv = [f"{hf}self_attn.{p}_proj.{kind}" for p in qkv_names]

@@ -45,6 +45,25 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))
 
 
+# where a multimodal checkpoint keeps its language model's tensors (Gemma3's: the Hub's
+# files, and transformers >= 4.52's saves): tried for a name the checkpoint lacks
+_LANGUAGE_MODEL_PREFIXES = (
+    ("model.", "language_model.model."),
+    ("model.", "model.language_model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
+def _checkpoint_name(name: str, files) -> str:
+    """``name`` as the checkpoint spells it: itself, or under a language-model prefix."""
+    if name in files:
+        return name
+    for ours, theirs in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(ours) and theirs + name[len(ours) :] in files:
+            return theirs + name[len(ours) :]
+    return name
+
+
 def _load_weights(model: LlamaForCausalLM, info: ModelInfo) -> None:
     files, folder = info.tensor_files, info.path
     dtype, device = info.torch_dtype, info.torch_device
@@ -53,7 +72,7 @@ def _load_weights(model: LlamaForCausalLM, info: ModelInfo) -> None:
         handles = {}
         for name, sources in model.checkpoint_sources().items():
             parts = []
-            for src in sources:
+            for src in (_checkpoint_name(n, files) for n in sources):
                 if src not in files:
                     raise ModelError(f"tensor {src!r} is missing from the checkpoint in {folder}")
                 path = files[src]
@@ -113,6 +132,7 @@ def load_model(
     with torch.device("meta"):
         net = MODEL_CLASSES[info.architecture](info.config, info.torch_dtype, long_rope=long_rope)
     _load_weights(net, info)
+    net.fold_norm_offsets()
     net.to(dev).eval()
     net.attn_backend = get_attention_backend(attention, dev)
     if linear == "auto" and dev.type == "cpu" and info.torch_dtype == torch.float32:

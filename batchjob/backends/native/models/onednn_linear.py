@@ -51,15 +51,21 @@ class OneDnnLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class OneDnnSiluMul(nn.Module):
-    """``silu(x Wg^T + bg) * (x Wu^T + bu)`` for bf16 2-D inputs: the gate and up halves of a
-    fused gate_up weight packed apart, SiLU and the product done in oneDNN's epilogues (no
-    pass over the [T, 2I] intermediate: 28% of the MLP's first half at a 2,048-row chunk of
-    SmolLM2's shape, AMX Xeon). Rounding differs from HF's (the SiLU is applied before the
-    gate is rounded to bf16) within bf16's precision."""
+# the MLP's activation -> oneDNN's post-op (name, algorithm)
+_POST_OPS = {"silu": ("swish", ""), "gelu_tanh": ("gelu", "tanh")}
 
-    def __init__(self, gate_up: nn.Linear, inter: int) -> None:
+
+class OneDnnActMul(nn.Module):
+    """``act(x Wg^T + bg) * (x Wu^T + bu)`` for bf16 2-D inputs (act: SiLU, or Gemma's
+    tanh-approximated GELU): the gate and up halves of a fused gate_up weight packed apart,
+    the activation and the product done in oneDNN's epilogues (no pass over the [T, 2I]
+    intermediate: 28% of the MLP's first half at a 2,048-row chunk of SmolLM2's shape, AMX
+    Xeon). Rounding differs from HF's (the activation is applied before the gate is rounded
+    to bf16) within bf16's precision."""
+
+    def __init__(self, gate_up: nn.Linear, inter: int, activation: str = "silu") -> None:
         super().__init__()
+        self.post_op, self.algorithm = _POST_OPS[activation]
         w = gate_up.weight.detach()
         b = gate_up.bias.detach() if gate_up.bias is not None else None
         self.gate_b = None if b is None else b[:inter].contiguous()
@@ -71,7 +77,7 @@ class OneDnnSiluMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = torch.ops.mkldnn
         x = x.contiguous()
-        g = ops._linear_pointwise(x, self.gate, self.gate_b, "swish", [], "")
+        g = ops._linear_pointwise(x, self.gate, self.gate_b, self.post_op, [], self.algorithm)
         return ops._linear_pointwise(x, g, self.up, self.up_b, "mul")
 
 
@@ -87,7 +93,7 @@ def use_onednn_linear(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> 
     targets, head_w = found.layers, found.head
     for parent, name, child in targets:
         if name == "gate_up" and isinstance(parent, MLP) and dtype == torch.bfloat16:
-            parent.fused_gate_up = OneDnnSiluMul(child, parent.inter)
+            parent.fused_gate_up = OneDnnActMul(child, parent.inter, parent.activation)
             continue  # the gate_up module stays for other inputs (never bf16 2-D here)
         setattr(parent, name, OneDnnLinear(child.weight, child.bias))
     n = len(targets)
