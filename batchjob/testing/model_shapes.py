@@ -9,8 +9,9 @@ real logits width. Random weights at the checkpoint's init scale (0.02).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from batchjob.testing.tiny_model import default_corpus, make_tiny_model
 
@@ -29,6 +30,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool
+    settings: dict[str, Any] = field(default_factory=dict)  # config keys of the checkpoint
 
     def params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
@@ -50,6 +52,9 @@ class ModelShape:
         return 2 * self.hidden * self.vocab
 
 
+# a window of 512 in five layers of six, each layer type with its own RoPE
+GEMMA3_1B = {"sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256}
+
 SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (
@@ -57,6 +62,7 @@ SHAPES: dict[str, ModelShape] = {
         ModelShape("qwen2.5-0.5b", "qwen2", 24, 896, 14, 2, 64, 4864, 151936, True),
         ModelShape("llama-3.2-1b", "llama", 16, 2048, 32, 8, 64, 8192, 128256, True),
         ModelShape("qwen3-embedding-0.6b", "qwen3", 28, 1024, 16, 8, 128, 3072, 151669, True),
+        ModelShape("gemma-3-1b", "gemma3", 26, 1152, 4, 1, 256, 6912, 262144, True, GEMMA3_1B),
     )
 }
 
@@ -84,4 +90,5 @@ def make_shaped_model(path: str | Path, shape: ModelShape | str, seed: int = 0) 
         init_std=0.02,
         tie_word_embeddings=s.tied,
         max_position=8192,
+        overrides=s.settings,
     )

@@ -57,7 +57,7 @@ def train_tokenizer(corpus: list[str], vocab_size: int):
     return tok
 
 
-def _config(family: str, **kw):
+def _config(family: str, overrides: dict[str, Any] | None = None, **kw):
     import transformers
 
     cls = {
@@ -74,7 +74,7 @@ def _config(family: str, **kw):
     }[family]
     if kw.get("head_dim") is None:
         kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
-    kw |= FAMILY_SETTINGS.get(family, {})
+    kw |= FAMILY_SETTINGS.get(family, {}) | (overrides or {})
     return cls(**kw)
 
 
@@ -93,11 +93,7 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     },
     "smollm3": {"no_rope_layer_interval": 2},
     "phi3": {"partial_rotary_factor": 0.5},
-    "gemma3": {
-        "sliding_window": 16,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "query_pre_attn_scalar": 24,
-    },
+    "gemma3": {"sliding_window": 16, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24},
 }
 
 
@@ -155,6 +151,7 @@ def make_tiny_model(
     max_shard_size: str | None = None,
     head_dim: int | None = None,
     model_vocab: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random-weight ``family`` model with a BPE tokenizer to ``out_dir``.
 
@@ -162,6 +159,7 @@ def make_tiny_model(
     does not collapse into one repeated token. ``max_shard_size`` (e.g. "20KB") writes a
     sharded checkpoint with an index. The model's vocab is the tokenizer's actual size, or
     ``model_vocab`` rows where that is larger (real checkpoints pad theirs past the tokenizer).
+    ``overrides``: config keys over the family's test settings (a real checkpoint's).
     """
     import transformers
 
@@ -174,6 +172,7 @@ def make_tiny_model(
     bos_id, eos_id, pad_id = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
     config = _config(
         family,
+        overrides,
         vocab_size=max(tok.get_vocab_size(), model_vocab or 0),
         hidden_size=hidden,
         intermediate_size=intermediate or 2 * hidden,
