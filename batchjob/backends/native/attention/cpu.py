@@ -46,8 +46,8 @@ WHOLE_ROWS = 8
 MAX_WHOLE_ROWS = 256  # an all-head unit's scratch rows (the kernel's MAX_WROWS)
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # unit fields, in the kernel's order
-Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH, LO = range(8)
-FIELDS = 8
+Q0, NQ, NKEYS, BLK, CAUSAL, DST, KVH, LO = FIELD_INDEX = range(8)
+FIELDS = len(FIELD_INDEX)
 NO_LO = -(1 << 40)  # LO of a unit without a sliding window: below any key
 
 
@@ -110,6 +110,10 @@ def build_units(
     s, e = meta.group_q_start.cpu().numpy(), meta.group_q_end.cpu().numpy()
     p_len = meta.prefix_len.cpu().numpy().astype(np.int64)
 
+    def prefix_units(grp, q0, nq, lo) -> np.ndarray:  # [FIELDS, n]: tiles of groups' prefixes
+        base = table.size + grp * p_table.shape[1]  # DST 1 (pout); KVH set below
+        return np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1, 0 * grp, lo])
+
     own, q0, nq, off = _tiles(cu_q[:-1], q_len, tile)
     causal = kv_len[own] - q_len[own] + off
     lo = 0 * own + NO_LO if window is None else causal - window + 1
@@ -124,18 +128,14 @@ def build_units(
     if len(g):
         gi, q0, nq, _ = _tiles(s[g].astype(np.int64), (e[g] - s[g]).astype(np.int64), tile)
         grp = g[gi]
-        base = table.size + grp * p_table.shape[1]
-        lo = 0 * grp + NO_LO
-        parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1, 0 * grp, lo]))
+        parts.append(prefix_units(grp, q0, nq, 0 * grp + NO_LO))
     if split.any():  # each member's own tiles against the prefix: LO by absolute position
         group = meta.seq_group.cpu().numpy().astype(np.int64)[own]
         t = np.nonzero((group >= 0) & split[np.maximum(group, 0)])[0]
         grp, q0, nq = group[t], own_u[Q0, t], own_u[NQ, t]
         lo = pos[q0] - window + 1
         keep = lo < p_len[grp]  # the rest see no prefix key: no partial (lse stays -inf)
-        grp, q0, nq, lo = grp[keep], q0[keep], nq[keep], lo[keep]
-        base = table.size + grp * p_table.shape[1]
-        parts.append(np.stack([q0, nq, p_len[grp], base, p_len[grp], 0 * grp + 1, 0 * grp, lo]))
+        parts.append(prefix_units(grp[keep], q0[keep], nq[keep], lo[keep]))
     u = np.concatenate(parts, axis=1).T  # [n, FIELDS], KVH set below
     # tiles whose rows of all KV heads fit one unit take them all: whole blocks stream
     rows = u[:, NQ] * r
