@@ -283,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # float32 [D/2]
         # cos/sin per position, filled on first use
         self.rope = RopeTable(dtype, scale=cfg.rope.attention_factor)
-        # Gemma3's windowed layers: a RoPE of their own (``DecoderLayer.rope_table`` 1)
+        # Gemma3's windowed layers: a RoPE of their own (table 1 of ``layer_tables``)
         self.sliding_rope: RopeTable | None = None
         local = (
             None if cfg.sliding_rope is None else inv_frequencies(cfg.sliding_rope, cfg.rotary_dims)
