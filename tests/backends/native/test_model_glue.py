@@ -28,8 +28,9 @@ def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.parametrize("path", ["c", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("scale", [1.0, 1.1902])  # 1.19: longrope's attention factor
 def test_rope_in_place_on_fused_qkv_view_equals_hf(
-    dtype: torch.dtype, head_dim: int, path: str, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, head_dim: int, scale: float, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both the C pass (kernels/cpu/rope.c) and the torch ops rotate bit-equal to HF."""
     if path == "torch":
@@ -42,13 +43,13 @@ def test_rope_in_place_on_fused_qkv_view_equals_hf(
     inv = inv_frequencies(rope, head_dim)
     positions = torch.randint(0, 3000, (t,), generator=g)
     qkv = torch.randn(t, (h + 2 * hkv) * head_dim, generator=g).to(dtype)
-    want_cos, want_sin = rope_cos_sin(positions, inv, dtype)  # [T, 1, D]
+    want_cos, want_sin = rope_cos_sin(positions, inv, dtype, scale)  # [T, 1, D]
     q = qkv[:, : h * head_dim].view(t, h, head_dim)
     k = qkv[:, h * head_dim : (h + hkv) * head_dim].view(t, hkv, head_dim)
     want_q, want_k = apply_rope(q, want_cos, want_sin), apply_rope(k, want_cos, want_sin)
     v_before = qkv[:, (h + hkv) * head_dim :].clone()
 
-    table = RopeTable(dtype)
+    table = RopeTable(dtype, scale)
     empty, _ = table.lookup(positions[:0], inv)  # an empty batch: an empty [0, 1, D/2]
     assert empty.shape == (0, 1, head_dim // 2)
     cos, sin = table.lookup(positions[:5], inv)  # a small table first: it must grow

@@ -37,12 +37,16 @@ def inv_frequencies(rope: RopeConfig, dims: int, long: bool = False) -> torch.Te
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T] -> cos, sin: [T, 1, D] in ``dtype`` (angles computed in float32)."""
+    """positions: [T] -> cos, sin: [T, 1, D] in ``dtype`` (angles computed in float32;
+    ``scale``, longrope's attention factor, multiplies both in float32 before the rounding)."""
     freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -55,10 +59,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class RopeTable:
     """cos/sin of every position up to the largest seen, cached in the model's dtype.
 
-    Built from the same float32 products as ``rope_cos_sin`` (position * inv_freq), so a
-    row of the table is bit-equal to computing it per call; grows by doubling. ``scale``
-    (longrope's attention factor) multiplies cos and sin in float32 before the rounding, as
-    transformers and vLLM do.
+    Built from the same float32 products as ``rope_cos_sin`` (position * inv_freq, times
+    ``scale``), so a row of the table is bit-equal to computing it per call with the same
+    scale; grows by doubling. ``scale`` (longrope's attention factor) multiplies cos and sin
+    in float32 before the rounding, as transformers and vLLM do.
     """
 
     def __init__(self, dtype: torch.dtype, scale: float = 1.0) -> None:
