@@ -17,8 +17,8 @@
 #   native    the native engine against vLLM sorted, SHAPES (smollm2-135m,qwen2.5-0.5b)
 #   backend   the vllm backend against vLLM sorted, SHAPES
 #   backend0  the same with BATCHJOB_VLLM_PREFIX_ATTENTION=0 (vLLM's attention in every layer)
-# Each cell at one shape takes 25-40 min on 2 vCPUs (every vLLM run pays its ~100 s start-up):
-# CELL_LIMIT (3000 s) bounds each. Record the tables in docs/benchmarks.md and the README with
+# Each cell at one shape takes 25-40 min on 2 vCPUs in bf16 (every vLLM run pays its 100-160 s
+# start-up), about 60 min in float32 on an AVX2-only Zen 3: CELL_LIMIT (5400 s) bounds each. Record the tables in docs/benchmarks.md and the README with
 # the CPU's model and flags (env.log), the data under benchmarks/results/.
 set -u
 MODE=${1:-check}
@@ -60,7 +60,7 @@ for cell in $(echo "${CELLS:-native,backend,backend0}" | tr ',' ' '); do
     *) echo "unknown cell $cell" && continue ;;
     esac
     for shape in $(echo "${SHAPES:-smollm2-135m,qwen2.5-0.5b}" | tr ',' ' '); do
-        TAIL=12 stage "${cell}_${shape}" "${CELL_LIMIT:-3000}" env "${envs[@]}" nice -n -20 \
+        TAIL=12 stage "${cell}_${shape}" "${CELL_LIMIT:-5400}" env "${envs[@]}" nice -n -20 \
             "$PY" benchmarks/bench_peers.py --model-shapes "$shape" --dtype "$DTYPE" \
             --workloads "${WORKLOADS:-natural-qa,micro-2000-200-s16,long-doc}" \
             --systems "$systems" --with-vllm --repeats "${REPEATS:-3}" --interleave \
