@@ -18,8 +18,9 @@
 #   backend   the vllm backend against vLLM sorted, SHAPES
 #   backend0  the same with BATCHJOB_VLLM_PREFIX_ATTENTION=0 (vLLM's attention in every layer)
 # Each cell at one shape takes 25-40 min on 2 vCPUs in bf16 (every vLLM run pays its 100-160 s
-# start-up), about 60 min in float32 on an AVX2-only Zen 3: CELL_LIMIT (5400 s) bounds each. Record the tables in docs/benchmarks.md and the README with
-# the CPU's model and flags (env.log), the data under benchmarks/results/.
+# start-up), about 60 min in float32 on an AVX2-only Zen 3: CELL_LIMIT (5400 s) bounds each.
+# Record the tables in docs/benchmarks.md and the README with the CPU's model and flags
+# (env.log), the data under benchmarks/results/.
 set -u
 MODE=${1:-check}
 OUT=${OUT:-out/cpu}
