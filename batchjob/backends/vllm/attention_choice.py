@@ -5,14 +5,16 @@ but per query-key pair it may be slower than vLLM's own CPU attention on some CP
 (vLLM's AMX kernel keeps V packed for its tiles in the cache; batchjob's packs it per span).
 So, as the native engine calibrates its kernel against torch's attention, the backend times
 both kernels once per class (vLLM version, kernel build, heads, KV heads, head dim, block
-size, KV dtype)
-before vLLM starts, on two synthetic steps of one layer: a decode step (128 requests in 16
-groups of 8 over a 1,024-token prefix, 64 own tokens each) and a prefill step (16 requests of
-128 new tokens over one cached 512-token prefix). Each side runs on one thread, timed in that
-thread's CPU time, calls alternated (``calibrate.alternated_times``). A job is taken as three
-decode steps per prefill step (``WEIGHTS``; real-shape runs: ~1 on natural-qa, ~5 on 2000/200
-s16), and batchjob's kernel keeps the layers unless that takes more than ``MARGIN`` times
-vLLM's. The measurements are cached with the native engine's calibrations
+size, KV dtype) before vLLM starts, on two synthetic steps of one layer: a decode step (128
+requests in 16 groups of 8 over a 1,024-token prefix, 64 own tokens each) and a prefill step
+(16 requests of 128 new tokens over one cached 512-token prefix). Each side runs on one
+thread, timed in that thread's CPU time, calls alternated (``calibrate.alternated_times``).
+The two step times are weighed by the job's own mix (``JobMix``: the plan's decode tokens over
+a decode step's 128 query tokens, the prefill tokens vLLM's prefix cache leaves to compute
+over a prefill step's 2,048), so a prefill-heavy job follows the prefill step's winner and a
+decode-heavy one the decode step's; without a plan, three decode steps per prefill step
+(``WEIGHTS``). batchjob's kernel keeps the layers unless the job's estimate takes more than
+``MARGIN`` times vLLM's. The measurements are cached with the native engine's calibrations
 (``calibrate.Calibration``), so a class is measured once per machine (1-3.5 s at 0.1-1B
 shapes on a Zen 4); ``$BATCHJOB_CPU_CALIBRATE`` applies as there (``0``: no measurement, the
 kernel everywhere it fits; ``fresh``: measure again).
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 MARGIN = 1.05  # batchjob's / vLLM's weighted step times above which vLLM's attention is used
 # (groups, members a group, shared prefix tokens, own tokens, query tokens a request)
 STEPS = {"decode": (16, 8, 1024, 64, 1), "prefill": (1, 16, 512, 128, 128)}
-WEIGHTS = {"decode": 3.0, "prefill": 1.0}  # steps of each kind in a job's proxy
+WEIGHTS = {"decode": 3.0, "prefill": 1.0}  # steps of each kind where no job is known
 LAYERS = 4  # caches the timed calls cycle through: each as cold as a model's other layers
 REPS = 5
 
@@ -68,6 +70,29 @@ class AttentionClass:
         )
 
 
+def step_tokens(kind: str) -> int:
+    """Query tokens one timed step of ``kind`` runs (``STEPS``)."""
+    groups, members, _, _, qlen = STEPS[kind]
+    return groups * members * qlen
+
+
+@dataclass(frozen=True)
+class JobMix:
+    """A job's attention work as the timed steps count it: the tokens it decodes (the plan's
+    decode estimates) and the prompt tokens left to compute once shared prefixes are cached
+    (the plan's multi-level prefill tokens)."""
+
+    decode_tokens: int
+    prefill_tokens: int
+
+    def weights(self) -> dict[str, float]:
+        """Steps of each kind the job's tokens make (``WEIGHTS`` for a job of no tokens)."""
+        tokens = {"decode": self.decode_tokens, "prefill": self.prefill_tokens}
+        if sum(tokens.values()) <= 0:
+            return dict(WEIGHTS)
+        return {kind: max(n, 0) / step_tokens(kind) for kind, n in tokens.items()}
+
+
 @dataclass(frozen=True)
 class Choice:
     """The layers' attention and the measurements behind it (ms of one layer's call, one
@@ -75,8 +100,9 @@ class Choice:
 
     kernel: bool  # batchjob's prefix-shared kernel; else vLLM's attention
     reason: str
-    kernel_ms: float | None = None  # the job proxy's weighted sum (WEIGHTS)
+    kernel_ms: float | None = None  # the steps' times weighed by the job's mix (or WEIGHTS)
     vllm_ms: float | None = None
+    weights: dict[str, float] | None = None  # the steps of each kind weighed
 
 
 def step_batch(
@@ -161,9 +187,17 @@ def measure(cls: AttentionClass) -> calib.Decision:
     return calib.paired_decision(k_s, v_s, MARGIN)
 
 
-def choose(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str) -> Choice:
-    """The decoder layers' attention for this model on this CPU (the module doc): a
-    ``Choice`` the backend passes to vLLM's worker through ``prefix_attention.ENV_SWITCH``."""
+def choose(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: str,
+    mix: JobMix | None = None,
+) -> Choice:
+    """The decoder layers' attention for this model on this CPU and the job ``mix`` (the
+    module doc): a ``Choice`` the backend passes to vLLM's worker through
+    ``prefix_attention.ENV_SWITCH``."""
     switch = os.environ.get(pa.ENV_SWITCH, "").strip()
     if switch == "0":
         return Choice(False, f"{pa.ENV_SWITCH}=0")
@@ -191,11 +225,14 @@ def choose(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: str
     except Exception as e:  # a vLLM whose CPU attention ops differ: the kernel, as before
         log.warning("vllm backend attention: not measured (%s); batchjob's kernel", e)
         return Choice(True, f"not measured: {e}")
-    k = sum(WEIGHTS[kind] * d.kernel_ms for kind, d in ms.items())
-    v = sum(WEIGHTS[kind] * d.torch_ms for kind, d in ms.items())
-    detail = ", ".join(f"{kind} {d.kernel_ms:.2f} vs {d.torch_ms:.2f} ms" for kind, d in ms.items())
+    w = mix.weights() if mix is not None else dict(WEIGHTS)
+    k = sum(w[kind] * d.kernel_ms for kind, d in ms.items())
+    v = sum(w[kind] * d.torch_ms for kind, d in ms.items())
+    detail = ", ".join(
+        f"{kind} {d.kernel_ms:.2f} vs {d.torch_ms:.2f} ms x {w[kind]:.3g}" for kind, d in ms.items()
+    )
     use = k <= MARGIN * v
-    choice = Choice(use, f"measured one layer's steps: batchjob vs vLLM {detail}", k, v)
+    choice = Choice(use, f"measured one layer's steps: batchjob vs vLLM {detail}", k, v, w)
     log.info(
         "vllm backend attention: %s (%s)", "batchjob's kernel" if use else "vLLM's", choice.reason
     )

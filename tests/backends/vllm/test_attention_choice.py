@@ -85,6 +85,34 @@ def test_the_choice_weighs_decode_and_prefill_steps(ac, kernel_ms, vllm_ms, kern
     assert choice.vllm_ms == pytest.approx(sum(w[k] * vllm_ms[k] for k in w))
 
 
+@pytest.mark.parametrize(
+    ("decode_tokens", "prefill_tokens", "kernel"),
+    [
+        (64_000, 20_000, True),  # mostly decode: the kernel's faster decode steps decide
+        (2_000, 200_000, False),  # mostly prefill: vLLM's faster prefill steps decide
+        (0, 0, True),  # no tokens known: three decode steps per prefill step
+    ],
+)
+def test_the_jobs_own_mix_weighs_the_steps(ac, decode_tokens, prefill_tokens, kernel, monkeypatch):
+    kernel_ms, vllm_ms = {"decode": 1.0, "prefill": 24.0}, {"decode": 3.0, "prefill": 20.0}
+
+    def measured(cls):
+        return calib.Decision(False, kernel_ms[cls.kind], vllm_ms[cls.kind])
+
+    monkeypatch.setattr(ac, "measure", measured)
+    mix = ac.JobMix(decode_tokens, prefill_tokens)
+    choice = ac.choose(8, 2, 64, 32, "float32", mix)
+    assert choice.kernel is kernel
+    w = mix.weights()
+    assert choice.weights == w
+    if decode_tokens:  # steps of the timed sizes: 128 query tokens a decode, 2,048 a prefill
+        assert w == {"decode": decode_tokens / 128, "prefill": prefill_tokens / 2048}
+    else:
+        assert w == ac.WEIGHTS
+    assert choice.kernel_ms == pytest.approx(sum(w[k] * kernel_ms[k] for k in w))
+    assert choice.vllm_ms == pytest.approx(sum(w[k] * vllm_ms[k] for k in w))
+
+
 def test_switches_decide_without_measuring(ac, monkeypatch):
     def never(cls):
         raise AssertionError("measured")

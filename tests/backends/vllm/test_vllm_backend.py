@@ -125,16 +125,26 @@ def test_batchllm_scheduler_equals_native_without_preemption(batchllm, native):
 def test_layers_keep_vllms_attention_where_it_measures_faster(
     model_dir, dataset, native, tmp_path_factory, monkeypatch
 ):
-    """The driver's choice reaches the worker: vLLM's attention in every layer, outputs equal."""
+    """The driver's choice, weighed by the job's own mix, reaches the worker: vLLM's
+    attention in every layer, outputs equal."""
     from batchjob.backends.vllm import attention_choice
 
-    def vllm_faster(*shape):
+    mixes = []
+
+    def vllm_faster(*shape_and_mix):
+        mixes.append(shape_and_mix[-1])
         return attention_choice.Choice(False, "measured", kernel_ms=2.0, vllm_ms=1.0)
 
     monkeypatch.setattr(attention_choice, "choose", vllm_faster)
     opened = next(_open(model_dir, dataset, tmp_path_factory, "batchllm"))
     try:
         done, _, records = opened.run()
+        plan = opened.plan
+        assert mixes == [
+            attention_choice.JobMix(
+                int(plan.decode_estimate.sum()), plan.stats.multi_level_prefill_tokens
+            )
+        ]
         assert opened.backend.attention is not None and not opened.backend.attention.kernel
         assert_equal_to_native(done, native, opened.prompts)
         stats = opened.backend.attention_stats()
