@@ -511,7 +511,8 @@ def _batchjob_runner(args):
     loaded, model = load_prompts(job.input, job.model, job.sampling, job.engine.backend)
     prompts = loaded.prompts
     backend = VllmBackend(backend_config(job), lambda ids: "", model)
-    backend.check_fits(prompts, None)
+    sched = job.scheduler  # started for this job's plan (the attention choice weighs its mix)
+    backend.check_fits(prompts, build_plan(prompts, enlarge=sched.enlarge, order=sched.reorder))
     warm = TokenizedPrompts.from_lists([[5] * 40, [6] * 40], max_tokens=4)
     backend.run(warm, build_plan(warm), RunSink(lambda o: None))
     config = _engine_config(backend.engine.vllm_config)

@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> None:
         if backend is None:
             t0 = time.perf_counter()
             backend = VllmBackend(backend_config(job), lambda ids: "", model)
-            backend.check_fits(prompts, None)
+            # started for this job's plan: the attention choice weighs its decode/prefill mix
+            sched = job.scheduler
+            backend.check_fits(
+                prompts, build_plan(prompts, enlarge=sched.enlarge, order=sched.reorder)
+            )
             startup_s = time.perf_counter() - t0
             # warm-up (vllm_peer.py --warmup does the same): first-call costs out of the timing
             warm = TokenizedPrompts.from_lists([[5] * 40, [6] * 40], max_tokens=4)
