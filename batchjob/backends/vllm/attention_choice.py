@@ -5,15 +5,18 @@ but per query-key pair it may be slower than vLLM's own CPU attention on some CP
 (vLLM's AMX kernel keeps V packed for its tiles in the cache; batchjob's packs it per span).
 So, as the native engine calibrates its kernel against torch's attention, the backend times
 both kernels once per class (vLLM version, kernel build, heads, KV heads, head dim, block
-size, KV dtype) before vLLM starts, on two synthetic steps of one layer: a decode step (128
-requests in 16 groups of 8 over a 1,024-token prefix, 64 own tokens each) and a prefill step
-(16 requests of 128 new tokens over one cached 512-token prefix). Each side runs on one
-thread, timed in that thread's CPU time, calls alternated (``calibrate.alternated_times``).
-The two step times are weighed by the job's own mix (``JobMix``: the plan's decode tokens over
-a decode step's 128 query tokens, the prefill tokens vLLM's prefix cache leaves to compute
-over a prefill step's 2,048), so a prefill-heavy job follows the prefill step's winner and a
-decode-heavy one the decode step's; without a plan, three decode steps per prefill step
-(``WEIGHTS``). batchjob's kernel keeps the layers unless the job's estimate takes more than
+size, KV dtype) before vLLM starts, on synthetic steps of one layer (``job_mix.STEPS``): a
+decode step (128 requests in 16 groups of 8 over a 1,024-token prefix, 64 own tokens each),
+a prefill step (16 requests of 128 new tokens over one cached 512-token prefix), and the
+same two with nothing shared. Each side runs on one thread, timed in that thread's CPU time,
+calls alternated (``calibrate.alternated_times``). The step times are weighed by the job's
+own mix (``job_mix.JobMix``: the plan's decode tokens over a decode step's 128 query tokens,
+the prefill tokens vLLM's prefix cache leaves to compute over a prefill step's 2,048, each
+split between the shared and the unshared step by how much of its KV reads the job's sharing
+saves), so a prefill-heavy job follows the prefill steps' winner, a decode-heavy one the
+decode steps', and a job that shares little the unshared steps'; without a plan, three
+shared decode steps per shared prefill step (``WEIGHTS``). Only the kinds a job weighs are
+measured. batchjob's kernel keeps the layers unless the job's estimate takes more than
 ``MARGIN`` times vLLM's. The measurements are cached with the native engine's calibrations
 (``calibrate.Calibration``), so a class is measured once per machine (1-3.5 s at 0.1-1B
 shapes on a Zen 4); ``$BATCHJOB_CPU_CALIBRATE`` applies as there (``0``: no measurement, the
@@ -37,15 +40,15 @@ import torch
 from batchjob.backends.native.attention import calibrate as calib
 from batchjob.backends.native.attention.cpu import kernel_takes, run_units
 from batchjob.backends.vllm import prefix_attention as pa
+from batchjob.backends.vllm.job_mix import STEPS, WEIGHTS, JobMix
 from batchjob.backends.vllm.prefix_groups import block_tables
 
 log = logging.getLogger(__name__)
 
 MARGIN = 1.05  # batchjob's / vLLM's weighted step times above which vLLM's attention is used
-# (groups, members a group, shared prefix tokens, own tokens, query tokens a request)
-STEPS = {"decode": (16, 8, 1024, 64, 1), "prefill": (1, 16, 512, 128, 128)}
-WEIGHTS = {"decode": 3.0, "prefill": 1.0}  # steps of each kind where no job is known
 LAYERS = 4  # caches the timed calls cycle through: each as cold as a model's other layers
+CACHE_BYTES = 256 << 20  # at most this much KV over those caches (fewer layers where larger:
+# a layer's cache over the CPU's last-level cache is cold on its own)
 REPS = 5
 
 
@@ -60,7 +63,7 @@ class AttentionClass:
     head_dim: int
     block_size: int
     dtype: str  # the KV cache's: float32 | bfloat16
-    kind: str  # a key of STEPS
+    kind: str  # a key of job_mix.STEPS
 
     @property
     def key(self) -> str:
@@ -68,29 +71,6 @@ class AttentionClass:
             f"vllm-attention/{self.vllm}/{self.isa}/h{self.heads}/kv{self.kv_heads}"
             f"/d{self.head_dim}/bs{self.block_size}/{self.dtype}/{self.kind}"
         )
-
-
-def step_tokens(kind: str) -> int:
-    """Query tokens one timed step of ``kind`` runs (``STEPS``)."""
-    groups, members, _, _, qlen = STEPS[kind]
-    return groups * members * qlen
-
-
-@dataclass(frozen=True)
-class JobMix:
-    """A job's attention work as the timed steps count it: the tokens it decodes (the plan's
-    decode estimates) and the prompt tokens left to compute once shared prefixes are cached
-    (the plan's multi-level prefill tokens)."""
-
-    decode_tokens: int
-    prefill_tokens: int
-
-    def weights(self) -> dict[str, float]:
-        """Steps of each kind the job's tokens make (``WEIGHTS`` for a job of no tokens)."""
-        tokens = {"decode": self.decode_tokens, "prefill": self.prefill_tokens}
-        if sum(tokens.values()) <= 0:
-            return dict(WEIGHTS)
-        return {kind: max(n, 0) / step_tokens(kind) for kind, n in tokens.items()}
 
 
 @dataclass(frozen=True)
@@ -126,8 +106,8 @@ def call_pair(
     """Two callables running one layer's attention of ``step`` (``step_batch``'s, blocks of
     ``bs`` tokens): vLLM's ``cpu_attention_with_kv_cache`` on its cache layout, and
     batchjob's kernel on the same cache tensor in the native layout (the backend's forward
-    without the module around it), each call on the next of ``layers`` caches; and the
-    step's prefix groups."""
+    without the module around it), each call on the next of ``layers`` caches (fewer where
+    they would take more than ``CACHE_BYTES``); and the step's prefix groups."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -137,6 +117,8 @@ def call_pair(
     nblocks, table, seq, qsl = step
     r, t = len(seq), int(qsl[-1])
     bf16 = dtype == torch.bfloat16
+    one = nblocks * hkv * bs * 2 * d * dtype.itemsize
+    layers = max(1, min(layers, CACHE_BYTES // one))
     kvs = [torch.randn(nblocks, hkv, bs, 2 * d).to(dtype) for _ in range(layers)]
     halves = itertools.cycle([kv.view(nblocks, hkv, 2 * bs, d).chunk(2, dim=2) for kv in kvs])
     natives = itertools.cycle([pa.native_cache(kv) for kv in kvs])
@@ -215,9 +197,10 @@ def choose(
     import vllm
 
     cal = calib.calibration_for(kn.path)
+    w = mix.weights() if mix is not None else dict(WEIGHTS)
     ms = {}
     try:
-        for kind in STEPS:
+        for kind in (k for k in STEPS if w[k] > 0):
             cls = AttentionClass(
                 vllm.__version__, kn.isa, heads, kv_heads, head_dim, block_size, dtype, kind
             )
@@ -225,7 +208,6 @@ def choose(
     except Exception as e:  # a vLLM whose CPU attention ops differ: the kernel, as before
         log.warning("vllm backend attention: not measured (%s); batchjob's kernel", e)
         return Choice(True, f"not measured: {e}")
-    w = mix.weights() if mix is not None else dict(WEIGHTS)
     k = sum(w[kind] * d.kernel_ms for kind, d in ms.items())
     v = sum(w[kind] * d.torch_ms for kind, d in ms.items())
     detail = ", ".join(

@@ -51,7 +51,8 @@ def test_both_kernels_are_timed_and_the_class_cached(ac, dtype, monkeypatch):
     assert choice.kernel == (choice.kernel_ms <= ac.MARGIN * choice.vllm_ms)
     cached = json.loads(calib.calibration_for(ac.pa.kernel().path).path.read_text())
     keys = [k for k in cached["classes"] if k.startswith("vllm-attention/")]
-    assert {k.rsplit("/", 1)[1] for k in keys} == set(ac.STEPS)
+    # no job: the shared steps alone are weighed, so measured
+    assert {k.rsplit("/", 1)[1] for k in keys} == {k for k, w in ac.WEIGHTS.items() if w > 0}
     assert all(f"/{dtype}/" in k for k in keys)
 
     def measured_again(cls):
@@ -81,8 +82,8 @@ def test_the_choice_weighs_decode_and_prefill_steps(ac, kernel_ms, vllm_ms, kern
     choice = ac.choose(8, 2, 64, 32, "float32")
     assert choice.kernel is kernel
     w = ac.WEIGHTS
-    assert choice.kernel_ms == pytest.approx(sum(w[k] * kernel_ms[k] for k in w))
-    assert choice.vllm_ms == pytest.approx(sum(w[k] * vllm_ms[k] for k in w))
+    assert choice.kernel_ms == pytest.approx(sum(w[k] * kernel_ms[k] for k in kernel_ms))
+    assert choice.vllm_ms == pytest.approx(sum(w[k] * vllm_ms[k] for k in vllm_ms))
 
 
 @pytest.mark.parametrize(
@@ -106,11 +107,35 @@ def test_the_jobs_own_mix_weighs_the_steps(ac, decode_tokens, prefill_tokens, ke
     w = mix.weights()
     assert choice.weights == w
     if decode_tokens:  # steps of the timed sizes: 128 query tokens a decode, 2,048 a prefill
-        assert w == {"decode": decode_tokens / 128, "prefill": prefill_tokens / 2048}
+        assert w == {
+            "decode": decode_tokens / 128, "decode_alone": 0.0,
+            "prefill": prefill_tokens / 2048, "prefill_alone": 0.0,
+        }  # fmt: skip
     else:
         assert w == ac.WEIGHTS
-    assert choice.kernel_ms == pytest.approx(sum(w[k] * kernel_ms[k] for k in w))
-    assert choice.vllm_ms == pytest.approx(sum(w[k] * vllm_ms[k] for k in w))
+    assert choice.kernel_ms == pytest.approx(sum(w[k] * kernel_ms[k] for k in kernel_ms))
+    assert choice.vllm_ms == pytest.approx(sum(w[k] * vllm_ms[k] for k in vllm_ms))
+
+
+@pytest.mark.parametrize(("shared", "kernel"), [(1.0, True), (0.0, False), (0.5, True)])
+def test_a_job_that_shares_little_follows_the_unshared_steps(ac, shared, kernel, monkeypatch):
+    """The kernel ahead where a document is shared, behind where nothing is: the job's
+    sharing decides, and only the kinds it weighs are measured."""
+    kernel_ms = {"decode": 1.0, "decode_alone": 0.75, "prefill": 10.0, "prefill_alone": 14.0}
+    vllm_ms = {"decode": 2.0, "decode_alone": 0.5, "prefill": 12.0, "prefill_alone": 12.0}
+    measured_kinds = []
+
+    def measured(cls):
+        measured_kinds.append(cls.kind)
+        return calib.Decision(False, kernel_ms[cls.kind], vllm_ms[cls.kind])
+
+    monkeypatch.setattr(ac, "measure", measured)
+    mix = ac.JobMix(12_800, 20_480, decode_shared=shared, prefill_shared=shared)
+    choice = ac.choose(8, 2, 64, 32, "float32", mix)
+    assert choice.kernel is kernel
+    w = mix.weights()
+    assert set(measured_kinds) == {k for k in ac.STEPS if w[k] > 0}
+    assert choice.kernel_ms == pytest.approx(sum(w[k] * kernel_ms[k] for k in measured_kinds))
 
 
 def test_switches_decide_without_measuring(ac, monkeypatch):

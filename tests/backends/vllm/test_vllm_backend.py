@@ -140,11 +140,10 @@ def test_layers_keep_vllms_attention_where_it_measures_faster(
     try:
         done, _, records = opened.run()
         plan = opened.plan
-        assert mixes == [
-            attention_choice.JobMix(
-                int(plan.decode_estimate.sum()), plan.stats.multi_level_prefill_tokens
-            )
-        ]
+        mix = attention_choice.JobMix.of(plan, opened.prompts.lengths)
+        assert mixes == [mix] and mix.decode_tokens == int(plan.decode_estimate.sum())
+        assert mix.prefill_tokens == plan.stats.multi_level_prefill_tokens
+        assert 0 < mix.decode_shared <= 1  # the test's rows share documents
         assert opened.backend.attention is not None and not opened.backend.attention.kernel
         assert_equal_to_native(done, native, opened.prompts)
         stats = opened.backend.attention_stats()
