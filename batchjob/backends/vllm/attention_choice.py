@@ -18,9 +18,10 @@ decode steps', and a job that shares little the unshared steps'; without a plan,
 shared decode steps per shared prefill step (``WEIGHTS``). Only the kinds a job weighs are
 measured. batchjob's kernel keeps the layers unless the job's estimate takes more than
 ``MARGIN`` times vLLM's. The measurements are cached with the native engine's calibrations
-(``calibrate.Calibration``), so a class is measured once per machine (1-3.5 s at 0.1-1B
-shapes on a Zen 4); ``$BATCHJOB_CPU_CALIBRATE`` applies as there (``0``: no measurement, the
-kernel everywhere it fits; ``fresh``: measure again).
+(``calibrate.Calibration``), so a class is measured once per machine (all four steps 3-4 s
+at 0.1-0.5B shapes, 9-15 s at 1-8B, in float32 on an AVX2 Zen 3); ``$BATCHJOB_CPU_CALIBRATE``
+applies as there (``0``: no measurement, the kernel everywhere it fits; ``fresh``: measure
+again).
 
 ``BATCHJOB_VLLM_PREFIX_ATTENTION``: unset, the measured choice; ``1`` batchjob's kernel
 without measuring; ``0`` vLLM's attention in every layer.
