@@ -32,6 +32,7 @@ STEPS = {
 # steps of each kind where no job is known: three shared decode steps per shared prefill step
 WEIGHTS = {"decode": 3.0, "decode_alone": 0.0, "prefill": 1.0, "prefill_alone": 0.0}
 _SHARED = {"decode": "decode_alone", "prefill": "prefill_alone"}
+CHUNK = 1 << 20  # plan members ``JobMix.of`` counts at a time
 
 
 def step_tokens(kind: str) -> int:
@@ -63,25 +64,20 @@ class JobMix:
     @classmethod
     def of(cls, plan: Plan, lengths: np.ndarray) -> JobMix:
         """The mix of ``plan`` over prompts of ``lengths`` tokens (indexed by the plan's
-        prompt positions, ``TokenizedPrompts.lengths``)."""
-        decode = plan.decode_estimate.astype(np.float64)
-        prefill = plan.stats.multi_level_prefill_tokens
-        if not len(decode):
-            return cls(0, int(prefill))
-        sizes = np.diff(plan.group_offsets)
-        group = np.repeat(np.arange(plan.num_groups), sizes)
-        p = plan.group_prefix_len[group].astype(np.float64)
-        shared = p * (1 - 1 / sizes[group])  # KV rows of a query a group's sharing saves
-        own = np.maximum(lengths[plan.members] - p, 0)
-        d_saved = shared / np.maximum(p + own + decode / 2, 1)
-        p_saved = shared / np.maximum(p + own / 2, 1)
+        prompt positions, ``TokenizedPrompts.lengths``), counted ``CHUNK`` members at a
+        time (a plan of 100M rows: no array of that length is made)."""
+        n = len(plan.members)
+        sums = np.zeros(4)  # decode tokens, their saved share, own prompt tokens, theirs
+        for a in range(0, n, CHUNK):
+            sums += _member_sums(plan, lengths, a, min(a + CHUNK, n))
+        decode, d_saved, own, p_saved = (float(x) for x in sums)
         # a group's prefix tokens are computed once (saving nothing); its members' own after
-        prompt = float(own.sum() + plan.group_prefix_len.sum())
+        prompt = own + float(plan.group_prefix_len.sum())
         return cls(
-            int(decode.sum()),
-            int(prefill),
-            _on_shared_step(float((decode * d_saved).sum()), float(decode.sum()), "decode"),
-            _on_shared_step(float((own * p_saved).sum()), prompt, "prefill"),
+            int(decode),
+            int(plan.stats.multi_level_prefill_tokens),
+            _on_shared_step(d_saved, decode, "decode"),
+            _on_shared_step(p_saved, prompt, "prefill"),
         )
 
     def weights(self) -> dict[str, float]:
@@ -97,6 +93,21 @@ class JobMix:
             w[kind] = n * on_shared[kind] / step_tokens(kind)
             w[alone] = n * (1 - on_shared[kind]) / step_tokens(alone)
         return w
+
+
+def _member_sums(plan: Plan, lengths: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Over the plan's members ``a:b``: their decode tokens and the reads those save (in
+    tokens: each token times its saved share), their own prompt tokens and the reads those
+    save."""
+    group = np.searchsorted(plan.group_offsets, np.arange(a, b), side="right") - 1
+    size = (plan.group_offsets[group + 1] - plan.group_offsets[group]).astype(np.float64)
+    p = plan.group_prefix_len[group].astype(np.float64)
+    shared = p * (1 - 1 / size)  # KV rows of a query its group's sharing saves
+    decode = plan.decode_estimate[a:b].astype(np.float64)
+    own = np.maximum(lengths[plan.members[a:b]] - p, 0)
+    d_saved = shared / np.maximum(p + own + decode / 2, 1)
+    p_saved = shared / np.maximum(p + own / 2, 1)
+    return np.array([decode.sum(), (decode * d_saved).sum(), own.sum(), (own * p_saved).sum()])
 
 
 def _on_shared_step(saved_tokens: float, tokens: float, kind: str) -> float:

@@ -83,3 +83,15 @@ def test_no_tokens_weighs_three_shared_decode_steps_a_prefill_step():
     assert JobMix(0, 0).weights() == WEIGHTS
     assert WEIGHTS["decode"] == 3 * WEIGHTS["prefill"]
     assert WEIGHTS["decode_alone"] == WEIGHTS["prefill_alone"] == 0
+
+
+def test_counting_in_chunks_gives_the_whole_plans_mix(monkeypatch):
+    from batchjob.backends.vllm import job_mix
+
+    p = prompts_of(groups=7, members=5, prefix=96, own=40, max_tokens=8)
+    plan = build_plan(p)
+    whole = JobMix.of(plan, p.lengths)
+    monkeypatch.setattr(job_mix, "CHUNK", 3)  # chunks that cut through groups
+    chunked = JobMix.of(plan, p.lengths)
+    assert chunked.__dict__ == pytest.approx(whole.__dict__)
+    assert 0 < whole.decode_shared < 1 and 0 < whole.prefill_shared < 1
