@@ -121,31 +121,41 @@ class VllmBackend(Backend):
         self.bad_words = bad_words_of(cfg.model.tokenizer or cfg.model.path, words)
 
     # --- start-up ---------------------------------------------------------------------
-    def _start(self, s: EngineSettings, longest: int, longest_row: int, mix: JobMix) -> None:
+    def _start(
+        self,
+        s: EngineSettings,
+        longest: int,
+        longest_row: int,
+        prompts: TokenizedPrompts,
+        plan: Plan,
+    ) -> None:
         log_config = s.env.get("VLLM_LOGGING_CONFIG_PATH")
         if log_config is not None:
             route_vllm_log(Path(log_config))
         if self.pooling is not None:
             s = with_kwargs(s, self.pooling)
-        s = self._choose_attention(s, mix)
+        s = self._choose_attention(s, prompts, plan)
         with environment(s.env):
             self._start_engine(s, longest, longest_row)
         self.starts += 1
         self.device = "cpu" if s.on_cpu else "cuda:0"
         self.window = max(2 * self.engine.vllm_config.scheduler_config.max_num_seqs, 256)
 
-    def _choose_attention(self, s: EngineSettings, mix: JobMix) -> EngineSettings:
+    def _choose_attention(
+        self, s: EngineSettings, prompts: TokenizedPrompts, plan: Plan
+    ) -> EngineSettings:
         """On the CPU with batchjob's worker extension: batchjob's prefix-shared kernel or
         vLLM's attention in the decoder layers, measured per class and weighed by the job's
-        ``mix`` of shared and unshared decode and prefill work (``attention_choice``; a warm
-        ``Generator`` keeps its first job's choice); vLLM's passes to the worker as
-        ``BATCHJOB_VLLM_PREFIX_ATTENTION=0``."""
+        mix of shared and unshared decode and prefill work (``JobMix.of`` its ``plan``;
+        ``attention_choice``; a warm ``Generator`` keeps its first job's choice); vLLM's
+        passes to the worker as ``BATCHJOB_VLLM_PREFIX_ATTENTION=0``."""
         if not s.on_cpu or s.kwargs.get("worker_extension_cls") != PREFIX_ATTENTION_WORKER:
             return s
         from batchjob.backends.vllm import attention_choice
 
         m = self.model
         block = int(s.kwargs.get("block_size") or 16)
+        mix = JobMix.of(plan, prompts.lengths)  # only here: O(rows), on the CPU path alone
         self.attention = attention_choice.choose(
             m.num_heads, m.num_kv_heads, m.head_dim, block, m.dtype, mix
         )
@@ -233,12 +243,12 @@ class VllmBackend(Backend):
         held = (int(budget) // (bs * self.model.kv_bytes_per_token) - 1) * bs  # a block spare
         return max(longest, min(self.model.max_model_len, held))
 
-    def _start_for(self, longest: int, row_id: int, mix: JobMix) -> None:
-        """Start vLLM for requests of at least ``longest`` tokens (``_engine_len``) and a
-        job of ``mix``."""
+    def _start_for(self, longest: int, row_id: int, prompts: TokenizedPrompts, plan: Plan) -> None:
+        """Start vLLM for requests of at least ``longest`` tokens (``_engine_len``) and the
+        job of ``prompts`` and ``plan``."""
         s = engine_settings(self.cfg, self.model.dtype, self._engine_len(longest))
         self._check_budget(s, longest, row_id)
-        self._start(s, longest, row_id, mix)
+        self._start(s, longest, row_id, prompts, plan)
 
     def _over_before_start(self, need: np.ndarray) -> np.ndarray:
         """bool [N]: requests of ``need`` tokens over the KV blocks vLLM will have, as
@@ -268,7 +278,7 @@ class VllmBackend(Backend):
             if over.all():
                 return over  # nothing can run: check_fits raises, naming the row
             i = int(np.argmax(np.where(over, -1, need)))
-            self._start_for(int(need[i]), int(prompts.row_ids[i]), JobMix.of(plan, prompts.lengths))
+            self._start_for(int(need[i]), int(prompts.row_ids[i]), prompts, plan)
         return over | np.asarray(cdiv(need, self.block_size) > self.num_blocks, dtype=bool)
 
     def check_fits(self, prompts: TokenizedPrompts, plan: Plan) -> None:
@@ -277,7 +287,7 @@ class VllmBackend(Backend):
         need = prompts.lengths + prompts.max_tokens
         i = int(need.argmax())
         if self.engine is None:
-            self._start_for(int(need[i]), int(prompts.row_ids[i]), JobMix.of(plan, prompts.lengths))
+            self._start_for(int(need[i]), int(prompts.row_ids[i]), prompts, plan)
         max_len = self.engine.vllm_config.model_config.max_model_len
         blocks = -(-int(need[i]) // self.block_size)
         problem = None
